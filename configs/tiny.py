@@ -1,0 +1,32 @@
+r"""A test-sized model: trains in seconds on a laptop CPU, for tests and quick checks.
+
+  python train.py --config=configs/tiny.py --workdir=/tmp/tiny
+
+Same data defaults as the base config unless overridden (e.g. --config.dataset=bible_en_es).
+"""
+
+import ml_collections
+
+from transformer_jax.config import base_config
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = base_config()
+  config.d_model = 32
+  config.num_heads = 4
+  config.d_ff = 64
+  config.num_encoder_layers = 2
+  config.num_decoder_layers = 2
+  config.max_len = 64
+  config.max_source_length = 64
+  config.max_target_length = 64
+  config.bucket_boundaries = (8, 16, 32, 64)
+  config.vocab_size_target = 256
+  config.tokens_per_batch = 512
+  config.num_train_steps = 20
+  config.warmup_steps = 10
+  config.log_every_steps = 5
+  config.eval_every_steps = 10
+  config.checkpoint_every_steps = 10
+  config.beam_size = 2
+  return config

@@ -1,0 +1,247 @@
+"""Behaviour of the model: causality, padding and packing invariance, cached decoding."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from transformer_jax import losses
+from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
+from transformer_jax.models import Transformer
+
+VOCAB = 40
+TINY = TransformerConfig(vocab_size=VOCAB, d_model=32, num_heads=4, d_ff=64,
+                         num_encoder_layers=2, num_decoder_layers=2, max_len=32,
+                         deterministic=True)
+VARIANTS = {
+    'post_sinusoidal': TINY,
+    'pre_norm': dataclasses.replace(TINY, norm_position='pre'),
+    'learned': dataclasses.replace(TINY, positional_encoding='learned'),
+    'rope': dataclasses.replace(TINY, positional_encoding='rope'),
+    'alibi': dataclasses.replace(TINY, positional_encoding='alibi'),
+    'separate_embeddings': dataclasses.replace(TINY, share_embeddings=False,
+                                               tie_output_embedding=False),
+}
+
+
+def _tokens(rng, batch, length):
+  return jnp.asarray(rng.integers(4, VOCAB, (batch, length)), jnp.int32)
+
+
+def _init(cfg, inputs, targets):
+  return Transformer(cfg).init(jax.random.PRNGKey(0), inputs, targets)['params']
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def variant(request):
+  return VARIANTS[request.param]
+
+
+def test_changing_a_target_token_changes_no_earlier_logit(variant):
+  rng = np.random.default_rng(0)
+  inputs, targets = _tokens(rng, 2, 7), _tokens(rng, 2, 9)
+  params = _init(variant, inputs, targets)
+  model = Transformer(variant)
+  logits = model.apply({'params': params}, inputs, targets)
+  t = 4
+  changed = targets.at[:, t].set((targets[:, t] + 1 - 4) % (VOCAB - 4) + 4)
+  new_logits = model.apply({'params': params}, inputs, changed)
+  # Target t is the decoder input at t+1: logits up to t depend only on targets < t.
+  np.testing.assert_allclose(new_logits[:, :t + 1], logits[:, :t + 1], atol=1e-6)
+  assert not np.allclose(new_logits[:, t + 1:], logits[:, t + 1:], atol=1e-4)
+
+
+def test_extra_padding_changes_no_real_logit(variant):
+  rng = np.random.default_rng(1)
+  inputs, targets = _tokens(rng, 2, 6), _tokens(rng, 2, 5)
+  params = _init(variant, inputs, targets)
+  model = Transformer(variant)
+  logits = model.apply({'params': params}, inputs, targets)
+  padded_inputs = jnp.pad(inputs, ((0, 0), (0, 5)), constant_values=PAD_ID)
+  padded_targets = jnp.pad(targets, ((0, 0), (0, 3)), constant_values=PAD_ID)
+  padded_logits = model.apply({'params': params}, padded_inputs, padded_targets)
+  np.testing.assert_allclose(padded_logits[:, :5], logits, atol=2e-5, rtol=2e-5)
+
+
+def _pack(rows):
+  """Packs a list of 1-D token arrays into one row with positions and segment ids."""
+  tokens = np.concatenate(rows)
+  positions = np.concatenate([np.arange(len(r)) for r in rows])
+  segments = np.concatenate([np.full(len(r), i + 1) for i, r in enumerate(rows)])
+  return [jnp.asarray(a[None], jnp.int32) for a in (tokens, positions, segments)]
+
+
+def test_packed_rows_equal_one_example_per_row(variant):
+  rng = np.random.default_rng(2)
+  sources = [rng.integers(4, VOCAB, n) for n in (5, 3, 6)]
+  targets = [rng.integers(4, VOCAB, n) for n in (4, 6, 2)]
+  packed_inputs, inputs_pos, inputs_seg = _pack(sources)
+  packed_targets, targets_pos, targets_seg = _pack(targets)
+  params = _init(variant, packed_inputs, packed_targets)
+  model = Transformer(variant)
+  packed_logits = model.apply(
+      {'params': params}, packed_inputs, packed_targets, inputs_positions=inputs_pos,
+      targets_positions=targets_pos, inputs_segmentation=inputs_seg,
+      targets_segmentation=targets_seg)[0]
+  offset = 0
+  for source, target in zip(sources, targets):
+    single = model.apply({'params': params}, jnp.asarray(source[None], jnp.int32),
+                         jnp.asarray(target[None], jnp.int32))[0]
+    np.testing.assert_allclose(packed_logits[offset:offset + len(target)], single,
+                               atol=2e-5, rtol=2e-5)
+    offset += len(target)
+
+
+def _decode_step_by_step(cfg, params, inputs, targets):
+  """Teacher-forced decoding through the key/value cache, one token a call."""
+  model = Transformer(dataclasses.replace(cfg, decode=True))
+  encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
+  _, variables = model.apply({'params': params}, encoded, inputs, targets.shape[1],
+                             method=Transformer.init_cache, mutable=['cache'])
+  cache = variables['cache']
+  decoder_inputs = jnp.concatenate(
+      [jnp.full((targets.shape[0], 1), BOS_ID, jnp.int32), targets[:, :-1]], axis=1)
+  step = jax.jit(lambda cache, token: model.apply(
+      {'params': params, 'cache': cache}, None, None, token, method=Transformer.decode,
+      mutable=['cache']))
+  logits = []
+  for t in range(targets.shape[1]):
+    out, variables = step(cache, decoder_inputs[:, t:t + 1])
+    cache = variables['cache']
+    logits.append(out[:, 0])
+  return jnp.stack(logits, axis=1)
+
+
+def test_cached_decoding_equals_full_forward_pass(variant):
+  rng = np.random.default_rng(3)
+  inputs, targets = _tokens(rng, 3, 6), _tokens(rng, 3, 8)
+  inputs = inputs.at[1, 4:].set(PAD_ID)  # A padded source must be masked in the cache too.
+  params = _init(variant, inputs, targets)
+  full = Transformer(variant).apply({'params': params}, inputs, targets)
+  cached = _decode_step_by_step(variant, params, inputs, targets)
+  np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
+
+
+def test_encoder_decoder_keys_and_values_are_projected_once():
+  rng = np.random.default_rng(4)
+  inputs, targets = _tokens(rng, 2, 6), _tokens(rng, 2, 4)
+  params = _init(TINY, inputs, targets)
+  model = Transformer(dataclasses.replace(TINY, decode=True))
+  encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
+  _, variables = model.apply({'params': params}, encoded, inputs, 4,
+                             method=Transformer.init_cache, mutable=['cache'])
+  cross = variables['cache']['decoder']['layer_0']['encoder_decoder_attention']
+  assert cross['cached_key'].shape == (2, 6, 4, 8)
+  # A step gets no encoder output at all, so it can only be using the cached projection;
+  # changing the cached keys must change its logits.
+  step = lambda cache: model.apply({'params': params, 'cache': cache}, None, None,
+                                   jnp.full((2, 1), BOS_ID), method=Transformer.decode,
+                                   mutable=['cache'])[0]
+  cache = variables['cache']
+  changed = jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 1.0 if 'cached_key' in jax.tree_util.keystr(path) and
+      'encoder_decoder' in jax.tree_util.keystr(path) else x, cache)
+  assert not np.allclose(step(cache), step(changed))
+
+
+def test_attention_weights_are_returned_on_request_and_sum_to_one():
+  rng = np.random.default_rng(5)
+  inputs, targets = _tokens(rng, 2, 6), _tokens(rng, 2, 4)
+  inputs = inputs.at[0, 4:].set(PAD_ID)
+  params = _init(TINY, inputs, targets)
+  model = Transformer(TINY)
+  plain = model.apply({'params': params}, inputs, targets)
+  logits, state = model.apply({'params': params}, inputs, targets, mutable=['intermediates'])
+  np.testing.assert_allclose(logits, plain, atol=1e-5)
+  weights = state['intermediates']['decoder']['layer_1']['encoder_decoder_attention'][
+      'attention_weights'][0]
+  assert weights.shape == (2, 4, 4, 6)  # [batch, heads, target, source]
+  np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
+  np.testing.assert_allclose(weights[0, :, :, 4:], 0.0, atol=1e-7)  # Padding gets nothing.
+  # The normal path neither computes nor stores them.
+  assert 'intermediates' not in model.apply({'params': params}, inputs, targets,
+                                            mutable=['cache'])[1]
+
+
+def test_dropout_is_active_in_training_including_attention_dropout():
+  cfg = dataclasses.replace(TINY, deterministic=False, attention_dropout_rate=0.2)
+  rng = np.random.default_rng(6)
+  inputs, targets = _tokens(rng, 2, 6), _tokens(rng, 2, 5)
+  params = _init(TINY, inputs, targets)
+  model = Transformer(cfg)
+  run = lambda seed: model.apply({'params': params}, inputs, targets,
+                                 rngs={'dropout': jax.random.PRNGKey(seed)})
+  assert not np.allclose(run(0), run(1))
+  np.testing.assert_array_equal(run(2), run(2))
+  # Attention dropout alone (no other dropout) also changes the output.
+  only_attention = dataclasses.replace(cfg, dropout_rate=0.0)
+  run_attention = lambda seed: Transformer(only_attention).apply(
+      {'params': params}, inputs, targets, rngs={'dropout': jax.random.PRNGKey(seed)})
+  assert not np.allclose(run_attention(0), run_attention(1))
+
+
+def test_bfloat16_computation_keeps_float32_params_and_loss():
+  cfg = dataclasses.replace(TINY, dtype=jnp.bfloat16)
+  rng = np.random.default_rng(7)
+  inputs, targets = _tokens(rng, 2, 6), _tokens(rng, 2, 5)
+  params = _init(cfg, inputs, targets)
+  assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+  logits = Transformer(cfg).apply({'params': params}, inputs, targets)
+  assert logits.dtype == jnp.bfloat16
+  reference = Transformer(TINY).apply({'params': params}, inputs, targets)
+  np.testing.assert_allclose(np.asarray(logits, np.float32), reference, atol=0.15)
+  metrics = losses.compute_metrics(logits, targets, jnp.ones_like(targets), 0.1)
+  assert metrics['loss'].dtype == jnp.float32
+
+
+def test_every_parameter_has_logical_axis_names():
+  rng = np.random.default_rng(8)
+  for cfg in VARIANTS.values():
+    boxed = Transformer(cfg).init(jax.random.PRNGKey(0), _tokens(rng, 1, 4),
+                                  _tokens(rng, 1, 4))['params']
+    leaves = jax.tree_util.tree_leaves(boxed, is_leaf=lambda x: isinstance(
+        x, nn.Partitioned))
+    assert leaves and all(isinstance(x, nn.Partitioned) for x in leaves)
+    vocabulary = {'batch', 'length', 'embed', 'mlp', 'heads', 'kv', 'vocab', None}
+    for leaf in leaves:
+      assert len(leaf.names) == leaf.value.ndim and set(leaf.names) <= vocabulary
+
+
+def test_remat_policies_give_the_same_gradients():
+  rng = np.random.default_rng(9)
+  inputs, targets = _tokens(rng, 2, 6), _tokens(rng, 2, 5)
+  params = _init(TINY, inputs, targets)
+
+  def grads(cfg):
+    def loss(p):
+      logits = Transformer(cfg).apply({'params': p}, inputs, targets)
+      return losses.compute_metrics(logits, targets, targets > 0)['loss']
+    return jax.grad(loss)(params)
+
+  reference = grads(TINY)
+  for policy in ('full', 'dots'):
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
+                           grads(dataclasses.replace(TINY, remat_policy=policy)),
+                           reference)
+
+
+def test_loss_sums_aggregate_and_label_smoothing_matches_definition():
+  rng = np.random.default_rng(10)
+  logits = jnp.asarray(rng.normal(size=(2, 3, 7)), jnp.float32)
+  targets = jnp.asarray([[1, 2, 0], [3, 0, 0]])
+  weights = (targets > 0).astype(jnp.float32)
+  m = losses.compute_metrics(logits, targets, weights, label_smoothing=0.1)
+  log_probs = jax.nn.log_softmax(logits)
+  q = 0.9 * jax.nn.one_hot(targets, 7) + 0.1 / 7
+  expected = -(q * log_probs).sum(-1)
+  np.testing.assert_allclose(m['loss'], (expected * weights).sum(), rtol=1e-6)
+  nll = -jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
+  np.testing.assert_allclose(m['nll'], (nll * weights).sum(), rtol=1e-6)
+  assert m['tokens'] == 3
+  # Sums over two halves add up to the sum over the whole.
+  halves = [losses.compute_metrics(logits[i:i + 1], targets[i:i + 1], weights[i:i + 1])
+            for i in range(2)]
+  np.testing.assert_allclose(halves[0]['loss'] + halves[1]['loss'], m['loss'], rtol=1e-6)

@@ -1,0 +1,248 @@
+"""Scaled dot-product and multi-head attention, with the positional variants that live there.
+
+Rotary embeddings (RoPE) rotate queries and keys; ALiBi adds a distance penalty to the
+attention logits. Sinusoidal and learned positions are added to the embeddings instead and
+live in `models.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.config import TransformerConfig
+
+Array = jax.Array
+
+# Xavier/Glorot uniform over the flattened fan-in/fan-out, as fairseq and PyTorch initialise
+# attention projections.
+_QKV_INIT = nn.initializers.xavier_uniform(in_axis=0, out_axis=(1, 2))
+_OUT_INIT = nn.initializers.xavier_uniform(in_axis=(0, 1), out_axis=2)
+
+
+def rope(x: Array, positions: Array, base: float = 10000.0) -> Array:
+  """Rotary position embedding (Su et al. 2021), half-split layout as in GPT-NeoX.
+
+  Args:
+    x: [batch, length, heads, head_dim] queries or keys.
+    positions: [batch, length] integer positions (restarting per packed segment).
+    base: the frequency base.
+
+  Returns:
+    x rotated by its positions, same shape and dtype.
+  """
+  half = x.shape[-1] // 2
+  inv_freq = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, length, half]
+  sin = jnp.sin(angles)[:, :, None, :]
+  cos = jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+  """Per-head ALiBi slopes (Press et al. 2021), including their rule for non-powers of 2."""
+
+  def power_of_2_slopes(n: int) -> list[float]:
+    start = 2.0 ** (-8.0 / n)
+    return [start ** (i + 1) for i in range(n)]
+
+  if math.log2(num_heads).is_integer():
+    slopes = power_of_2_slopes(num_heads)
+  else:
+    closest = 2 ** math.floor(math.log2(num_heads))
+    slopes = (power_of_2_slopes(closest)
+              + power_of_2_slopes(2 * closest)[0::2][:num_heads - closest])
+  return np.asarray(slopes, np.float32)
+
+
+def alibi_bias(num_heads: int, q_positions: Array, kv_positions: Array) -> Array:
+  """ALiBi's linear distance penalty, symmetric so that it also serves the encoder.
+
+  Args:
+    num_heads: number of heads.
+    q_positions: [batch, q_length] positions of the queries.
+    kv_positions: [batch, kv_length] positions of the keys.
+
+  Returns:
+    [batch, heads, q_length, kv_length] float32 bias to add to the attention logits.
+  """
+  distance = jnp.abs(q_positions[:, :, None] - kv_positions[:, None, :]).astype(jnp.float32)
+  slopes = jnp.asarray(alibi_slopes(num_heads))
+  return -slopes[None, :, None, None] * distance[:, None, :, :]
+
+
+def scaled_dot_product_attention(
+    query: Array,
+    key: Array,
+    value: Array,
+    mask: Array | None,
+    bias: Array | None = None,
+    *,
+    dropout_rate: float = 0.0,
+    dropout_rng: Array | None = None,
+    implementation: str | None = None,
+    return_weights: bool = False,
+) -> tuple[Array, Array | None]:
+  """softmax(Q K^T / sqrt(d_k) + bias) V, masked positions excluded.
+
+  Without attention dropout or a request for the weights this goes through
+  `jax.nn.dot_product_attention`, so that a GPU can pick its fused kernel. Otherwise the
+  weights are formed explicitly (softmax in float32 either way).
+
+  Args:
+    query: [batch, q_length, heads, head_dim].
+    key: [batch, kv_length, heads, head_dim].
+    value: [batch, kv_length, heads, head_dim].
+    mask: boolean, broadcastable to [batch, heads, q_length, kv_length]; True attends.
+    bias: float, broadcastable to [batch, heads, q_length, kv_length], or None.
+    dropout_rate: dropout on the attention weights (needs `dropout_rng`).
+    dropout_rng: PRNG key for that dropout; None means no dropout.
+    implementation: passed to `jax.nn.dot_product_attention` ('xla', 'cudnn' or None).
+    return_weights: also return the [batch, heads, q_length, kv_length] weights.
+
+  Returns:
+    ([batch, q_length, heads, head_dim] output in the query's dtype, weights or None).
+  """
+  use_dropout = dropout_rng is not None and dropout_rate > 0.0
+  if not use_dropout and not return_weights:
+    if bias is not None:
+      bias = bias.astype(query.dtype)
+    out = jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
+                                       implementation=implementation)
+    return out, None
+  depth = query.shape[-1]
+  logits = jnp.einsum('bqhd,bkhd->bhqk', query, key,
+                      preferred_element_type=jnp.float32) / np.sqrt(depth).astype(np.float32)
+  if bias is not None:
+    logits = logits + bias.astype(jnp.float32)
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(logits, axis=-1)  # [batch, heads, q_length, kv_length]
+  probs = weights
+  if use_dropout:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
+    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
+  out = jnp.einsum('bhqk,bkhd->bqhd', probs.astype(value.dtype), value)
+  return out, (weights if return_weights else None)
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention (the paper's section 3.2.2), for self and encoder-decoder use.
+
+  In decode mode (`config.decode`), self-attention keeps a key/value cache of the whole
+  output length and writes one position a call; encoder-decoder attention projects the
+  encoder output to keys and values once, when the cache is created, and reuses them.
+
+  Attributes:
+    config: the model config.
+    is_self_attention: True for self-attention, False for encoder-decoder attention.
+    in_decoder: True in the decoder; only there does decode mode use a cache.
+  """
+
+  config: TransformerConfig
+  is_self_attention: bool
+  in_decoder: bool = False
+
+  def _projection(self, name: str, x: Array) -> Array:
+    cfg = self.config
+    kernel = self.param(name + '_kernel', nn.with_logical_partitioning(
+        _QKV_INIT, ('embed', 'heads', 'kv')), (cfg.d_model, cfg.num_heads, cfg.head_dim),
+                        cfg.param_dtype)
+    bias = self.param(name + '_bias', nn.with_logical_partitioning(
+        nn.initializers.zeros_init(), ('heads', 'kv')), (cfg.num_heads, cfg.head_dim),
+                      cfg.param_dtype)
+    y = jnp.einsum('bld,dhk->blhk', x, jnp.asarray(kernel, cfg.dtype)) + jnp.asarray(
+        bias, cfg.dtype)
+    return nn.with_logical_constraint(y, ('batch', 'length', 'heads', 'kv'))
+
+  @nn.compact
+  def __call__(
+      self,
+      inputs_q: Array,
+      inputs_kv: Array | None,
+      mask: Array | None,
+      q_positions: Array | None = None,
+      kv_positions: Array | None = None,
+      decode_index: Array | None = None,
+  ) -> Array:
+    """Attends from `inputs_q` to `inputs_kv`.
+
+    Args:
+      inputs_q: [batch, q_length, d_model].
+      inputs_kv: [batch, kv_length, d_model]; for self-attention pass `inputs_q`. In decode
+        mode, encoder-decoder attention may get None once its cache exists.
+      mask: boolean, broadcastable to [batch, heads, q_length, kv_length]. Ignored by
+        self-attention in a decode step (the cache index decides).
+      q_positions: [batch, q_length] positions (for RoPE and ALiBi).
+      kv_positions: [batch, kv_length] positions (for RoPE and ALiBi).
+      decode_index: scalar position of the current token in a decode step, else None.
+
+    Returns:
+      [batch, q_length, d_model] in the computation dtype.
+    """
+    cfg = self.config
+    uses_rope = cfg.positional_encoding == 'rope' and self.is_self_attention
+    uses_alibi = cfg.positional_encoding == 'alibi' and self.is_self_attention
+    query = self._projection('query', inputs_q)  # [batch, q_length, heads, head_dim]
+    if uses_rope:
+      query = rope(query, q_positions)
+    bias = None
+
+    cached = cfg.decode and self.in_decoder
+    if cached and not self.is_self_attention:
+      # Keys and values of the source: projected once, when the cache is created.
+      key = self.variable('cache', 'cached_key', self._projection, 'key', inputs_kv).value
+      value = self.variable('cache', 'cached_value', self._projection, 'value',
+                            inputs_kv).value
+      mask = self.variable('cache', 'cached_mask', lambda: mask).value
+    else:
+      key = self._projection('key', inputs_kv)
+      value = self._projection('value', inputs_kv)
+      if uses_rope:
+        key = rope(key, kv_positions)
+      if uses_alibi:
+        bias = alibi_bias(cfg.num_heads, q_positions, kv_positions)
+
+    if cached and self.is_self_attention:
+      is_initialized = self.has_variable('cache', 'cached_key')
+      cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape, key.dtype)
+      cached_value = self.variable('cache', 'cached_value', jnp.zeros, value.shape,
+                                   value.dtype)
+      if is_initialized:
+        # One new token: write its key/value at decode_index, attend to positions <= it.
+        batch, max_length = cached_key.value.shape[:2]
+        start = (0, decode_index, 0, 0)
+        key = jax.lax.dynamic_update_slice(cached_key.value, key, start)
+        value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
+        cached_key.value, cached_value.value = key, value
+        key_positions = jnp.arange(max_length)
+        mask = (key_positions <= decode_index)[None, None, None, :]
+        if uses_alibi:
+          bias = alibi_bias(cfg.num_heads, q_positions,
+                            jnp.broadcast_to(key_positions, (batch, max_length)))
+
+    dropout_rng = None
+    if not cfg.deterministic and cfg.attention_dropout_rate > 0.0:
+      dropout_rng = self.make_rng('dropout')
+    return_weights = self.is_mutable_collection('intermediates')
+    out, weights = scaled_dot_product_attention(
+        query, key, value, mask, bias,
+        dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+        implementation=cfg.attention_implementation, return_weights=return_weights)
+    if return_weights:
+      self.sow('intermediates', 'attention_weights', weights)
+
+    kernel = self.param('out_kernel', nn.with_logical_partitioning(
+        _OUT_INIT, ('heads', 'kv', 'embed')), (cfg.num_heads, cfg.head_dim, cfg.d_model),
+                        cfg.param_dtype)
+    bias_out = self.param('out_bias', nn.with_logical_partitioning(
+        nn.initializers.zeros_init(), ('embed',)), (cfg.d_model,), cfg.param_dtype)
+    y = jnp.einsum('blhk,hkd->bld', out, jnp.asarray(kernel, cfg.dtype)) + jnp.asarray(
+        bias_out, cfg.dtype)
+    return nn.with_logical_constraint(y, ('batch', 'length', 'embed'))

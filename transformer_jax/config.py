@@ -1,0 +1,235 @@
+"""Configuration: the shared `ml_collections` defaults and the frozen model config.
+
+Every config file in `configs/` starts from `base_config()` and overrides fields. The
+`ConfigDict` is turned into a `TransformerConfig` once, at the boundary
+(`TransformerConfig.from_config`); modules only ever see the frozen dataclass. Other modes
+(decoding, a different dtype) derive with `dataclasses.replace`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import ml_collections
+
+# Fixed special ids, shared by the tokenizer, the input pipeline, the model and the decoder.
+# Padding has its own id and never doubles as <unk> (the Flax WMT example's mistake).
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+UNK_ID = 3
+
+POSITIONAL_ENCODINGS = ('sinusoidal', 'learned', 'rope', 'alibi')
+NORM_POSITIONS = ('post', 'pre')
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+REMAT_POLICIES = ('none', 'full', 'dots', 'dots_with_no_batch_dims')
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the field and the fix."""
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Defaults for every field: the paper's base model on WMT14 En-De.
+
+  Returns:
+    An unlocked `ConfigDict`; config files override fields and return it.
+  """
+  c = ml_collections.ConfigDict()
+
+  # --- Model (the paper's base model, Table 3). ---
+  c.vocab_size = 0  # 0: take the size of the SentencePiece model (data.vocab_size).
+  c.d_model = 512
+  c.num_heads = 8
+  c.d_ff = 2048
+  c.num_encoder_layers = 6
+  c.num_decoder_layers = 6
+  c.dropout_rate = 0.1  # On every sub-layer output and on embeddings + positions.
+  c.attention_dropout_rate = 0.0  # On attention weights; the paper has none.
+  c.label_smoothing = 0.1
+  c.norm_position = 'post'  # 'post' (paper) | 'pre' (adds a final norm to each stack).
+  c.layer_norm_epsilon = 1e-6
+  c.share_embeddings = True  # One matrix for source and target embeddings.
+  c.tie_output_embedding = True  # Pre-softmax projection = the target embedding.
+  c.positional_encoding = 'sinusoidal'  # 'sinusoidal' | 'learned' | 'rope' | 'alibi'.
+  c.max_len = 256  # Longest sequence (in tokens) the position tables cover.
+  c.dtype = 'float32'  # Computation dtype; parameters, softmax and loss stay float32.
+  c.attention_implementation = ''  # '' (let JAX choose) | 'xla' | 'cudnn'.
+  c.remat_policy = 'none'  # 'none' | 'full' | 'dots' | 'dots_with_no_batch_dims'.
+
+  # --- Data. ---
+  c.dataset = 'wmt14_translate/de-en'  # A TFDS name, 'bible_en_es', or 'text'.
+  c.source_lang = 'en'
+  c.target_lang = 'de'
+  c.tfds_data_dir = ''  # '' uses TFDS's default (~/tensorflow_datasets or $TFDS_DATA_DIR).
+  c.train_split = 'train'
+  c.eval_split = 'validation'  # newstest2013 for wmt14_translate.
+  c.test_split = 'test'  # newstest2014 for wmt14_translate.
+  c.text_files = ml_collections.ConfigDict()  # For dataset='text': {split: 'src_path,tgt_path'}.
+  c.vocab_size_target = 37000  # SentencePiece vocabulary size (shared source/target).
+  c.vocab_model_type = 'bpe'  # SentencePiece model type: 'bpe' | 'unigram'.
+  c.vocab_path = ''  # '' trains (once) and caches the model in the work directory.
+  c.vocab_train_sentences = 2_000_000  # Sentences sampled to train the vocabulary.
+  c.max_source_length = 256  # Training drops longer examples (and says how many).
+  c.max_target_length = 256
+  c.tokens_per_batch = 25000  # Source and target token budget of one step, all devices.
+  c.bucket_boundaries = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+  c.packing = False  # Pack several examples per row instead of length buckets.
+  c.data_seed = 0
+  c.shuffle_buffer = 0  # Unused with grain's global shuffle; kept for tf.data users.
+  c.data_threads = 2  # grain threads that read and tokenize training batches.
+
+  # --- Training. ---
+  c.seed = 0
+  c.num_train_steps = 100_000
+  c.warmup_steps = 4000
+  c.learning_rate_scale = 1.0  # Multiplies d_model^-0.5 * min(step^-0.5, step*warmup^-1.5).
+  c.adam_b1 = 0.9
+  c.adam_b2 = 0.98
+  c.adam_eps = 1e-9
+  c.weight_decay = 0.0
+  c.grad_clip_norm = 0.0  # 0: no clipping.
+  c.grad_accum_steps = 1  # Microbatches a step; the token budget is split among them.
+  c.nonfinite = 'skip'  # What a non-finite loss/gradient does: 'skip' the update | 'stop'.
+  c.log_every_steps = 100
+  c.eval_every_steps = 1000
+  c.eval_batches = 0  # 0: the whole validation split.
+  c.checkpoint_every_steps = 1000
+  c.keep_checkpoints = 5
+  c.keep_checkpoint_period = 0  # Also keep every M-th step forever (0: none).
+  c.mesh = ml_collections.ConfigDict({'data': -1, 'fsdp': 1, 'tensor': 1})
+  c.logical_axis_rules = (
+      ('batch', ('data', 'fsdp')),
+      ('length', None),
+      ('embed', 'fsdp'),
+      ('mlp', 'tensor'),
+      ('heads', 'tensor'),
+      ('kv', None),
+      ('vocab', 'tensor'),
+  )
+
+  # --- Decoding and evaluation. ---
+  c.beam_size = 4
+  c.length_penalty = 0.6  # alpha.
+  c.length_penalty_form = 'gnmt'  # 'gnmt': ((5+|Y|)/6)^alpha | 'power': |Y|^alpha.
+  c.max_decode_extra_length = 50  # Output length limit = source length + this.
+  c.decode_batch_size = 32
+  c.checkpoints_to_average = 5  # The paper averages 5 (base) or 20 (big).
+  return c
+
+
+def _require(condition: bool, message: str) -> None:
+  if not condition:
+    raise ConfigError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """Everything the model modules read. Built once from the `ConfigDict`."""
+
+  vocab_size: int
+  d_model: int = 512
+  num_heads: int = 8
+  d_ff: int = 2048
+  num_encoder_layers: int = 6
+  num_decoder_layers: int = 6
+  dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.0
+  norm_position: str = 'post'
+  layer_norm_epsilon: float = 1e-6
+  share_embeddings: bool = True
+  tie_output_embedding: bool = True
+  positional_encoding: str = 'sinusoidal'
+  max_len: int = 256
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  attention_implementation: str | None = None
+  remat_policy: str = 'none'
+  deterministic: bool = False  # True: no dropout (evaluation, decoding).
+  decode: bool = False  # True: one token a call, reading and writing the key/value cache.
+
+  def __post_init__(self):
+    _require(isinstance(self.vocab_size, int) and self.vocab_size > 3,
+             f'vocab_size={self.vocab_size!r} must be an int > 3 (ids 0-3 are '
+             'pad, bos, eos, unk); set --config.vocab_size or train a vocabulary.')
+    for name in ('d_model', 'num_heads', 'd_ff', 'max_len'):
+      value = getattr(self, name)
+      _require(isinstance(value, int) and value > 0,
+               f'{name}={value!r} must be a positive int; set --config.{name}.')
+    for name in ('num_encoder_layers', 'num_decoder_layers'):
+      value = getattr(self, name)
+      _require(isinstance(value, int) and value >= 1,
+               f'{name}={value!r} must be an int >= 1; set --config.{name}.')
+    _require(self.d_model % self.num_heads == 0,
+             f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; '
+             'choose num_heads that divides d_model (the paper: 512/8, 1024/16).')
+    _require(self.positional_encoding != 'rope' or self.head_dim % 2 == 0,
+             f'rope needs an even head dimension, got d_model/num_heads={self.head_dim}.')
+    _require(self.d_model % 2 == 0, f'd_model={self.d_model} must be even.')
+    for name in ('dropout_rate', 'attention_dropout_rate'):
+      value = getattr(self, name)
+      _require(isinstance(value, (int, float)) and 0.0 <= value < 1.0,
+               f'{name}={value!r} must be in [0, 1); set --config.{name}=0.1 for example.')
+    _require(self.norm_position in NORM_POSITIONS,
+             f'norm_position={self.norm_position!r} is not one of {NORM_POSITIONS}.')
+    _require(self.positional_encoding in POSITIONAL_ENCODINGS,
+             f'positional_encoding={self.positional_encoding!r} is not one of '
+             f'{POSITIONAL_ENCODINGS}; set --config.positional_encoding to one of them.')
+    _require(self.layer_norm_epsilon > 0,
+             f'layer_norm_epsilon={self.layer_norm_epsilon!r} must be > 0.')
+    _require(self.attention_implementation in (None, 'xla', 'cudnn'),
+             f'attention_implementation={self.attention_implementation!r} must be '
+             "'' (automatic), 'xla' or 'cudnn'.")
+    _require(self.remat_policy in REMAT_POLICIES,
+             f'remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}.')
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict,
+                  vocab_size: int | None = None, **overrides: Any) -> 'TransformerConfig':
+    """Validates and freezes the model fields of `config`.
+
+    Args:
+      config: the run's `ConfigDict` (see `base_config`).
+      vocab_size: the tokenizer's size; used when `config.vocab_size` is 0.
+      **overrides: fields to replace (e.g. `deterministic=True`).
+
+    Returns:
+      The frozen model config.
+
+    Raises:
+      ConfigError: a field cannot work; the message says which and how to fix it.
+    """
+    dtype_name = config.get('dtype', 'float32')
+    _require(dtype_name in DTYPES,
+             f"dtype={dtype_name!r} is not one of {tuple(DTYPES)}; use 'bfloat16' on "
+             "GPU/TPU, 'float32' on CPU.")
+    size = config.get('vocab_size', 0) or vocab_size
+    _require(size is not None and size > 0,
+             'vocab_size is 0 and no tokenizer size was given; set --config.vocab_size.')
+    fields = dict(
+        vocab_size=int(size),
+        d_model=config.d_model,
+        num_heads=config.num_heads,
+        d_ff=config.d_ff,
+        num_encoder_layers=config.num_encoder_layers,
+        num_decoder_layers=config.num_decoder_layers,
+        dropout_rate=config.dropout_rate,
+        attention_dropout_rate=config.attention_dropout_rate,
+        norm_position=config.norm_position,
+        layer_norm_epsilon=config.layer_norm_epsilon,
+        share_embeddings=config.share_embeddings,
+        tie_output_embedding=config.tie_output_embedding,
+        positional_encoding=config.positional_encoding,
+        max_len=config.max_len,
+        dtype=DTYPES[dtype_name],
+        attention_implementation=config.get('attention_implementation') or None,
+        remat_policy=config.get('remat_policy', 'none'),
+    )
+    fields.update(overrides)
+    return cls(**fields)

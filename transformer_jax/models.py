@@ -1,0 +1,343 @@
+"""The encoder-decoder Transformer of "Attention Is All You Need", as Flax linen modules.
+
+Read top to bottom: embeddings and positions, the feed-forward block, the encoder and decoder
+layers, the two stacks, and `Transformer` with `encode`, `decode` and the training call.
+Every parameter and the main activations carry logical axis names (`batch, length, embed,
+mlp, heads, kv, vocab`); how they map onto a device mesh is decided elsewhere, by rules.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from transformer_jax.attention import MultiHeadAttention
+from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
+
+Array = jax.Array
+
+_REMAT_POLICIES = {
+    'full': None,  # Save nothing: recompute the whole layer in the backward pass.
+    'dots': jax.checkpoint_policies.checkpoint_dots,
+    'dots_with_no_batch_dims': jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def sinusoidal_positions(positions: Array, d_model: int) -> Array:
+  """The paper's PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same).
+
+  Interleaved as in the paper (tensor2tensor and Marian concatenate [sines | cosines]
+  instead). Computed from the positions, so any length and packed rows work.
+
+  Args:
+    positions: [batch, length] integer positions.
+    d_model: model width (even).
+
+  Returns:
+    [batch, length, d_model] float32.
+  """
+  inv_freq = 1.0 / (10000.0 ** (np.arange(0, d_model, 2, dtype=np.float32) / d_model))
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, length, d/2]
+  pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [batch, length, d/2, 2]
+  return pe.reshape(positions.shape + (d_model,))
+
+
+class Embed(nn.Module):
+  """A token embedding whose matrix can also serve as the pre-softmax projection."""
+
+  config: TransformerConfig
+
+  def setup(self):
+    cfg = self.config
+    # N(0, d^-1/2) so that the sqrt(d)-scaled embeddings have unit variance.
+    self.embedding = self.param(
+        'embedding', nn.with_logical_partitioning(
+            nn.initializers.normal(stddev=cfg.d_model ** -0.5), ('vocab', 'embed')),
+        (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+
+  def __call__(self, tokens: Array) -> Array:
+    """[batch, length] ids -> [batch, length, d_model] embeddings times sqrt(d_model)."""
+    cfg = self.config
+    x = jnp.take(jnp.asarray(self.embedding, cfg.dtype), tokens, axis=0)
+    return x * jnp.asarray(np.sqrt(cfg.d_model), cfg.dtype)
+
+  def attend(self, x: Array) -> Array:
+    """[batch, length, d_model] -> [batch, length, vocab] logits against the embedding."""
+    return jnp.einsum('bld,vd->blv', x, jnp.asarray(self.embedding, self.config.dtype))
+
+
+class AddPositions(nn.Module):
+  """Adds sinusoidal or learned positions to the embeddings (nothing for RoPE and ALiBi)."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, positions: Array) -> Array:
+    cfg = self.config
+    if cfg.positional_encoding == 'sinusoidal':
+      return x + sinusoidal_positions(positions, cfg.d_model).astype(cfg.dtype)
+    if cfg.positional_encoding == 'learned':
+      table = self.param('position_embedding', nn.with_logical_partitioning(
+          nn.initializers.normal(stddev=cfg.d_model ** -0.5), (None, 'embed')),
+                         (cfg.max_len, cfg.d_model), cfg.param_dtype)
+      return x + jnp.take(jnp.asarray(table, cfg.dtype), positions, axis=0)
+    return x  # RoPE and ALiBi act inside attention.
+
+
+def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:
+  """Layer normalisation with statistics in float32 and logically named parameters."""
+  return nn.LayerNorm(
+      epsilon=config.layer_norm_epsilon, dtype=config.dtype,
+      param_dtype=config.param_dtype, use_fast_variance=False,
+      scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ('embed',)),
+      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ('embed',)),
+      name=name)
+
+
+class FeedForward(nn.Module):
+  """The position-wise feed-forward block, max(0, x W1 + b1) W2 + b2."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    cfg = self.config
+    dense = lambda features, axes, name: nn.Dense(
+        features, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name,
+        kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
+    h = nn.relu(dense(cfg.d_ff, ('embed', 'mlp'), 'wi')(x))  # [batch, length, d_ff]
+    h = nn.with_logical_constraint(h, ('batch', 'length', 'mlp'))
+    y = dense(cfg.d_model, ('mlp', 'embed'), 'wo')(h)  # [batch, length, d_model]
+    return nn.with_logical_constraint(y, ('batch', 'length', 'embed'))
+
+
+class SubLayer(nn.Module):
+  """Residual wrapper: LayerNorm(x + Dropout(f(x))) (post-norm, the paper) or
+  x + Dropout(f(LayerNorm(x))) (pre-norm)."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, sublayer, *args, **kwargs) -> Array:
+    cfg = self.config
+    norm = layer_norm(cfg, 'norm')
+    y = sublayer(norm(x) if cfg.norm_position == 'pre' else x, *args, **kwargs)
+    y = nn.Dropout(cfg.dropout_rate)(y, deterministic=cfg.deterministic)
+    return x + y if cfg.norm_position == 'pre' else norm(x + y)
+
+
+class EncoderLayer(nn.Module):
+  """Self-attention, then feed-forward, each a residual sub-layer."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, mask: Array, positions: Array) -> Array:
+    cfg = self.config
+    attention = MultiHeadAttention(cfg, is_self_attention=True, name='self_attention')
+    x = SubLayer(cfg, name='self_attention_block')(
+        x, lambda h: attention(h, h, mask, positions, positions))
+    x = SubLayer(cfg, name='feed_forward_block')(x, FeedForward(cfg, name='feed_forward'))
+    return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+
+
+class DecoderLayer(nn.Module):
+  """Masked self-attention, encoder-decoder attention, then feed-forward."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
+               cross_mask: Array | None, positions: Array,
+               decode_index: Array | None = None) -> Array:
+    cfg = self.config
+    self_attention = MultiHeadAttention(cfg, is_self_attention=True, in_decoder=True,
+                                        name='self_attention')
+    cross_attention = MultiHeadAttention(cfg, is_self_attention=False, in_decoder=True,
+                                         name='encoder_decoder_attention')
+    y = SubLayer(cfg, name='self_attention_block')(
+        y, lambda h: self_attention(h, h, self_mask, positions, positions, decode_index))
+    y = SubLayer(cfg, name='encoder_decoder_attention_block')(
+        y, lambda h: cross_attention(h, encoded, cross_mask))
+    y = SubLayer(cfg, name='feed_forward_block')(y, FeedForward(cfg, name='feed_forward'))
+    return nn.with_logical_constraint(y, ('batch', 'length', 'embed'))
+
+
+def _layer_class(cls, config: TransformerConfig):
+  """The layer class, wrapped in `nn.remat` with the configured policy."""
+  if config.remat_policy == 'none':
+    return cls
+  return nn.remat(cls, policy=_REMAT_POLICIES[config.remat_policy], prevent_cse=True)
+
+
+class Encoder(nn.Module):
+  """The encoder stack: embeddings + positions, dropout, N encoder layers."""
+
+  config: TransformerConfig
+  embed: Embed
+
+  @nn.compact
+  def __call__(self, inputs: Array, positions: Array, mask: Array) -> Array:
+    """[batch, length] ids -> [batch, length, d_model] encoder output."""
+    cfg = self.config
+    x = AddPositions(cfg, name='positions')(self.embed(inputs), positions)
+    x = nn.Dropout(cfg.dropout_rate)(x, deterministic=cfg.deterministic)
+    x = nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
+    layer = _layer_class(EncoderLayer, cfg)
+    for i in range(cfg.num_encoder_layers):
+      x = layer(cfg, name=f'layer_{i}')(x, mask, positions)
+    if cfg.norm_position == 'pre':
+      x = layer_norm(cfg, 'final_norm')(x)
+    return x
+
+
+class Decoder(nn.Module):
+  """The decoder stack: embeddings + positions, dropout, N decoder layers, logits."""
+
+  config: TransformerConfig
+  embed: Embed
+
+  @nn.compact
+  def __call__(self, decoder_inputs: Array, encoded: Array | None, positions: Array | None,
+               self_mask: Array | None, cross_mask: Array | None) -> Array:
+    """Decoder inputs [batch, length] -> logits [batch, length, vocab].
+
+    In a decode step (`config.decode` and a cache exists) `decoder_inputs` is [batch, 1],
+    the position comes from the cache index and the masks are not needed.
+    """
+    cfg = self.config
+    decode_index = None
+    if cfg.decode:
+      is_initialized = self.has_variable('cache', 'cache_index')
+      index = self.variable('cache', 'cache_index', lambda: jnp.array(0, jnp.int32))
+      if is_initialized:
+        decode_index = index.value
+        positions = jnp.full(decoder_inputs.shape, decode_index, jnp.int32)
+        index.value = decode_index + 1
+    y = AddPositions(cfg, name='positions')(self.embed(decoder_inputs), positions)
+    y = nn.Dropout(cfg.dropout_rate)(y, deterministic=cfg.deterministic)
+    y = nn.with_logical_constraint(y, ('batch', 'length', 'embed'))
+    layer = _layer_class(DecoderLayer, cfg)
+    for i in range(cfg.num_decoder_layers):
+      y = layer(cfg, name=f'layer_{i}')(y, encoded, self_mask, cross_mask, positions,
+                                        decode_index)
+    if cfg.norm_position == 'pre':
+      y = layer_norm(cfg, 'final_norm')(y)
+    if cfg.tie_output_embedding:
+      logits = self.embed.attend(y)
+    else:
+      logits = nn.Dense(
+          cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+          kernel_init=nn.with_logical_partitioning(
+              nn.initializers.xavier_uniform(), ('embed', 'vocab')),
+          name='output_projection')(y)
+    return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
+
+
+def _default_positions_and_segments(tokens: Array, positions: Array | None,
+                                    segmentation: Array | None) -> tuple[Array, Array]:
+  """Unpacked rows: positions 0..length-1, segment 1 on real tokens and 0 on padding."""
+  if positions is None:
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  if segmentation is None:
+    segmentation = (tokens != PAD_ID).astype(jnp.int32)
+  return positions, segmentation
+
+
+def _attention_mask(q_segments: Array, kv_segments: Array) -> Array:
+  """[batch, 1, q, kv]: both real (segment > 0) and in the same packed segment."""
+  same = q_segments[:, :, None] == kv_segments[:, None, :]
+  real = (q_segments[:, :, None] > 0) & (kv_segments[:, None, :] > 0)
+  return (same & real)[:, None, :, :]
+
+
+def shift_right(targets: Array, segmentation: Array) -> Array:
+  """Decoder inputs: targets shifted right, with BOS at the start of every segment."""
+  shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=BOS_ID)[:, :-1]
+  previous_segment = jnp.pad(segmentation, ((0, 0), (1, 0)))[:, :-1]
+  return jnp.where(segmentation != previous_segment, BOS_ID, shifted)
+
+
+class Transformer(nn.Module):
+  """The encoder-decoder Transformer.
+
+  Batches follow one convention: `inputs` and `targets` are [batch, length] ids ending with
+  EOS and padded with PAD; `*_positions` restart at 0 for every packed segment; and
+  `*_segmentation` numbers the packed examples 1, 2, ... with 0 on padding. Positions and
+  segmentation may be omitted for unpacked rows.
+  """
+
+  config: TransformerConfig
+
+  def setup(self):
+    cfg = self.config
+    if cfg.share_embeddings:
+      source_embed = target_embed = Embed(cfg, name='shared_embedding')
+    else:
+      source_embed = Embed(cfg, name='source_embedding')
+      target_embed = Embed(cfg, name='target_embedding')
+    self.encoder = Encoder(cfg, source_embed)
+    self.decoder = Decoder(cfg, target_embed)
+
+  def encode(self, inputs: Array, inputs_positions: Array | None = None,
+             inputs_segmentation: Array | None = None) -> Array:
+    """[batch, source_length] ids -> [batch, source_length, d_model]."""
+    positions, segments = _default_positions_and_segments(
+        inputs, inputs_positions, inputs_segmentation)
+    return self.encoder(inputs, positions, _attention_mask(segments, segments))
+
+  def decode(self, encoded: Array | None, inputs: Array | None, targets: Array,
+             targets_positions: Array | None = None,
+             inputs_segmentation: Array | None = None,
+             targets_segmentation: Array | None = None) -> Array:
+    """Logits for `targets` given the encoder output.
+
+    Training and scoring: `targets` [batch, target_length] are the unshifted targets; this
+    shifts them right itself. Decode mode (`config.decode`): the first call, with
+    `mutable=['cache']`, creates the cache for `targets.shape` (see `init_cache`); each
+    later call takes the previous output token [batch, 1] as `targets` and may pass None
+    for `encoded` and `inputs`.
+
+    Returns:
+      [batch, target_length, vocab] logits in the computation dtype.
+    """
+    cfg = self.config
+    if cfg.decode:
+      if encoded is None:  # A step over an existing cache.
+        return self.decoder(targets, None, None, None, None)
+      # Cache creation: a key-only source mask, stored by encoder-decoder attention.
+      source_mask = (inputs != PAD_ID)[:, None, None, :]
+      positions = jnp.broadcast_to(jnp.arange(targets.shape[1]), targets.shape)
+      causal = nn.make_causal_mask(targets, dtype=jnp.bool_)
+      return self.decoder(targets, encoded, positions, causal, source_mask)
+    positions, target_segments = _default_positions_and_segments(
+        targets, targets_positions, targets_segmentation)
+    _, source_segments = _default_positions_and_segments(inputs, None, inputs_segmentation)
+    decoder_inputs = shift_right(targets, target_segments)
+    causal = nn.make_causal_mask(targets, dtype=jnp.bool_)
+    self_mask = _attention_mask(target_segments, target_segments) & causal
+    cross_mask = _attention_mask(target_segments, source_segments)
+    return self.decoder(decoder_inputs, encoded, positions, self_mask, cross_mask)
+
+  def init_cache(self, encoded: Array, inputs: Array, max_decode_length: int) -> Array:
+    """Creates the decode cache (call with `mutable=['cache']` on a decode-mode model).
+
+    Self-attention caches get room for `max_decode_length` tokens; encoder-decoder
+    attention projects `encoded` to keys and values here, once. Under `jax.jit` the
+    returned logits are unused and the pass that produces them is compiled away.
+    """
+    dummy = jnp.zeros((inputs.shape[0], max_decode_length), jnp.int32)
+    return self.decode(encoded, inputs, dummy)
+
+  def __call__(self, inputs: Array, targets: Array,
+               inputs_positions: Array | None = None,
+               targets_positions: Array | None = None,
+               inputs_segmentation: Array | None = None,
+               targets_segmentation: Array | None = None) -> Array:
+    """Training-time forward pass: [batch, target_length, vocab] logits."""
+    encoded = self.encode(inputs, inputs_positions, inputs_segmentation)
+    return self.decode(encoded, inputs, targets, targets_positions, inputs_segmentation,
+                       targets_segmentation)
