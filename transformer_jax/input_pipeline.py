@@ -1,0 +1,558 @@
+"""Input pipeline: parallel text in, token-budget batches out.
+
+Sources (`config.dataset`):
+  * a TFDS name such as 'wmt14_translate/de-en', 'wmt14_translate/fr-en' or
+    'wmt17_translate/de-en', prepared beforehand in array_record format (this code never
+    downloads; see `DatasetNotFoundError`);
+  * 'bible_en_es', the offline KJV / Reina-Valera corpus, built on first use
+    (`transformer_jax.bible_en_es`);
+  * 'text', plain files: `config.text_files[split] = 'train.src,train.tgt'`, one sentence a
+    line, line i of one file translating line i of the other.
+`config.source_lang` and `config.target_lang` pick the direction. TensorFlow is never imported:
+TFDS data is read through its array_record data sources.
+
+Batches are dicts of int32 arrays, all [rows, length]: `inputs` and `targets` (ids ending with
+EOS, no BOS, PAD after), `inputs_position`/`targets_position` (0-based, restarting at each
+packed segment, 0 on padding) and `inputs_segmentation`/`targets_segmentation` (1, 2, ... per
+example in a row, 0 on padding). Rows are a multiple of `row_multiple` (this host's data-parallel
+shards); `tokens_per_batch` counts source (and, separately, target) token slots over all hosts.
+
+Training, bucketed (default): examples longer than `max_source_length`/`max_target_length` are
+dropped (and counted); each remaining example goes to the shortest length bucket that holds both
+sides, so the step compiles one shape per bucket. An epoch is a fixed list of global batches:
+each bucket's examples in a seeded order, cut into batches of `tokens_per_batch // length` rows,
+the batch list shuffled. Every host computes the same list and reads only its own rows of each
+batch, so all hosts see the same shape at each step. Batch i of the run is a pure function of
+(seed, i): the iterator's state is one integer, and a restored run sees exactly the batches an
+unstopped one would.
+
+Training, packed (`config.packing`): each host takes every process_count-th example, shuffles
+them per epoch and packs them first-fit into rows of max(max_source_length, max_target_length)
+tokens (grain's `FirstFitPackIterDataset`, whose state is checkpointable as well).
+
+Evaluation never drops or truncates: longer sentences get longer buckets, and a partial last
+batch is filled with all-padding rows (segmentation 0, so they weigh nothing).
+
+Empty or whitespace-only pairs are skipped and counted everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from absl import logging
+import grain
+import jax
+import ml_collections
+import numpy as np
+import tensorflow_datasets as tfds
+
+from transformer_jax import bible_en_es
+from transformer_jax.config import PAD_ID
+from transformer_jax.tokenizer import Tokenizer, load_or_train_tokenizer
+
+Batch = dict[str, np.ndarray]
+BATCH_KEYS = ('inputs', 'targets', 'inputs_position', 'targets_position',
+              'inputs_segmentation', 'targets_segmentation')
+
+# TFDS registers the WMT builders only when their modules are imported (tfds does not import
+# them without TensorFlow); registering lets `tfds.data_source` and `mock_data` find them.
+_TFDS_BUILDER_MODULES = {
+    'wmt14_translate': 'tensorflow_datasets.translate.wmt14',
+    'wmt17_translate': 'tensorflow_datasets.translate.wmt17',
+}
+
+
+class DatasetNotFoundError(FileNotFoundError):
+  """A dataset is not prepared; the message names it, where it looked and how to prepare it."""
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+class ParallelText(Sequence):
+  """Random-access (source, target) string pairs of one split."""
+
+  def __init__(self, records: Sequence[Any], source_key: Any, target_key: Any, name: str):
+    self._records = records
+    self._source_key = source_key
+    self._target_key = target_key
+    self.name = name
+
+  def __len__(self) -> int:
+    return len(self._records)
+
+  def __getitem__(self, index: int) -> tuple[str, str]:
+    record = self._records[index]
+    return _text(record[self._source_key]), _text(record[self._target_key])
+
+
+def _text(value: Any) -> str:
+  return value.decode('utf-8') if isinstance(value, bytes) else str(value)
+
+
+def _default_data_dir(config: ml_collections.ConfigDict) -> str:
+  return (config.tfds_data_dir or os.environ.get('TFDS_DATA_DIR')
+          or os.path.expanduser('~/tensorflow_datasets'))
+
+
+def _tfds_records(config: ml_collections.ConfigDict, split: str) -> Sequence[Any]:
+  name = config.dataset
+  family = name.split('/')[0].split(':')[0]
+  if family in _TFDS_BUILDER_MODULES:
+    importlib.import_module(_TFDS_BUILDER_MODULES[family])
+  try:
+    return tfds.data_source(name, split=split, data_dir=config.tfds_data_dir or None,
+                            download=False)
+  except Exception as e:  # TFDS raises several types for "not there"; all mean the same here.
+    data_dir = _default_data_dir(config)
+    raise DatasetNotFoundError(
+        f'TFDS dataset {name!r} (split {split!r}) is not prepared in array_record format '
+        f'under {data_dir}, and this code does not download. On a machine with internet: '
+        f'`pip install tensorflow tensorflow-datasets && tfds build {name} '
+        f'--file_format=array_record --data_dir=DIR`, copy DIR here and pass '
+        f'--config.tfds_data_dir=DIR (or set $TFDS_DATA_DIR). A copy prepared as tfrecord '
+        f'converts with `tfds convert_format --dataset_dir=DIR/{name}/VERSION '
+        f'--out_file_format=array_record`. Or train offline on '
+        f'--config=configs/bible_en_es.py. ({type(e).__name__}: {e})'.replace('\n', ' ')[:4000]
+    ) from e
+
+
+def _text_file_records(config: ml_collections.ConfigDict, split: str) -> list[dict[str, str]]:
+  spec = config.text_files.get(split) if config.text_files else None
+  if not spec or spec.count(',') != 1:
+    raise DatasetNotFoundError(
+        f"dataset='text' needs --config.text_files.{split}='SOURCE_FILE,TARGET_FILE' "
+        f'(got {spec!r}).')
+  paths = [p.strip() for p in spec.split(',')]
+  sides = []
+  for path in paths:
+    if not os.path.exists(path):
+      raise DatasetNotFoundError(f'Text file {path} (split {split!r}) does not exist; fix '
+                                 f'--config.text_files.{split}.')
+    with open(path, encoding='utf-8') as f:
+      sides.append(f.read().split('\n'))
+  for side in sides:  # A final newline leaves one empty string behind.
+    if side and side[-1] == '':
+      side.pop()
+  if len(sides[0]) != len(sides[1]):
+    raise ValueError(f'{paths[0]} has {len(sides[0])} lines but {paths[1]} has '
+                     f'{len(sides[1])}; parallel files need one sentence per line each.')
+  return [{'source': s, 'target': t} for s, t in zip(*sides)]
+
+
+def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
+  """The (source, target) pairs of `split` of `config.dataset`, in `config`'s direction.
+
+  Raises:
+    DatasetNotFoundError: the dataset is not prepared (the message says how to prepare it).
+    ValueError: the dataset has no `source_lang`/`target_lang` field.
+  """
+  name = f'{config.dataset}[{split}] {config.source_lang}->{config.target_lang}'
+  if config.dataset == 'text':
+    return ParallelText(_text_file_records(config, split), 'source', 'target', name)
+  if config.dataset == 'bible_en_es':
+    builder = bible_en_es.prepare(config.tfds_data_dir or None)
+    records = builder.as_data_source(split)
+  else:
+    records = _tfds_records(config, split)
+  if len(records):
+    fields = set(records[0])
+    for lang in (config.source_lang, config.target_lang):
+      if lang not in fields:
+        raise ValueError(f'{config.dataset} has no language {lang!r} (fields: '
+                         f'{sorted(fields)}); fix --config.source_lang/target_lang.')
+  return ParallelText(records, config.source_lang, config.target_lang, name)
+
+
+# ----------------------------------------------------------------------------- tokens
+
+
+def tokenizer_for(config: ml_collections.ConfigDict, workdir: str,
+                  train_pairs: Sequence[tuple[str, str]]) -> Tokenizer:
+  """Loads the shared vocabulary, training it on a sample of `train_pairs` the first time.
+
+  The model goes to `config.vocab_path`, or to `workdir/vocab/` under a name made of the
+  dataset, the language pair (in either direction), the model type and the size.
+  """
+  path = config.vocab_path
+  if not path:
+    langs = '-'.join(sorted((config.source_lang, config.target_lang)))
+    dataset = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.dataset)
+    path = os.path.join(workdir, 'vocab',
+                        f'{dataset}.{langs}.{config.vocab_model_type}'
+                        f'{config.vocab_size_target}.model')
+
+  def sentences():
+    num_pairs = min(len(train_pairs), max(1, config.vocab_train_sentences // 2))
+    rng = np.random.default_rng(config.data_seed)
+    chosen = np.sort(rng.choice(len(train_pairs), size=num_pairs, replace=False))
+    for i in chosen:
+      yield from train_pairs[int(i)]
+
+  return load_or_train_tokenizer(path, sentences, vocab_size=config.vocab_size_target,
+                                 model_type=config.vocab_model_type)
+
+
+def token_lengths(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer,
+                  cache_path: str | None = None, chunk: int = 4096) -> np.ndarray:
+  """[num_pairs, 2] int32 lengths (with EOS) of each side; 0 where a side is blank.
+
+  One tokenizing pass over the split; with `cache_path` the result is stored and reused.
+  """
+  if cache_path and os.path.exists(cache_path):
+    lengths = np.load(cache_path)
+    if len(lengths) == len(pairs):
+      return lengths
+  lengths = np.zeros((len(pairs), 2), np.int32)
+  for start in range(0, len(pairs), chunk):
+    block = [pairs[i] for i in range(start, min(start + chunk, len(pairs)))]
+    for side in (0, 1):
+      texts = [pair[side] for pair in block]
+      ids = tokenizer.encode_batch(texts)
+      lengths[start:start + len(block), side] = [
+          len(x) if text.strip() else 0 for text, x in zip(texts, ids)]
+  if cache_path:
+    os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+    tmp = f'{cache_path}.{os.getpid()}.tmp.npy'
+    np.save(tmp, lengths)
+    os.replace(tmp, cache_path)
+  return lengths
+
+
+def make_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], rows: int,
+               length: int) -> Batch:
+  """One unpacked batch: example r in row r, PAD after it; rows past the examples all PAD."""
+  batch = {key: np.zeros((rows, length), np.int32) for key in BATCH_KEYS}
+  batch['inputs'][:] = batch['targets'][:] = PAD_ID
+  for row, (source, target) in enumerate(examples):
+    for name, ids in (('inputs', source), ('targets', target)):
+      batch[name][row, :len(ids)] = ids
+      batch[f'{name}_position'][row, :len(ids)] = np.arange(len(ids))
+      batch[f'{name}_segmentation'][row, :len(ids)] = 1
+  return batch
+
+
+# ----------------------------------------------------------------------------- buckets
+
+
+def bucket_lengths(boundaries: Sequence[int], max_length: int) -> tuple[int, ...]:
+  """The row lengths of the training buckets: the boundaries below `max_length`, then it."""
+  return tuple(sorted({int(b) for b in boundaries if 0 < b < max_length} | {max_length}))
+
+
+def bucket_length(length: int, buckets: Sequence[int]) -> int:
+  """The shortest bucket that holds `length`; past the last one, a multiple of it."""
+  for bucket in buckets:
+    if length <= bucket:
+      return bucket
+  return math.ceil(length / buckets[-1]) * buckets[-1]
+
+
+def rows_for(length: int, tokens_per_batch: int, row_multiple: int) -> int:
+  """Rows of a `length`-token batch within the budget: a multiple of `row_multiple`, >= 1."""
+  return max(1, tokens_per_batch // length // row_multiple) * row_multiple
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: hashed by identity (lru_cache).
+class BucketPlan:
+  """The global batches of one epoch: which examples, in which bucket, in which order.
+
+  Attributes:
+    lengths: the row length of each bucket.
+    rows: the global rows of each bucket's batches (a multiple of all hosts' shards).
+    members: the example indices of each bucket, ascending.
+    seed: orders the examples inside buckets, per epoch.
+  """
+  lengths: tuple[int, ...]
+  rows: tuple[int, ...]
+  members: tuple[np.ndarray, ...]
+  seed: int
+
+  @property
+  def batch_table(self) -> np.ndarray:
+    """[num_batches, 2]: (bucket, chunk within the bucket) of each batch of an epoch."""
+    return np.array([(k, c) for k, (m, r) in enumerate(zip(self.members, self.rows))
+                     for c in range(math.ceil(len(m) / r))], np.int64).reshape(-1, 2)
+
+  @functools.lru_cache(maxsize=2)
+  def epoch_order(self, epoch: int) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng([self.seed, epoch])
+    return tuple(rng.permutation(m) for m in self.members)
+
+  def examples(self, epoch: int, bucket: int, chunk: int) -> np.ndarray:
+    """The example indices of one global batch (the last of a bucket may be short)."""
+    rows = self.rows[bucket]
+    return self.epoch_order(epoch)[bucket][chunk * rows:(chunk + 1) * rows]
+
+
+def plan_buckets(lengths: np.ndarray, keep: np.ndarray, buckets: Sequence[int],
+                 tokens_per_batch: int, row_multiple: int, seed: int) -> BucketPlan:
+  """Assigns each kept example to the shortest bucket that holds both its sides."""
+  longest = lengths.max(axis=1)
+  index = np.searchsorted(np.asarray(buckets), longest)
+  members = tuple(np.flatnonzero(keep & (index == k)) for k in range(len(buckets)))
+  rows = tuple(rows_for(b, tokens_per_batch, row_multiple) for b in buckets)
+  return BucketPlan(tuple(buckets), rows, members, seed)
+
+
+class _BucketedBatches:
+  """Step -> this host's rows of global batch `step` (a pure function; see module doc)."""
+
+  def __init__(self, pairs, tokenizer, plan: BucketPlan, process_index: int,
+               process_count: int):
+    self._pairs = pairs
+    self._tokenizer = tokenizer
+    self._plan = plan
+    self._table = plan.batch_table
+    self._process_index = process_index
+    self._process_count = process_count
+
+  def __call__(self, step: int, batch_id: int) -> Batch:
+    epoch = step // len(self._table)
+    bucket, chunk = self._table[batch_id]
+    host_rows = self._plan.rows[bucket] // self._process_count
+    examples = self._plan.examples(epoch, bucket, chunk)
+    mine = examples[self._process_index * host_rows:(self._process_index + 1) * host_rows]
+    return _read_batch(self._pairs, self._tokenizer, mine, host_rows,
+                       self._plan.lengths[bucket])
+
+
+def _read_batch(pairs, tokenizer, indices, rows, length) -> Batch:
+  texts = [pairs[int(i)] for i in indices]
+  sources = tokenizer.encode_batch([s for s, _ in texts])
+  targets = tokenizer.encode_batch([t for _, t in texts])
+  return make_batch(list(zip(sources, targets)), rows, length)
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def pack_examples(examples: grain.IterDataset, length: int, rows: int,
+                  seed: int = 0) -> grain.IterDataset:
+  """Packs {'inputs', 'targets'} int32 id arrays first-fit into [rows, length] batches.
+
+  Args:
+    examples: examples whose sides are each at most `length` long.
+    length: tokens per row, for inputs and for targets.
+    rows: rows per batch (also the number of bins packed at once).
+    seed: shuffles the rows of each packed batch.
+
+  Returns:
+    Batches in the project's format (see module doc).
+  """
+  packed = grain.experimental.FirstFitPackIterDataset(
+      examples, length_struct={'inputs': length, 'targets': length}, num_packing_bins=rows,
+      seed=seed, shuffle_bins=True)
+  return packed.batch(rows).map(_rename_packed)
+
+
+def _rename_packed(batch: Batch) -> Batch:
+  out = {}
+  for name in ('inputs', 'targets'):
+    out[name] = batch[name].astype(np.int32)
+    out[f'{name}_position'] = batch[f'{name}_positions'].astype(np.int32)
+    out[f'{name}_segmentation'] = batch[f'{name}_segment_ids'].astype(np.int32)
+  return out
+
+
+def _tokenized_example(pairs, tokenizer, index) -> dict[str, np.ndarray]:
+  source, target = pairs[int(index)]
+  return {'inputs': np.asarray(tokenizer.encode(source), np.int32),
+          'targets': np.asarray(tokenizer.encode(target), np.int32)}
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+@dataclasses.dataclass
+class TrainData:
+  """A training dataset and what building it found.
+
+  Attributes:
+    dataset: infinite `grain.IterDataset` of batches; `iter()` it for a fresh iterator whose
+      `get_state()`/`set_state()` resume it exactly.
+    steps_per_epoch: batches in one pass over this host's data.
+    num_examples: training examples kept.
+    dropped_too_long: examples longer than the configured maxima.
+    skipped_empty: pairs with an empty or blank side.
+  """
+  dataset: grain.IterDataset
+  steps_per_epoch: int
+  num_examples: int
+  dropped_too_long: int
+  skipped_empty: int
+
+
+def train_dataset(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer,
+                  config: ml_collections.ConfigDict, *, process_index: int = 0,
+                  process_count: int = 1, row_multiple: int = 1,
+                  cache_path: str | None = None) -> TrainData:
+  """The training batches of this host (see the module doc for bucketing and packing).
+
+  Args:
+    pairs: the training split.
+    tokenizer: the shared vocabulary.
+    config: reads max_source_length, max_target_length, tokens_per_batch, bucket_boundaries,
+      packing, data_seed and data_threads.
+    process_index: this host.
+    process_count: all hosts; each gets tokens_per_batch / process_count of the budget.
+    row_multiple: rows of every batch are a multiple of this (this host's data shards).
+    cache_path: where to keep the token lengths of `pairs` (.npy) between runs.
+  """
+  lengths = token_lengths(pairs, tokenizer, cache_path)
+  nonempty = (lengths > 0).all(axis=1)
+  fits = ((lengths[:, 0] <= config.max_source_length)
+          & (lengths[:, 1] <= config.max_target_length))
+  keep = nonempty & fits
+  skipped_empty = int((~nonempty).sum())
+  dropped = int((nonempty & ~fits).sum())
+  logging.info('%s: %d training pairs; skipped %d with an empty side; dropped %d longer '
+               'than %d source / %d target tokens.', getattr(pairs, 'name', 'train'),
+               int(keep.sum()), skipped_empty, dropped, config.max_source_length,
+               config.max_target_length)
+  if not keep.any():
+    raise ValueError('No training example is left after filtering; check the data and '
+                     '--config.max_source_length/max_target_length.')
+  max_length = max(config.max_source_length, config.max_target_length)
+  shards = row_multiple * process_count
+  options = grain.ReadOptions(num_threads=config.get('data_threads', 2),
+                              prefetch_buffer_size=8)
+  if config.packing:
+    rows = rows_for(max_length, config.tokens_per_batch, shards) // process_count
+    mine = np.flatnonzero(keep)[process_index::process_count]
+    examples = (grain.MapDataset.source(mine).shuffle(seed=config.data_seed).repeat(None)
+                .map(functools.partial(_tokenized_example, pairs, tokenizer))
+                .to_iter_dataset(options))
+    dataset = pack_examples(examples, max_length, rows, seed=config.data_seed)
+    average = lengths[keep].max(axis=1).mean()
+    steps = max(1, math.ceil(len(mine) * average / (rows * max_length)))
+  else:
+    buckets = bucket_lengths(config.bucket_boundaries, max_length)
+    plan = plan_buckets(lengths, keep, buckets, config.tokens_per_batch, shards,
+                        config.data_seed)
+    steps = len(plan.batch_table)
+    dataset = (grain.MapDataset.range(steps).shuffle(seed=config.data_seed).repeat(None)
+               .map_with_index(_BucketedBatches(pairs, tokenizer, plan, process_index,
+                                                process_count))
+               .to_iter_dataset(options))
+  return TrainData(dataset, steps, int(keep.sum()), dropped, skipped_empty)
+
+
+def eval_batches(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer,
+                 config: ml_collections.ConfigDict, *, process_index: int = 0,
+                 process_count: int = 1, row_multiple: int = 1,
+                 lengths: np.ndarray | None = None) -> Iterator[Batch]:
+  """Every non-blank pair of `pairs` exactly once, whole, in unpacked bucketed batches.
+
+  Batches are global (every host gets the same number, of the same shapes) and each host
+  gets its rows; all-padding rows fill the last batch of a bucket. `lengths` (from
+  `token_lengths`) saves a tokenizing pass when given.
+  """
+  if lengths is None:
+    lengths = token_lengths(pairs, tokenizer)
+  keep = (lengths > 0).all(axis=1)
+  if (~keep).any():
+    logging.info('%s: skipped %d pairs with an empty side.', getattr(pairs, 'name', 'eval'),
+                 int((~keep).sum()))
+  max_length = max(config.max_source_length, config.max_target_length)
+  buckets = bucket_lengths(config.bucket_boundaries, max_length)
+  bucket_of = np.array([bucket_length(int(n), buckets) for n in lengths.max(axis=1)])
+  shards = row_multiple * process_count
+  for length in sorted(set(bucket_of[keep].tolist())):
+    members = np.flatnonzero(keep & (bucket_of == length))
+    rows = rows_for(length, config.tokens_per_batch, shards)
+    host_rows = rows // process_count
+    for start in range(0, len(members), rows):
+      mine = members[start:start + rows][process_index * host_rows:
+                                         (process_index + 1) * host_rows]
+      yield _read_batch(pairs, tokenizer, mine, host_rows, length)
+
+
+def nonblank_pairs(pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+  """The pairs with text on both sides (the rest are counted in the log)."""
+  kept = [(s, t) for s, t in (pairs[i] for i in range(len(pairs))) if s.strip() and t.strip()]
+  if len(kept) < len(pairs):
+    logging.info('%s: skipped %d pairs with an empty side.', getattr(pairs, 'name', ''),
+                 len(pairs) - len(kept))
+  return kept
+
+
+@dataclasses.dataclass
+class Datasets:
+  """What `get_datasets` returns.
+
+  Attributes:
+    train: this host's infinite training iterator (a `grain.DatasetIterator`). Save it in a
+      checkpoint with `grain.checkpoint.CheckpointSave(train)` inside an orbax
+      `ocp.args.Composite` (restore: `grain.checkpoint.CheckpointRestore(train)`), or
+      store `train.get_state()` (JSON-serializable) and call `train.set_state(state)`.
+    steps_per_epoch: training steps in one pass over the data (for logging the epoch).
+    eval_batches: returns a fresh finite iterator over this host's validation batches.
+    test_pairs: all (source, reference) strings of the test split, for BLEU; the same on
+      every host.
+    tokenizer: the shared vocabulary.
+    train_info: the `TrainData` (counts of kept, dropped and skipped examples).
+  """
+  train: Any
+  steps_per_epoch: int
+  eval_batches: Callable[[], Iterator[Batch]]
+  test_pairs: list[tuple[str, str]]
+  tokenizer: Tokenizer
+  train_info: TrainData
+
+
+def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
+                 process_index: int | None = None, process_count: int | None = None,
+                 row_multiple: int = 1) -> Datasets:
+  """Everything the trainer reads: batches, the vocabulary and the test sentences.
+
+  Args:
+    config: the run's config (see `config.base_config`, Data section).
+    workdir: holds the cached vocabulary (`vocab/`) and token lengths (`data_cache/`).
+    process_index: this host; default `jax.process_index()`.
+    process_count: all hosts; default `jax.process_count()`.
+    row_multiple: every batch's rows are a multiple of this (this host's data shards).
+
+  Raises:
+    DatasetNotFoundError: the dataset is not prepared (the message says how).
+    bible_en_es.SwordModuleNotFoundError: the Bible modules are not installed.
+  """
+  process_index = jax.process_index() if process_index is None else process_index
+  process_count = jax.process_count() if process_count is None else process_count
+  if config.tokens_per_batch % process_count:
+    logging.warning('tokens_per_batch=%d is not divisible by %d hosts; each gets %d.',
+                    config.tokens_per_batch, process_count,
+                    config.tokens_per_batch // process_count)
+  train_pairs = open_split(config, config.train_split)
+  eval_pairs = open_split(config, config.eval_split)
+  test_pairs = open_split(config, config.test_split)
+  tokenizer = tokenizer_for(config, workdir, train_pairs)
+  key = hashlib.sha256(f'{train_pairs.name}|{len(train_pairs)}|{tokenizer.fingerprint}|'
+                       f'{dict(config.text_files) if config.text_files else ""}'
+                       .encode()).hexdigest()[:16]
+  cache_path = os.path.join(workdir, 'data_cache', f'train_lengths.{key}.npy')
+  info = train_dataset(train_pairs, tokenizer, config, process_index=process_index,
+                       process_count=process_count, row_multiple=row_multiple,
+                       cache_path=cache_path)
+
+  eval_lengths = []  # Tokenized once, on the first evaluation.
+
+  def make_eval_batches() -> Iterator[Batch]:
+    if not eval_lengths:
+      eval_lengths.append(token_lengths(eval_pairs, tokenizer))
+    return eval_batches(eval_pairs, tokenizer, config, process_index=process_index,
+                        process_count=process_count, row_multiple=row_multiple,
+                        lengths=eval_lengths[0])
+
+  return Datasets(train=iter(info.dataset), steps_per_epoch=info.steps_per_epoch,
+                  eval_batches=make_eval_batches, test_pairs=nonblank_pairs(test_pairs),
+                  tokenizer=tokenizer, train_info=info)
