@@ -1,0 +1,446 @@
+"""Autoregressive search over a key/value cache: greedy search, beam search, sampling.
+
+The search knows the model only through a callback that feeds one token a step:
+
+    tokens_to_logits(tokens: int32[batch, 1], cache) -> (logits: float[batch, vocab], cache)
+
+The encoder runs once, outside; the callback closes over its output and runs one decoder
+step, reading and writing the decoder's key/value cache. The first call is fed `bos_id`.
+
+The cache is a pytree (a Flax 'cache' collection). Leaves with ndim >= 1 have the batch as
+their leading dimension; leaves with ndim 0 (the per-layer `cache_index` counters) are shared
+by every row and are passed through untouched. Beam search repeats each batch row
+`beam_size` times (`tile_beams`: [batch, ...] -> [batch * beam, ...], beam index minor) and
+gathers the rows whenever beams are reordered; arrays the callback closes over (the encoder
+output, the source mask) must be tiled the same way with `tile_beams`.
+
+Every search is one `lax.while_loop` with only batch-parallel operations and no host
+callbacks, so it can be traced under `jax.jit` with the batch sharded over devices. Sizes and
+search options are Python values (static under `jit`):
+
+    @functools.partial(jax.jit, static_argnames=('max_decode_len',))
+    def translate(params, encoded, source_mask, cache, max_decode_len):
+      batch_size = encoded.shape[0]
+      # Each beam attends to its own copy of the source.
+      encoded, source_mask = decode.tile_beams((encoded, source_mask), 4)
+      def step(tokens, cache):
+        return decoder_step(params, encoded, source_mask, tokens, cache)
+      return decode.beam_search(step, cache, batch_size, 4, max_decode_len)
+
+Outputs leave out the `bos_id` fed first: a sequence is its tokens, then `eos_id` (when
+generated), then `pad_id` up to `max_decode_len`. `pad_id` is never generated (its logit is
+masked for the choice only, not in the reported log-probabilities), so the output length |Y|
+is the number of non-pad tokens, the EOS included. All log-softmax is done in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
+
+PyTree = Any
+# tokens [batch, 1] int32, cache -> logits [batch, vocab], new cache.
+TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
+
+LENGTH_PENALTY_FORMS = ('gnmt', 'power')
+NEG_INF = float('-inf')
+
+
+def length_penalty(length: jax.Array | int, alpha: float,
+                   form: str = 'gnmt') -> jax.Array:
+  """The length penalty lp(Y) that beam search divides log-probabilities by.
+
+  Args:
+    length: |Y|, the number of output tokens, the EOS included.
+    alpha: the exponent; 0 turns the penalty off (lp = 1).
+    form: 'gnmt', lp = ((5 + |Y|) / 6)^alpha (Wu et al. 2016, used by the paper), or
+      'power', lp = |Y|^alpha (fairseq, Hugging Face).
+
+  Returns:
+    lp(Y) as float32, with the shape of `length`.
+  """
+  length = jnp.asarray(length, jnp.float32)
+  if form == 'gnmt':
+    return ((5.0 + length) / 6.0) ** alpha
+  if form == 'power':
+    return length ** alpha
+  raise ValueError(f'length_penalty_form={form!r} is not one of {LENGTH_PENALTY_FORMS}.')
+
+
+def tile_beams(tree: PyTree, beam_size: int) -> PyTree:
+  """Repeats each batch row `beam_size` times, beam index minor.
+
+  Args:
+    tree: a pytree whose leaves with ndim >= 1 are batch-major, [batch, ...].
+    beam_size: copies of each row.
+
+  Returns:
+    The same pytree with those leaves [batch * beam_size, ...], row b * beam_size + j being
+    copy j of row b. Leaves with ndim 0 (shared `cache_index` counters) are unchanged.
+  """
+  def tile(x):
+    return x if jnp.ndim(x) == 0 else jnp.repeat(x, beam_size, axis=0)
+  return jax.tree.map(tile, tree)
+
+
+def _take_beams(x: jax.Array, beam_indices: jax.Array) -> jax.Array:
+  """x [batch, beams, ...], beam_indices [batch, n] -> [batch, n, ...], per batch row."""
+  indices = beam_indices.reshape(beam_indices.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, indices, axis=1)
+
+
+def _gather_cache(cache: PyTree, beam_indices: jax.Array, batch_size: int) -> PyTree:
+  """Reorders a [batch * beam, ...] cache so that new beam j of row b is old beam idx[b, j]."""
+  def gather(x):
+    if x.ndim == 0:
+      return x
+    x = x.reshape((batch_size, -1) + x.shape[1:])  # [batch, beam, ...]
+    return _take_beams(x, beam_indices).reshape((-1,) + x.shape[2:])
+  return jax.tree.map(gather, cache)
+
+
+def _check_common(batch_size: int, max_decode_len: int) -> None:
+  if batch_size < 1:
+    raise ValueError(f'batch_size={batch_size} must be >= 1.')
+  if max_decode_len < 1:
+    raise ValueError(f'max_decode_len={max_decode_len} must be >= 1.')
+
+
+# --- Greedy search and sampling. ---
+
+
+class _SamplingState(NamedTuple):
+  step: jax.Array  # int32 []: tokens generated so far.
+  tokens: jax.Array  # int32 [batch]: the last token, the next input.
+  sequences: jax.Array  # int32 [batch, max_decode_len]
+  log_probs: jax.Array  # float32 [batch]
+  finished: jax.Array  # bool [batch]
+  cache: PyTree
+  rng: jax.Array | None
+
+
+def _sampling_loop(
+    tokens_to_logits: TokensToLogits,
+    cache: PyTree,
+    select: Callable[[jax.Array, jax.Array | None], jax.Array],
+    rng: jax.Array | None,
+    batch_size: int,
+    max_decode_len: int,
+    eos_id: int,
+    bos_id: int,
+    pad_id: int,
+) -> tuple[jax.Array, jax.Array]:
+  """Decodes one token a row a step with `select(logits [batch, vocab], rng) -> [batch]`."""
+  _check_common(batch_size, max_decode_len)
+  positions = jnp.arange(max_decode_len)[None, :]  # [1, max_decode_len]
+
+  def cond(state: _SamplingState) -> jax.Array:
+    return (state.step < max_decode_len) & ~jnp.all(state.finished)
+
+  def body(state: _SamplingState) -> _SamplingState:
+    logits, cache = tokens_to_logits(state.tokens[:, None], state.cache)
+    logits = logits.astype(jnp.float32)  # [batch, vocab]
+    step_rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
+    token = select(logits.at[:, pad_id].set(NEG_INF), step_rng).astype(jnp.int32)
+    token = jnp.where(state.finished, pad_id, token)  # [batch]
+    token_log_prob = jnp.take_along_axis(
+        jax.nn.log_softmax(logits), token[:, None], axis=1)[:, 0]
+    return _SamplingState(
+        step=state.step + 1,
+        tokens=token,
+        sequences=jnp.where(positions == state.step, token[:, None], state.sequences),
+        log_probs=state.log_probs + jnp.where(state.finished, 0.0, token_log_prob),
+        finished=state.finished | (token == eos_id),
+        cache=cache,
+        rng=state.rng)
+
+  init = _SamplingState(
+      step=jnp.array(0, jnp.int32),
+      tokens=jnp.full((batch_size,), bos_id, jnp.int32),
+      sequences=jnp.full((batch_size, max_decode_len), pad_id, jnp.int32),
+      log_probs=jnp.zeros((batch_size,), jnp.float32),
+      finished=jnp.zeros((batch_size,), bool),
+      cache=cache,
+      rng=rng)
+  final = lax.while_loop(cond, body, init)
+  return final.sequences, final.log_probs
+
+
+def greedy_search(
+    tokens_to_logits: TokensToLogits,
+    cache: PyTree,
+    batch_size: int,
+    max_decode_len: int,
+    eos_id: int = EOS_ID,
+    bos_id: int = BOS_ID,
+    pad_id: int = PAD_ID,
+) -> tuple[jax.Array, jax.Array]:
+  """Picks the most probable next token (never `pad_id`) until EOS or `max_decode_len`.
+
+  Args:
+    tokens_to_logits: one decoder step, see the module docstring.
+    cache: the decoder cache for `batch_size` rows.
+    batch_size: rows decoded together.
+    max_decode_len: the most tokens a row gets, EOS included.
+    eos_id: the end-of-sequence id; a row stops after producing it.
+    bos_id: the first input token.
+    pad_id: fills rows after their EOS; never chosen.
+
+  Returns:
+    sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
+    log_probs: float32 [batch], the model's log-probability of each sequence (the EOS
+      included, padding not).
+  """
+  return _sampling_loop(
+      tokens_to_logits, cache, lambda logits, _: jnp.argmax(logits, axis=-1), None,
+      batch_size, max_decode_len, eos_id, bos_id, pad_id)
+
+
+def _filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
+  """Sets logits outside the top-k tokens, then outside the nucleus of mass top_p, to -inf.
+
+  Args:
+    logits: float32 [batch, vocab], already divided by the temperature.
+    top_k: keep the k most probable tokens; 0 keeps all.
+    top_p: keep the smallest set of most probable tokens whose probability reaches top_p
+      (the most probable token is always kept); 1 keeps all.
+
+  Returns:
+    float32 [batch, vocab]. Tokens tied with the last kept one are kept too.
+  """
+  if top_k > 0 and top_k < logits.shape[-1]:
+    kth = lax.top_k(logits, top_k)[0][:, -1:]  # [batch, 1]
+    logits = jnp.where(logits < kth, NEG_INF, logits)
+  if top_p < 1.0:
+    sorted_logits = -jnp.sort(-logits, axis=-1)  # [batch, vocab], descending.
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # Mass of the more probable tokens.
+    num_kept = jnp.sum(mass_before < top_p, axis=-1, keepdims=True)  # [batch, 1], >= 1.
+    threshold = jnp.take_along_axis(sorted_logits, num_kept - 1, axis=-1)
+    logits = jnp.where(logits < threshold, NEG_INF, logits)
+  return logits
+
+
+def sample(
+    tokens_to_logits: TokensToLogits,
+    cache: PyTree,
+    rng: jax.Array,
+    batch_size: int,
+    max_decode_len: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int = EOS_ID,
+    bos_id: int = BOS_ID,
+    pad_id: int = PAD_ID,
+) -> tuple[jax.Array, jax.Array]:
+  """Samples each next token (never `pad_id`) until EOS or `max_decode_len`.
+
+  The logits are divided by `temperature`, then restricted to the `top_k` most probable
+  tokens, then to the nucleus of probability `top_p` (Holtzman et al. 2020).
+
+  Args:
+    tokens_to_logits: one decoder step, see the module docstring.
+    cache: the decoder cache for `batch_size` rows.
+    rng: a PRNG key; step t uses `fold_in(rng, t)`.
+    batch_size: rows decoded together.
+    max_decode_len: the most tokens a row gets, EOS included.
+    temperature: >= 0; 0 is greedy search (argmax), 1 the model's distribution.
+    top_k: >= 0; 0 keeps every token.
+    top_p: in (0, 1]; 1 keeps every token.
+    eos_id: the end-of-sequence id; a row stops after producing it.
+    bos_id: the first input token.
+    pad_id: fills rows after their EOS; never sampled.
+
+  Returns:
+    sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
+    log_probs: float32 [batch], the log-probability of each sequence under the model itself
+      (temperature 1, no top-k/top-p), not under the sampling distribution.
+  """
+  if temperature < 0:
+    raise ValueError(f'temperature={temperature} must be >= 0.')
+  if top_k < 0:
+    raise ValueError(f'top_k={top_k} must be >= 0 (0 keeps every token).')
+  if not 0.0 < top_p <= 1.0:
+    raise ValueError(f'top_p={top_p} must be in (0, 1] (1 keeps every token).')
+
+  def select(logits: jax.Array, step_rng: jax.Array) -> jax.Array:
+    if temperature == 0:
+      return jnp.argmax(logits, axis=-1)
+    logits = _filter_logits(logits / temperature, top_k, top_p)
+    return jax.random.categorical(step_rng, logits, axis=-1)
+
+  return _sampling_loop(tokens_to_logits, cache, select, rng, batch_size, max_decode_len,
+                        eos_id, bos_id, pad_id)
+
+
+# --- Beam search. ---
+
+
+class _BeamState(NamedTuple):
+  step: jax.Array  # int32 []: tokens generated so far by the alive beams.
+  alive_seqs: jax.Array  # int32 [batch, beam, 1 + max_decode_len], bos_id in column 0.
+  alive_log_probs: jax.Array  # float32 [batch, beam], sorted best-first; -inf: no beam.
+  finished_seqs: jax.Array  # int32 [batch, beam, 1 + max_decode_len]
+  finished_scores: jax.Array  # float32 [batch, beam], sorted best-first among the flagged.
+  finished_flags: jax.Array  # bool [batch, beam]: the slot holds a hypothesis.
+  cache: PyTree  # Leaves [batch * beam, ...].
+
+
+def beam_search(
+    tokens_to_logits: TokensToLogits,
+    cache: PyTree,
+    batch_size: int,
+    beam_size: int,
+    max_decode_len: int,
+    alpha: float = 0.6,
+    length_penalty_form: str = 'gnmt',
+    early_stopping: bool = True,
+    eos_id: int = EOS_ID,
+    bos_id: int = BOS_ID,
+    pad_id: int = PAD_ID,
+) -> tuple[jax.Array, jax.Array]:
+  """Beam search with a length penalty, as in the paper (beam 4, alpha 0.6).
+
+  Each step extends every alive beam by every token but `pad_id` and ranks the candidates by
+  log-probability. A candidate ending in EOS that ranks among the best `beam_size` becomes a
+  finished hypothesis, scored log P(Y) / lp(|Y|) with |Y| counting the EOS; the best
+  `beam_size` candidates not ending in EOS stay alive. (Admitting only top-ranked EOS
+  candidates, as fairseq does, makes beam size 1 with alpha = 0 exactly greedy search.)
+  Only the `beam_size` best finished hypotheses are kept.
+
+  The search stops at `max_decode_len` or, with `early_stopping`, as soon as for every batch
+  row `beam_size` hypotheses have finished and no alive beam can beat the worst of them:
+  log-probabilities only fall as a beam grows, so an alive beam's best possible score is its
+  log-probability divided by the largest lp over the lengths it can still reach. The bound
+  is exact, so early stopping never changes the result.
+
+  Beams still alive at `max_decode_len` end there without an EOS (|Y| = max_decode_len).
+  They are returned only to fill the slots that finished hypotheses leave empty, after all
+  finished ones.
+
+  Args:
+    tokens_to_logits: one decoder step for [batch * beam_size] rows, see the module
+      docstring; arrays it closes over must be tiled with `tile_beams`.
+    cache: the decoder cache for `batch_size` rows (not tiled); leaves with ndim >= 1 are
+      tiled to [batch * beam_size, ...] here and reordered with the beams, ndim-0 leaves are
+      passed through.
+    batch_size: rows decoded together.
+    beam_size: hypotheses kept per row.
+    max_decode_len: the most tokens a hypothesis has, EOS included (the paper: source
+      length + 50).
+    alpha: the length-penalty exponent; 0 ranks by plain log-probability.
+    length_penalty_form: 'gnmt' or 'power', see `length_penalty`.
+    early_stopping: stop once the result can no longer change (see above).
+    eos_id: the end-of-sequence id.
+    bos_id: the first input token.
+    pad_id: fills sequences after their end; never generated.
+
+  Returns:
+    sequences: int32 [batch, beam_size, max_decode_len], best first; each the tokens, the
+      EOS (for finished hypotheses), then `pad_id`.
+    scores: float32 [batch, beam_size], log P(Y) / lp(|Y|) in float32 (model log-softmax),
+      descending among finished hypotheses, then descending among the unfinished ones that
+      fill the remaining slots. A slot with score -inf holds no hypothesis (all `pad_id`);
+      that happens only when a beam is wider than the number of possible sequences.
+  """
+  _check_common(batch_size, max_decode_len)
+  if beam_size < 1:
+    raise ValueError(f'beam_size={beam_size} must be >= 1.')
+  if length_penalty_form not in LENGTH_PENALTY_FORMS:
+    raise ValueError(f'length_penalty_form={length_penalty_form!r} is not one of '
+                     f'{LENGTH_PENALTY_FORMS}.')
+
+  def penalty(length):
+    return length_penalty(length, alpha, length_penalty_form)
+
+  positions = jnp.arange(1 + max_decode_len)[None, None, :]  # [1, 1, 1 + max_decode_len]
+  rank = jnp.arange(2 * beam_size)[None, :]  # [1, 2 * beam]
+
+  def cond(state: _BeamState) -> jax.Array:
+    running = state.step < max_decode_len
+    if not early_stopping:
+      return running
+    # lp is monotonic in |Y|, so its largest value over the reachable lengths
+    # [step + 1, max_decode_len] is at one of the two ends.
+    best_alive = jnp.max(state.alive_log_probs, axis=1)  # [batch]
+    best_possible = best_alive / jnp.maximum(penalty(state.step + 1), penalty(max_decode_len))
+    worst_finished = jnp.min(
+        jnp.where(state.finished_flags, state.finished_scores, NEG_INF), axis=1)
+    done = (best_possible < worst_finished) | (best_alive == NEG_INF)  # [batch]
+    return running & ~jnp.all(done)
+
+  def body(state: _BeamState) -> _BeamState:
+    step = state.step
+    tokens = lax.dynamic_index_in_dim(state.alive_seqs, step, axis=2, keepdims=False)
+    logits, cache = tokens_to_logits(tokens.reshape(batch_size * beam_size, 1), state.cache)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))  # [batch * beam, vocab]
+    vocab_size = log_probs.shape[-1]
+    log_probs = log_probs.reshape(batch_size, beam_size, vocab_size).at[:, :, pad_id].set(
+        NEG_INF)
+    candidates = state.alive_log_probs[:, :, None] + log_probs  # [batch, beam, vocab]
+
+    # 2 * beam candidates hold at least `beam` that do not end in EOS (one EOS per beam).
+    top_log_probs, top_indices = lax.top_k(
+        candidates.reshape(batch_size, beam_size * vocab_size), 2 * beam_size)
+    top_beams = top_indices // vocab_size  # [batch, 2 * beam]
+    top_tokens = top_indices % vocab_size
+    top_seqs = _take_beams(state.alive_seqs, top_beams)  # [batch, 2 * beam, 1 + len]
+    top_seqs = jnp.where(positions == step + 1, top_tokens[:, :, None], top_seqs)
+    ends = top_tokens == eos_id
+
+    alive_log_probs, alive_picks = lax.top_k(
+        jnp.where(ends, NEG_INF, top_log_probs), beam_size)  # [batch, beam]
+    alive_seqs = _take_beams(top_seqs, alive_picks)
+    cache = _gather_cache(cache, jnp.take_along_axis(top_beams, alive_picks, axis=1),
+                          batch_size)
+
+    new_flags = ends & (rank < beam_size) & (top_log_probs > NEG_INF)
+    new_scores = top_log_probs / penalty(step + 1)
+    # Old hypotheses come first, so ties keep the earlier one.
+    flags = jnp.concatenate([state.finished_flags, new_flags], axis=1)  # [batch, 3 * beam]
+    scores = jnp.concatenate([state.finished_scores, new_scores], axis=1)
+    seqs = jnp.concatenate([state.finished_seqs, top_seqs], axis=1)
+    _, finished_picks = lax.top_k(jnp.where(flags, scores, NEG_INF), beam_size)
+    return _BeamState(
+        step=step + 1,
+        alive_seqs=alive_seqs,
+        alive_log_probs=alive_log_probs,
+        finished_seqs=_take_beams(seqs, finished_picks),
+        finished_scores=jnp.take_along_axis(scores, finished_picks, axis=1),
+        finished_flags=jnp.take_along_axis(flags, finished_picks, axis=1),
+        cache=cache)
+
+  empty_seqs = jnp.full((batch_size, beam_size, 1 + max_decode_len), pad_id, jnp.int32)
+  # All beams start as copies of one; the others get -inf so the first step does not pick
+  # the same candidate `beam_size` times.
+  init = _BeamState(
+      step=jnp.array(0, jnp.int32),
+      alive_seqs=empty_seqs.at[:, :, 0].set(bos_id),
+      alive_log_probs=jnp.tile(
+          jnp.array([0.0] + [NEG_INF] * (beam_size - 1), jnp.float32), (batch_size, 1)),
+      finished_seqs=empty_seqs,
+      finished_scores=jnp.full((batch_size, beam_size), NEG_INF, jnp.float32),
+      finished_flags=jnp.zeros((batch_size, beam_size), bool),
+      cache=tile_beams(cache, beam_size))
+  final = lax.while_loop(cond, body, init)
+
+  # Finished hypotheses (flagged ones first, sorted) fill the first slots; alive beams, all
+  # max_decode_len long when this is needed, fill the rest in order.
+  num_finished = jnp.sum(final.finished_flags, axis=1, keepdims=True)  # [batch, 1]
+  slots = jnp.arange(beam_size)[None, :]  # [1, beam]
+  from_alive = slots >= num_finished  # [batch, beam]
+  alive_picks = jnp.clip(slots - num_finished, 0, beam_size - 1)
+  unfinished_scores = (jnp.take_along_axis(final.alive_log_probs, alive_picks, axis=1)
+                       / penalty(max_decode_len))
+  scores = jnp.where(from_alive, unfinished_scores, final.finished_scores)
+  sequences = jnp.where(from_alive[:, :, None], _take_beams(final.alive_seqs, alive_picks),
+                        final.finished_seqs)[:, :, 1:]
+  sequences = jnp.where(scores[:, :, None] > NEG_INF, sequences, pad_id)
+  return sequences, scores
