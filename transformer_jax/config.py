@@ -67,7 +67,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train_split = 'train'
   c.eval_split = 'validation'  # newstest2013 for wmt14_translate.
   c.test_split = 'test'  # newstest2014 for wmt14_translate.
-  c.text_files = ml_collections.ConfigDict()  # For dataset='text': {split: 'src_path,tgt_path'}.
+  # For dataset='text': one 'SOURCE_FILE,TARGET_FILE' pair per split, one sentence a line.
+  c.text_files = ml_collections.ConfigDict({'train': '', 'validation': '', 'test': ''})
   c.vocab_size_target = 37000  # SentencePiece vocabulary size (shared source/target).
   c.vocab_model_type = 'bpe'  # SentencePiece model type: 'bpe' | 'unigram'.
   c.vocab_path = ''  # '' trains (once) and caches the model in the work directory.

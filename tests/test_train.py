@@ -1,0 +1,282 @@
+"""The train step (accumulation, non-finite handling, dropout keys) and the training loop
+end to end on one device: outputs, checkpoints, loading for inference, stop and resume,
+config mismatch, and train.py's errors."""
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import train_testlib  # pylint: disable=wrong-import-position
+
+from configs import tiny  # pylint: disable=wrong-import-position
+from transformer_jax import checkpointing  # pylint: disable=wrong-import-position
+from transformer_jax import multihost  # pylint: disable=wrong-import-position
+from transformer_jax import optimizer  # pylint: disable=wrong-import-position
+from transformer_jax import train_lib  # pylint: disable=wrong-import-position
+from transformer_jax import trainer  # pylint: disable=wrong-import-position
+from transformer_jax.config import TransformerConfig  # pylint: disable=wrong-import-position
+from transformer_jax.partitioning import Partitioner  # pylint: disable=wrong-import-position
+
+VOCAB = 64
+
+
+def synthetic_batch(seed, rows=4, length=12):
+  """Rows with different numbers of real tokens (so microbatches weigh differently)."""
+  rng = np.random.default_rng(seed)
+  batch = {k: np.zeros((rows, length), np.int32) for k in train_lib.BATCH_KEYS}
+  for r in range(rows):
+    for side, n in (('inputs', 3 + (r * 5) % (length - 3)), ('targets', 2 + (r * 7) % 9)):
+      batch[side][r, :n] = rng.integers(4, VOCAB, n)
+      batch[f'{side}_position'][r, :n] = np.arange(n)
+      batch[f'{side}_segmentation'][r, :n] = 1
+  return batch
+
+
+class StepHarness:
+  """One initialized state (compiled once) and steps compiled for variants of it."""
+
+  def __init__(self):
+    self.config = tiny.get_config()
+    self.config.update(dict(num_encoder_layers=1, num_decoder_layers=1))
+    self.partitioner = Partitioner.from_config(self.config, devices=jax.devices()[:1])
+    self.model_config = TransformerConfig.from_config(self.config, vocab_size=VOCAB)
+    self.tx, self.schedule = optimizer.create_optimizer(
+        optimizer.OptimizerConfig.from_config(self.config, self.model_config.d_model))
+    _, self.shardings = train_lib.abstract_state(self.model_config, self.tx, self.partitioner)
+    self._state = train_lib.create_train_state(0, self.model_config, self.tx,
+                                               self.partitioner, self.shardings)
+
+  def state(self, tx=None):
+    """A copy of the initial state (the step donates its input), optionally for `tx`."""
+    state = jax.tree.map(jnp.copy, self._state)
+    if tx is not None:
+      state = state.replace(opt_state=tx.init(state.params))
+    return state
+
+  def step(self, grad_accum_steps=1, dropout_rate=0.0, tx=None):
+    tx = tx or self.tx
+    schedule = self.schedule if tx is self.tx else optax.constant_schedule(1.0)
+    model_config = dataclasses.replace(self.model_config, dropout_rate=dropout_rate)
+    _, shardings = train_lib.abstract_state(model_config, tx, self.partitioner)
+    step = train_lib.jit_train_step(
+        train_lib.StepConfig(model_config, seed=0, grad_accum_steps=grad_accum_steps),
+        tx, schedule, self.partitioner, shardings)
+
+    def run(state, batch):
+      with self.partitioner.activate():
+        return step(state, self.partitioner.shard_batch(batch))
+    return run
+
+
+@pytest.fixture(scope='module')
+def harness():
+  return StepHarness()
+
+
+def test_gradient_accumulation_matches_the_full_batch(harness):
+  """SGD with rate 1 makes the parameter change the (negated) gradient itself."""
+  batch = synthetic_batch(0)
+  sgd = optax.sgd(1.0)
+  before = jax.device_get(harness.state().params)
+  results = {}
+  for k in (1, 4):
+    after, metrics = harness.step(grad_accum_steps=k, tx=sgd)(harness.state(sgd), batch)
+    grads = jax.tree.map(lambda b, a: b - a, before, jax.device_get(after.params))
+    results[k] = grads, jax.device_get(metrics)
+  for name in ('loss', 'nll', 'tokens', 'correct', 'grad_norm'):
+    np.testing.assert_allclose(results[4][1][name], results[1][1][name], rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+               results[4][0], results[1][0])
+
+
+def test_nonfinite_loss_skips_the_update_and_counts_it(harness):
+  step = harness.step()
+  state = harness.state()
+  params = jax.tree.map(jnp.copy, state.params)
+  emb = params['shared_embedding']['embedding']
+  params['shared_embedding']['embedding'] = emb.at[5, 0].set(jnp.inf)
+  poisoned = state.replace(params=params)
+  batch = synthetic_batch(1)
+  batch['targets'][0, 0] = 5  # The poisoned row is read: the loss becomes non-finite.
+  before = jax.device_get(poisoned)
+  after, metrics = step(poisoned, batch)
+  assert float(metrics['finite']) == 0.0
+  assert int(after.step) == 1 and int(after.skipped_steps) == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.params), before.params)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.opt_state),
+               before.opt_state)
+  assert not bool(train_lib.all_finite(after.params))
+  # A healthy state takes the update.
+  healthy, metrics = step(harness.state(), batch)
+  assert float(metrics['finite']) == 1.0 and int(healthy.skipped_steps) == 0
+
+
+def test_dropout_masks_depend_only_on_the_step(harness):
+  """Same state and batch: same masks (a resumed run redraws them); another step: new ones."""
+  batch = synthetic_batch(2)
+  step = harness.step(dropout_rate=0.3)
+  a, _ = step(harness.state(), batch)
+  b, _ = step(harness.state(), batch)
+  c, _ = step(harness.state().replace(step=jnp.int32(7)), batch)
+  emb = lambda s: np.asarray(s.params['shared_embedding']['embedding'])
+  np.testing.assert_array_equal(emb(a), emb(b))
+  assert not np.array_equal(emb(a), emb(c))
+
+
+# --- The loop, end to end. ---
+
+
+@pytest.fixture(scope='module')
+def data_files(tmp_path_factory):
+  return train_testlib.write_parallel_text(str(tmp_path_factory.mktemp('data')))
+
+
+@pytest.fixture(scope='module')
+def finished_run(data_files, tmp_path_factory):
+  """Six steps with validation every 3 and checkpoints every 2 (keep 1, plus every 4th)."""
+  workdir = str(tmp_path_factory.mktemp('run'))
+  config = train_testlib.small_config(data_files, eval_every_steps=3, keep_checkpoints=1,
+                                      keep_checkpoint_period=4)
+  result = trainer.train_and_evaluate(config, workdir)
+  return config, workdir, result
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_run_writes_metrics_tensorboard_and_checkpoints(finished_run):
+  _, workdir, result = finished_run
+  assert int(result.state.step) == 6 and not result.stopped_early
+  lines = read_metrics(workdir)
+  train = [m for m in lines if m['split'] == 'train']
+  assert [m['step'] for m in train] == [1, 2, 3, 4, 5, 6]
+  for m in train:
+    keys = ('loss', 'perplexity', 'learning_rate', 'grad_norm', 'padding_share',
+            'skipped_steps') + (('tokens_per_second',) if m['step'] > 1 else ())
+    for key in keys:  # Step 1 compiles, so it reports no throughput.
+      assert np.isfinite(m[key]), (key, m)
+    assert 0.0 <= m['padding_share'] < 1.0 and m['skipped_steps'] == 0
+  assert train[-1]['loss'] < train[0]['loss']
+  evals = [m for m in lines if m['split'] == 'eval']
+  assert [m['step'] for m in evals] == [3, 6]
+  np.testing.assert_allclose(evals[-1]['perplexity'], np.exp(evals[-1]['loss']), rtol=0.5)
+  assert result.eval_metrics['loss'] == pytest.approx(evals[-1]['loss'])
+  events = os.listdir(os.path.join(workdir, 'tensorboard'))
+  assert any(name.startswith('events.out.tfevents') for name in events)
+  # keep_checkpoints=1 keeps step 6; keep_checkpoint_period=4 keeps step 4 as well.
+  assert checkpointing.list_steps(workdir) == [4, 6]
+
+
+def test_load_for_inference_needs_only_the_workdir(finished_run, tmp_path):
+  config, workdir, result = finished_run
+  loaded = checkpointing.load_for_inference(workdir)
+  assert loaded.step == 6
+  assert loaded.model_config.deterministic and loaded.model_config.num_encoder_layers == 1
+  assert loaded.config.d_model == config.d_model
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded.params),
+               jax.device_get(result.state.params))
+  sentence = 'abc fed'
+  # The vocabulary survives the loss of its original file (it is inside the checkpoint).
+  original = loaded.tokenizer.model_path
+  expected = loaded.tokenizer.encode(sentence)
+  os.rename(original, original + '.moved')
+  try:
+    meta, _ = checkpointing.read_meta(workdir, 4)
+    assert checkpointing.tokenizer_from_meta(meta).encode(sentence) == expected
+  finally:
+    os.rename(original + '.moved', original)
+  params, step = checkpointing.restore_params(workdir, 4)
+  assert step == 4
+  assert not np.array_equal(params['shared_embedding']['embedding'],
+                            loaded.params['shared_embedding']['embedding'])
+  with pytest.raises(FileNotFoundError, match='no checkpoint for step 5'):
+    checkpointing.restore_params(workdir, 5)
+
+
+def test_resuming_with_a_different_config_lists_the_fields(finished_run):
+  config, workdir, _ = finished_run
+  changed = train_testlib.small_config(
+      {k: config.text_files[k] for k in config.text_files}, eval_every_steps=3,
+      d_model=64, label_smoothing=0.2, num_train_steps=8)
+  with pytest.raises(checkpointing.ConfigMismatchError) as error:
+    trainer.train_and_evaluate(changed, workdir)
+  message = str(error.value)
+  assert 'd_model: checkpoint=32 now=64' in message
+  assert 'label_smoothing: checkpoint=0.1 now=0.2' in message
+  assert 'num_train_steps' not in message.split('Fields that may change')[0]
+
+
+class SigtermAt(multihost.StopSignal):
+  """Sends this process a real SIGTERM when the loop reports step `at`."""
+
+  def __init__(self, at):
+    super().__init__()
+    self.at = at
+
+  def should_stop(self, step):
+    if step == self.at:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return super().should_stop(step)
+
+
+def test_sigterm_saves_that_step_and_stops(finished_run, tmp_path):
+  config, _, _ = finished_run
+  workdir = str(tmp_path)
+  stop = SigtermAt(3)
+  try:
+    stopped = trainer.train_and_evaluate(config, workdir, stop_signal=stop)
+  finally:
+    stop.close()
+  assert stopped.stopped_early and int(stopped.state.step) == 3
+  # Step 3 is not a regular save step (every 2), and it is complete on return.
+  assert checkpointing.list_steps(workdir) == [3]
+  steps = [m['step'] for m in read_metrics(workdir) if m['split'] == 'train']
+  assert steps == [1, 2, 3]
+
+
+# --- train.py's answers to bad setups: exit code 2, one paragraph, before compiling. ---
+
+
+@pytest.fixture(scope='module')
+def config_file(data_files, tmp_path_factory):
+  path = str(tmp_path_factory.mktemp('cfg') / 'small.py')
+  return train_testlib.write_config_file(path, data_files)
+
+
+def test_train_py_rejects_bad_setups_before_compiling(config_file, tmp_path):
+  cases = {
+      'unknown field': (['--config.no_such_field=1'], 'no_such_field is not a field'),
+      'mesh': (['--config.mesh.fsdp=3'], 'do not divide the 1 devices'),
+      'dataset': (['--config.dataset=wmt14_translate/de-en',
+                   f'--config.tfds_data_dir={tmp_path}/none'], 'is not prepared'),
+      'workdir': ([], 'Cannot create files in --workdir'),
+  }
+  processes = {}
+  for name, (flags, _) in cases.items():
+    workdir = str(tmp_path / name)
+    if name == 'workdir':  # Below a regular file: no directory can be made there.
+      (tmp_path / 'a_file').write_text('')
+      workdir = str(tmp_path / 'a_file' / 'run')
+    processes[name] = subprocess.Popen(
+        train_testlib.train_command(config_file, workdir, *flags), cwd=train_testlib.REPO,
+        env=train_testlib.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+  for name, process in processes.items():
+    _, stderr = process.communicate(timeout=120)
+    expected = cases[name][1]
+    assert process.returncode == 2, (name, stderr[-3000:])
+    assert 'Traceback' not in stderr, (name, stderr[-3000:])
+    assert expected in stderr, (name, stderr[-3000:])
+    assert 'First step' not in stderr

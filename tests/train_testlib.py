@@ -1,0 +1,94 @@
+"""Shared by the training tests: a tiny parallel corpus, configs over it, subprocess runs."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import tempfile
+
+import ml_collections
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Compiled programs are reused across the tests' subprocesses (keys are content hashes).
+JAX_CACHE = os.path.join(tempfile.gettempdir(), 'transformer_jax_test_jax_cache')
+
+
+def write_parallel_text(directory: str, seed: int = 0) -> dict[str, str]:
+  """A toy translation task (reverse and upper-case each word) as 'text' dataset files.
+
+  Returns:
+    {split: 'source_path,target_path'} for train (400 pairs), validation and test.
+  """
+  rng = random.Random(seed)
+  words = [''.join(rng.choice('abcdefghijklmnop') for _ in range(rng.randint(2, 6)))
+           for _ in range(60)]
+  files = {}
+  for split, count in (('train', 400), ('validation', 40), ('test', 20)):
+    paths = [os.path.join(directory, f'{split}.{side}') for side in ('src', 'tgt')]
+    with open(paths[0], 'w') as src, open(paths[1], 'w') as tgt:
+      for _ in range(count):
+        sentence = [rng.choice(words) for _ in range(rng.randint(1, 8))]
+        src.write(' '.join(sentence) + '\n')
+        tgt.write(' '.join(w[::-1].upper() for w in sentence) + '\n')
+    files[split] = ','.join(paths)
+  return files
+
+
+def small_config(files: dict[str, str], **overrides) -> ml_collections.ConfigDict:
+  """configs/tiny.py shrunk to one layer and one bucket (one compiled shape), over `files`."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  config = tiny.get_config()
+  config.dataset = 'text'
+  for split, spec in files.items():
+    config.text_files[split] = spec
+  config.update(dict(
+      num_encoder_layers=1, num_decoder_layers=1, max_len=32, max_source_length=32,
+      max_target_length=32, bucket_boundaries=(), tokens_per_batch=256,
+      vocab_size_target=128, num_train_steps=6, eval_every_steps=0, log_every_steps=1,
+      checkpoint_every_steps=2))
+  config.update(overrides)
+  return config
+
+
+def write_config_file(path: str, files: dict[str, str], **overrides) -> str:
+  """A config file for train.py that returns `small_config(files, **overrides)`."""
+  with open(path, 'w') as f:
+    f.write('import sys\n'
+            f'sys.path.insert(0, {os.path.join(REPO, "tests")!r})\n'
+            'import train_testlib\n\n\n'
+            'def get_config():\n'
+            f'  return train_testlib.small_config({files!r}, **{overrides!r})\n')
+  return path
+
+
+def subprocess_env(devices: int = 1) -> dict[str, str]:
+  """The environment for a training subprocess with `devices` simulated CPU devices."""
+  env = dict(os.environ)
+  env.update({
+      # LLVM optimization off compiles 2-3x faster on a small CPU; every comparison in
+      # the tests is between runs compiled with the same flags.
+      'XLA_FLAGS': (f'--xla_force_host_platform_device_count={devices} '
+                    '--xla_backend_optimization_level=0'),
+      'JAX_PLATFORMS': 'cpu',
+      'JAX_COMPILATION_CACHE_DIR': JAX_CACHE,
+      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+      'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1',
+      'PYTHONPATH': REPO + os.pathsep + env.get('PYTHONPATH', ''),
+      'PYTHONUNBUFFERED': '1',
+  })
+  return env
+
+
+def train_command(config_path: str, workdir: str, *flags: str) -> list[str]:
+  return [sys.executable, os.path.join(REPO, 'train.py'), f'--config={config_path}',
+          f'--workdir={workdir}', *flags]
+
+
+def run_train(config_path: str, workdir: str, *flags: str, devices: int = 1,
+              timeout: float = 240) -> subprocess.CompletedProcess:
+  """Runs train.py to the end; returns the completed process (output in .stderr)."""
+  return subprocess.run(train_command(config_path, workdir, *flags), cwd=REPO,
+                        env=subprocess_env(devices), capture_output=True, text=True,
+                        timeout=timeout, check=False)

@@ -1,0 +1,362 @@
+"""Checkpoints: what a step directory holds, saving and resuming, loading for inference.
+
+`WORKDIR/checkpoints/<step>/` is written by an orbax `CheckpointManager` (asynchronously,
+atomically: it appears under its final name only once complete) and holds four items:
+
+  * `params`:    the model parameters (an orbax PyTree; restorable onto any mesh);
+  * `optimizer`: {'opt_state', 'step', 'skipped_steps'};
+  * `data`:      the training iterator's state, one JSON file per host (grain's handler);
+  * `meta`:      JSON: the run's whole config, the vocabulary size, and the SentencePiece
+                 model (its original path, fingerprint and bytes), so that evaluation needs
+                 nothing but the step directory.
+
+Evaluation and checkpoint averaging read checkpoints through `list_steps`, `restore_params`
+and `load_for_inference`, never through the training flags.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import grain
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from etils import epath
+
+from transformer_jax.config import ConfigError, TransformerConfig
+from transformer_jax.tokenizer import Tokenizer
+
+CHECKPOINT_DIR = 'checkpoints'
+META_FORMAT = 1
+
+# Config fields a resumed run may change: they do not alter the math of the steps or the
+# data stream (the schedule of logging and saving, the device layout, where files live, how
+# to decode). Any other difference stops the resume.
+RESUMABLE_FIELDS = frozenset({
+    'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_batches',
+    'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
+    'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy',
+    'attention_implementation', 'nonfinite', 'tfds_data_dir', 'text_files', 'vocab_path',
+    'data_threads', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
+    'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
+})
+
+
+class ConfigMismatchError(ConfigError):
+  """The config differs from the one of the checkpoint it would resume."""
+
+
+def config_to_json(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The config as plain JSON values (tuples become lists)."""
+  return json.loads(config.to_json())
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping) and value:
+      flat.update(_flatten(value, f'{prefix}{key}.'))
+    else:
+      flat[f'{prefix}{key}'] = value
+  return flat
+
+
+def config_differences(saved: Mapping[str, Any], config: ml_collections.ConfigDict,
+                       ignore: frozenset[str] = RESUMABLE_FIELDS) -> list[str]:
+  """Lines 'field: checkpoint=<saved> now=<current>' for fields that may not differ."""
+  old, new = _flatten(saved), _flatten(config_to_json(config))
+  missing = object()
+  lines = []
+  for key in sorted(set(old) | set(new)):
+    if key.split('.')[0] in ignore:
+      continue
+    a, b = old.get(key, missing), new.get(key, missing)
+    if a != b:
+      show = lambda v: '(absent)' if v is missing else json.dumps(v)
+      lines.append(f'{key}: checkpoint={show(a)} now={show(b)}')
+  return lines
+
+
+def check_config_matches(saved: Mapping[str, Any], config: ml_collections.ConfigDict,
+                         directory: str) -> None:
+  """Raises `ConfigMismatchError` listing the fields that differ from the checkpoint's."""
+  lines = config_differences(saved, config)
+  if lines:
+    raise ConfigMismatchError(
+        f'The config does not match the checkpoint in {directory} that this run would '
+        'resume; these fields differ:\n  ' + '\n  '.join(lines) + '\nSet them back to the '
+        "checkpoint's values to resume, or use a new --workdir to start a new run. (Fields "
+        f'that may change on resume: {", ".join(sorted(RESUMABLE_FIELDS))}.)')
+
+
+def make_meta(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> dict[str, Any]:
+  """The `meta` item: enough to rebuild the model and its vocabulary without flags."""
+  with open(tokenizer.model_path, 'rb') as f:
+    model_bytes = f.read()
+  return {
+      'format': META_FORMAT,
+      'config': config_to_json(config),
+      'vocab_size': tokenizer.vocab_size,
+      'tokenizer': {
+          'path': os.path.abspath(tokenizer.model_path),
+          'sha256': hashlib.sha256(model_bytes).hexdigest(),
+          'model_base64': base64.b64encode(model_bytes).decode('ascii'),
+      },
+  }
+
+
+def _options(*, save_every: int, final_step: int, keep: int, keep_period: int,
+             read_only: bool = False) -> ocp.CheckpointManagerOptions:
+  policies = ocp.checkpoint_managers
+  preserve = policies.LatestN(keep or None)  # 0 keeps everything.
+  if keep_period:
+    # Kept forever besides the latest K: every M-th step (for averaging, analysis).
+    preserve = policies.AnyPreservationPolicy([preserve, policies.EveryNSteps(keep_period)])
+  return ocp.CheckpointManagerOptions(
+      save_decision_policy=policies.AnySavePolicy([
+          policies.FixedIntervalPolicy(save_every),
+          policies.SpecificStepsPolicy((final_step,)),
+      ]),
+      preservation_policy=preserve,
+      enable_async_checkpointing=True,
+      cleanup_tmp_directories=not read_only,  # Remove what a killed save left behind.
+      read_only=read_only,
+      create=not read_only,
+  )
+
+
+class Checkpointer:
+  """The run's checkpoints: one orbax `CheckpointManager` over `WORKDIR/checkpoints`.
+
+  Every process of the job must create it and call `save` and `restore` together.
+  """
+
+  def __init__(self, workdir: str, *, save_every: int, final_step: int, keep: int = 5,
+               keep_period: int = 0):
+    """Opens (and creates) `workdir/checkpoints`.
+
+    Args:
+      workdir: the run's work directory.
+      save_every: save every this many steps.
+      final_step: always save at this step (the end of the run).
+      keep: keep the latest `keep` checkpoints (0: all).
+      keep_period: also keep every `keep_period`-th step (0: none).
+    """
+    self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+    self._manager = ocp.CheckpointManager(
+        self.directory,
+        options=_options(save_every=save_every, final_step=final_step, keep=keep,
+                         keep_period=keep_period))
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def all_steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def should_save(self, step: int) -> bool:
+    """Whether the policy wants `step` saved (every `save_every` steps, and the last)."""
+    return self._manager.should_save(step)
+
+  def save(self, state: Any, data_iterator: Any, meta: Mapping[str, Any], *,
+           force: bool = False) -> bool:
+    """Starts saving `state` at its step if the policy (or `force`) says so.
+
+    Returns after the arrays are copied off the devices; the write finishes in the
+    background (see `wait`). The iterator's state is captured now, so call this before
+    drawing the next batch.
+
+    Returns:
+      Whether a save was started.
+    """
+    step = int(state.step)
+    return self._manager.save(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params),
+            optimizer=ocp.args.StandardSave(
+                {'opt_state': state.opt_state, 'step': state.step,
+                 'skipped_steps': state.skipped_steps}),
+            data=grain.checkpoint.CheckpointSave(data_iterator),
+            meta=ocp.args.JsonSave(dict(meta)),
+        ),
+        force=force)
+
+  def restore_meta(self, step: int) -> dict[str, Any]:
+    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+        'meta']
+
+  def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
+    """Restores the state onto the shardings carried by `abstract_state` and the iterator.
+
+    Args:
+      step: the step to restore.
+      abstract_state: a `TrainState` of `jax.ShapeDtypeStruct`s with shardings (any mesh:
+        orbax reshards on load).
+      data_iterator: the training iterator; its position is set in place.
+
+    Returns:
+      The restored `TrainState`.
+    """
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract_state.params),
+        optimizer=ocp.args.StandardRestore(
+            {'opt_state': abstract_state.opt_state, 'step': abstract_state.step,
+             'skipped_steps': abstract_state.skipped_steps}),
+        data=grain.checkpoint.CheckpointRestore(data_iterator),
+    ))
+    optimizer = restored['optimizer']
+    return abstract_state.replace(
+        step=optimizer['step'], params=restored['params'],
+        opt_state=optimizer['opt_state'], skipped_steps=optimizer['skipped_steps'])
+
+  def wait(self) -> None:
+    """Blocks until the pending save is complete on disk."""
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()
+
+
+# --- Reading checkpoints outside training (evaluation, averaging). ---
+
+
+def _reader(workdir: str) -> ocp.CheckpointManager:
+  directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f'{directory} does not exist: {workdir} holds no checkpoints; '
+                            'pass the --workdir of a training run.')
+  return ocp.CheckpointManager(directory, options=_options(
+      save_every=1, final_step=0, keep=0, keep_period=0, read_only=True))
+
+
+def list_steps(workdir: str) -> list[int]:
+  """The steps of the complete checkpoints in `workdir`, ascending."""
+  with _reader(workdir) as manager:
+    return sorted(manager.all_steps())
+
+
+def _resolve_step(manager: ocp.CheckpointManager, workdir: str, step: int | None) -> int:
+  steps = sorted(manager.all_steps())
+  if not steps:
+    raise FileNotFoundError(f'{workdir} has no complete checkpoint.')
+  if step is None:
+    return steps[-1]
+  if step not in steps:
+    raise FileNotFoundError(f'{workdir} has no checkpoint for step {step}; it has {steps}.')
+  return step
+
+
+def restore_params(workdir: str, step: int | None = None, *,
+                   shardings: Any = None) -> tuple[Any, int]:
+  """The parameters of one checkpoint (nothing else is read).
+
+  Args:
+    workdir: a training run's work directory.
+    step: which checkpoint; None for the latest.
+    shardings: a pytree of shardings matching the parameters, or one sharding for all;
+      None places them on this process's first device.
+
+  Returns:
+    (params, step).
+  """
+  with _reader(workdir) as manager:
+    step = _resolve_step(manager, workdir, step)
+    metadata = manager.item_metadata(step)['params']
+    if metadata is None:  # Older orbax versions need the handler named first.
+      metadata = manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore()))['params']
+    if shardings is None:
+      shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    if isinstance(shardings, jax.sharding.Sharding):
+      shardings = jax.tree.map(lambda _: shardings, metadata)
+    abstract = jax.tree.map(
+        lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), metadata, shardings)
+    params = manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(abstract)))['params']
+  return params, step
+
+
+def read_meta(workdir: str, step: int | None = None) -> tuple[dict[str, Any], int]:
+  """The `meta` item of a checkpoint (config, vocabulary) and its step."""
+  with _reader(workdir) as manager:
+    step = _resolve_step(manager, workdir, step)
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  return meta, step
+
+
+def tokenizer_from_meta(meta: Mapping[str, Any]) -> Tokenizer:
+  """The checkpoint's SentencePiece model: its original file if unchanged, else its bytes."""
+  info = meta['tokenizer']
+  path = info['path']
+  if os.path.exists(path):
+    with open(path, 'rb') as f:
+      if hashlib.sha256(f.read()).hexdigest() == info['sha256']:
+        return Tokenizer(path)
+  cache = os.path.join(tempfile.gettempdir(), 'transformer_jax_vocab')
+  os.makedirs(cache, exist_ok=True)
+  path = os.path.join(cache, f'{info["sha256"][:16]}.model')
+  if not os.path.exists(path):
+    tmp = f'{path}.{os.getpid()}.tmp'
+    with open(tmp, 'wb') as f:
+      f.write(base64.b64decode(info['model_base64']))
+    os.replace(tmp, path)
+  return Tokenizer(path)
+
+
+@dataclasses.dataclass
+class InferenceCheckpoint:
+  """What evaluation needs from a checkpoint.
+
+  Attributes:
+    config: the training run's full config (a locked `ConfigDict`).
+    model_config: the model config, with dropout off (`deterministic=True`).
+    params: the parameters.
+    tokenizer: the run's vocabulary.
+    step: the checkpoint's step.
+  """
+
+  config: ml_collections.ConfigDict
+  model_config: TransformerConfig
+  params: Any
+  tokenizer: Tokenizer
+  step: int
+
+
+def load_for_inference(workdir: str, step: int | None = None, *,
+                       shardings: Any = None) -> InferenceCheckpoint:
+  """Loads a checkpoint for evaluation, with no training flags needed.
+
+  Args:
+    workdir: a training run's work directory.
+    step: which checkpoint; None for the latest.
+    shardings: where to put the parameters (see `restore_params`).
+
+  Returns:
+    The config, model config, parameters, tokenizer and step.
+  """
+  meta, step = read_meta(workdir, step)
+  config = ml_collections.ConfigDict(meta['config'])
+  config.lock()
+  model_config = TransformerConfig.from_config(config, vocab_size=meta['vocab_size'],
+                                               deterministic=True)
+  params, _ = restore_params(workdir, step, shardings=shardings)
+  return InferenceCheckpoint(config, model_config, params, tokenizer_from_meta(meta), step)
+
+
+def is_writable(path: str) -> bool:
+  """Whether files can be created in `path` (created if missing)."""
+  try:
+    epath.Path(path).mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path):
+      return True
+  except OSError:
+    return False

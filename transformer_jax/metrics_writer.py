@@ -1,0 +1,209 @@
+"""What the user sees of a run: a progress bar or log lines, TensorBoard and JSON lines.
+
+Only process 0 writes. Metrics arrive as sums (see `losses.compute_metrics`) and become
+means here: `summarize_train` and `summarize_eval` turn the sums of a logging interval into
+loss, perplexity, learning rate, gradient norm, tokens/s, MFU, padding share and skips.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import tqdm
+from absl import logging
+from tensorboardX import SummaryWriter
+
+from transformer_jax.config import TransformerConfig
+
+METRICS_FILE = 'metrics.jsonl'
+TENSORBOARD_DIR = 'tensorboard'
+
+# Dense bf16 peak FLOP/s of one device, by `jax.Device.device_kind`, for the MFU estimate.
+PEAK_FLOPS = {
+    'TPU v4': 275e12,
+    'TPU v5 lite': 197e12,
+    'TPU v5e': 197e12,
+    'TPU v5p': 459e12,
+    'TPU v5': 459e12,
+    'TPU v6 lite': 918e12,
+    'TPU v6e': 918e12,
+    'NVIDIA A100-SXM4-40GB': 312e12,
+    'NVIDIA A100-SXM4-80GB': 312e12,
+    'NVIDIA H100 80GB HBM3': 989e12,
+    'NVIDIA H200': 989e12,
+}
+
+
+def training_flops(cfg: TransformerConfig, rows: int, source_length: int,
+                   target_length: int) -> float:
+  """Model FLOPs of one training step on a [rows, length] batch (padding included).
+
+  Matmul multiply-adds of the forward pass (projections, feed-forward, attention scores
+  and sums, the output layer), times 2 FLOPs each, times 3 for forward plus backward.
+  """
+  d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
+  src, tgt = rows * source_length, rows * target_length
+  encoder = cfg.num_encoder_layers * (src * (4 * d * d + 2 * d * f)
+                                      + 2 * rows * source_length ** 2 * d)
+  decoder = cfg.num_decoder_layers * (
+      tgt * (6 * d * d + 2 * d * f) + src * 2 * d * d  # Cross-attention keys and values.
+      + 2 * rows * target_length ** 2 * d + 2 * rows * target_length * source_length * d)
+  return 6.0 * (encoder + decoder + tgt * d * v)
+
+
+def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str, float],
+                    skipped_total: int, timed: Mapping[str, float] | None = None,
+                    seconds: float = 0.0, flops: float = 0.0,
+                    peak_flops: float | None = None) -> dict[str, float]:
+  """Means and rates of one logging interval of training.
+
+  Args:
+    sums: the interval's summed step metrics (see `train_lib.train_step`).
+    steps: steps in the interval.
+    last: the last step's metrics (learning rate).
+    skipped_total: updates skipped so far in the run.
+    timed: the sums of the steps that `seconds` timed (compilation excluded); no rates
+      are reported without them.
+    seconds: the wall time of the `timed` steps.
+    flops: their model FLOPs (see `training_flops`).
+    peak_flops: the whole job's peak FLOP/s; None where unknown (no MFU then).
+  """
+  tokens = max(sums['tokens'], 1.0)
+  out = {
+      'loss': sums['loss'] / tokens,
+      'perplexity': math.exp(min(sums['nll'] / tokens, 100.0)),
+      'accuracy': sums['correct'] / tokens,
+      'learning_rate': last['learning_rate'],
+      'grad_norm': sums['grad_norm'] / steps,
+      'padding_share': 1.0 - (sums['tokens'] + sums['source_tokens']) / max(sums['slots'], 1.0),
+      'skipped_steps': float(skipped_total),
+  }
+  if timed and seconds > 0:
+    out['tokens_per_second'] = (timed['tokens'] + timed['source_tokens']) / seconds
+    out['target_tokens_per_second'] = timed['tokens'] / seconds
+    if peak_flops:
+      out['mfu'] = flops / seconds / peak_flops
+  return out
+
+
+def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
+  """Loss (label-smoothed, as trained), perplexity and accuracy over evaluation batches."""
+  tokens = max(sums['tokens'], 1.0)
+  return {'loss': sums['loss'] / tokens,
+          'perplexity': math.exp(min(sums['nll'] / tokens, 100.0)),
+          'accuracy': sums['correct'] / tokens,
+          'tokens': sums['tokens']}
+
+
+def sum_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+  """Adds step metric dicts key by key (as float64 on the host)."""
+  total: dict[str, float] = {}
+  for m in metrics:
+    for k, value in m.items():
+      total[k] = total.get(k, 0.0) + float(np.asarray(value, np.float64))
+  return total
+
+
+class MetricsWriter:
+  """Progress display, TensorBoard event files and `metrics.jsonl` for one run."""
+
+  def __init__(self, workdir: str, *, total_steps: int, start_step: int, enabled: bool):
+    """Opens the outputs; with `enabled=False` (processes other than 0) does nothing.
+
+    A resumed run first drops JSON lines of steps after `start_step`: they came from the
+    stretch after the last checkpoint, which is about to be trained again.
+    """
+    self._enabled = enabled
+    self._total = total_steps
+    self._bar = None
+    self._tb = None
+    if not enabled:
+      return
+    self._jsonl_path = os.path.join(workdir, METRICS_FILE)
+    self._truncate_after(start_step)
+    self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+    self._start_time = time.time()
+    self._start_step = start_step
+    if sys.stderr.isatty():
+      self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit='step',
+                            dynamic_ncols=True, file=sys.stderr)
+
+  def _truncate_after(self, step: int) -> None:
+    if not os.path.exists(self._jsonl_path):
+      return
+    kept = []
+    with open(self._jsonl_path) as f:
+      for line in f:
+        try:
+          if json.loads(line)['step'] <= step:
+            kept.append(line)
+        except (ValueError, KeyError):
+          pass  # A line cut short when the process was killed.
+    tmp = self._jsonl_path + '.tmp'
+    with open(tmp, 'w') as f:
+      f.writelines(kept)
+    os.replace(tmp, self._jsonl_path)
+
+  def step_done(self, step: int) -> None:
+    """Advances the progress bar (cheap; called every step)."""
+    if self._bar is not None:
+      self._bar.update(step - self._bar.n)
+
+  def write(self, step: int, split: str, values: Mapping[str, float]) -> None:
+    """Writes one set of scalars ('train' or 'eval') at `step`."""
+    if not self._enabled:
+      return
+    values = {k: float(v) for k, v in values.items()}
+    for name, value in values.items():
+      self._tb.add_scalar(f'{split}/{name}', value, step)
+    self._tb.flush()
+    with open(self._jsonl_path, 'a') as f:
+      f.write(json.dumps({'step': step, 'split': split, **values}) + '\n')
+    if split == 'train':
+      rate = values.get('tokens_per_second', float('nan'))
+      shown = {'loss': f'{values["loss"]:.3f}', 'tok/s': f'{rate:.0f}'}
+      if self._bar is not None:
+        self._bar.set_postfix(shown, refresh=False)
+        return
+      done = step - self._start_step
+      eta = (self._total - step) * (time.time() - self._start_time) / max(done, 1)
+      logging.info('step %d/%d  loss %.4f  ppl %.2f  lr %.3g  |g| %.3g  %.0f tok/s  '
+                   'pad %.0f%%  skipped %d  ETA %s', step, self._total, values['loss'],
+                   values['perplexity'], values['learning_rate'], values['grad_norm'],
+                   rate, 100 * values['padding_share'],
+                   values['skipped_steps'], _duration(eta))
+    else:
+      message = (f'step {step}: {split} loss {values["loss"]:.4f}  perplexity '
+                 f'{values["perplexity"]:.2f}  accuracy {values["accuracy"]:.3f}')
+      if self._bar is not None:
+        self._bar.write(message)
+      else:
+        logging.info(message)
+
+  def log(self, message: str) -> None:
+    """A plain message that does not break the progress bar."""
+    if not self._enabled:
+      return
+    if self._bar is not None:
+      self._bar.write(message)
+    else:
+      logging.info(message)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(seconds)
+  hours, rest = divmod(seconds, 3600)
+  return f'{hours}h{rest // 60:02d}m' if hours else f'{rest // 60}m{rest % 60:02d}s'

@@ -1,0 +1,124 @@
+"""The optimizer: the paper's learning-rate schedule and Adam, as one optax chain.
+
+Section 5.3 of the paper: Adam with beta1 = 0.9, beta2 = 0.98, eps = 1e-9 and
+
+    lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5),
+
+a linear rise for `warmup_steps` steps, then inverse-square-root decay. Optional extras for
+runs that want them: gradient clipping by global norm and decoupled weight decay (AdamW).
+Gradient accumulation is not an optax wrapper here; the train step sums microbatch gradients
+itself (see `train_lib.py` for why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from transformer_jax.config import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """The optimizer's fields of the run config, validated and frozen."""
+
+  d_model: int
+  warmup_steps: int = 4000
+  learning_rate_scale: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.98
+  eps: float = 1e-9
+  weight_decay: float = 0.0
+  grad_clip_norm: float = 0.0
+
+  def __post_init__(self):
+    checks = (
+        (isinstance(self.warmup_steps, int) and self.warmup_steps >= 1,
+         f'warmup_steps={self.warmup_steps!r} must be an int >= 1 (the paper: 4000).'),
+        (self.learning_rate_scale > 0,
+         f'learning_rate_scale={self.learning_rate_scale!r} must be > 0 (1.0 is the '
+         "paper's schedule)."),
+        (0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
+         f'adam_b1={self.b1!r} and adam_b2={self.b2!r} must be in [0, 1) (the paper: '
+         '0.9, 0.98).'),
+        (self.eps > 0, f'adam_eps={self.eps!r} must be > 0 (the paper: 1e-9).'),
+        (self.weight_decay >= 0,
+         f'weight_decay={self.weight_decay!r} must be >= 0 (0 disables it).'),
+        (self.grad_clip_norm >= 0,
+         f'grad_clip_norm={self.grad_clip_norm!r} must be >= 0 (0 disables clipping).'),
+    )
+    for ok, message in checks:
+      if not ok:
+        raise ConfigError(message + ' Set --config.<field> accordingly.')
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, d_model: int) -> 'OptimizerConfig':
+    """Reads the training fields of the run config (see `config.base_config`).
+
+    Raises:
+      ConfigError: a field is out of range; the message names it.
+    """
+    return cls(
+        d_model=d_model,
+        warmup_steps=config.warmup_steps,
+        learning_rate_scale=float(config.learning_rate_scale),
+        b1=float(config.adam_b1),
+        b2=float(config.adam_b2),
+        eps=float(config.adam_eps),
+        weight_decay=float(config.weight_decay),
+        grad_clip_norm=float(config.grad_clip_norm),
+    )
+
+
+def learning_rate_schedule(d_model: int, warmup_steps: int,
+                           scale: float = 1.0) -> optax.Schedule:
+  """The paper's schedule as an optax schedule of the update count.
+
+  optax counts updates from 0 and the paper counts steps from 1, so update `count` uses
+  step = count + 1: the first update already has a non-zero rate, and the peak,
+  d_model^-0.5 * warmup^-0.5, is reached at update `warmup_steps - 1`. Written by hand
+  because optax has no inverse-square-root schedule.
+
+  Args:
+    d_model: the model width.
+    warmup_steps: steps of linear warmup.
+    scale: a factor on the whole schedule.
+
+  Returns:
+    A function from the update count (int array) to the learning rate (float32).
+  """
+  def schedule(count: jax.Array) -> jax.Array:
+    step = jnp.asarray(count, jnp.float32) + 1.0
+    return (scale * d_model ** -0.5) * jnp.minimum(
+        jax.lax.rsqrt(step), step * float(warmup_steps) ** -1.5)
+  return schedule
+
+
+def _decay_mask(params):
+  """Weight decay on matrices only: biases and layer-norm scales are left alone."""
+  return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def create_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation,
+                                                     optax.Schedule]:
+  """Adam (or AdamW) with the paper's schedule, after optional global-norm clipping.
+
+  Args:
+    cfg: the optimizer config.
+
+  Returns:
+    (the optax transformation, its learning-rate schedule, for logging).
+  """
+  schedule = learning_rate_schedule(cfg.d_model, cfg.warmup_steps, cfg.learning_rate_scale)
+  if cfg.weight_decay > 0:
+    adam = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                       weight_decay=cfg.weight_decay, mask=_decay_mask)
+  else:
+    adam = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+  if cfg.grad_clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), adam), schedule
+  return adam, schedule

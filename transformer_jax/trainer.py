@@ -1,0 +1,277 @@
+"""The training loop: `train_and_evaluate(config, workdir)`.
+
+Checks the config, the devices and the data before anything compiles; resumes from the
+latest complete checkpoint in `workdir`; trains for `config.num_train_steps` steps with
+periodic logging, validation and checkpoints; and on SIGTERM saves the current step on
+every process, waits for the write and returns normally.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from transformer_jax import checkpointing
+from transformer_jax import input_pipeline
+from transformer_jax import metrics_writer
+from transformer_jax import multihost
+from transformer_jax import optimizer
+from transformer_jax import train_lib
+from transformer_jax.config import ConfigError, TransformerConfig
+from transformer_jax.partitioning import Partitioner
+
+NONFINITE_MODES = ('skip', 'stop')
+
+
+class NonFiniteError(RuntimeError):
+  """Training met a non-finite loss or gradient with `nonfinite='stop'`, or a checkpoint
+  about to be written held non-finite values."""
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """How a call to `train_and_evaluate` ended.
+
+  Attributes:
+    state: the final train state.
+    stopped_early: True when a stop signal (SIGTERM) ended it before `num_train_steps`.
+    eval_metrics: the last validation metrics, if any were computed.
+  """
+
+  state: train_lib.TrainState
+  stopped_early: bool
+  eval_metrics: dict[str, float] | None
+
+
+def check_training_fields(config: ml_collections.ConfigDict) -> None:
+  """Validates the loop's own fields (the model and optimizer validate theirs).
+
+  Raises:
+    ConfigError: the message names the field and says what to set.
+  """
+  positive = ('num_train_steps', 'log_every_steps', 'checkpoint_every_steps',
+              'grad_accum_steps', 'tokens_per_batch')
+  for name in positive:
+    value = config[name]
+    if not isinstance(value, int) or value < 1:
+      raise ConfigError(f'{name}={value!r} must be an int >= 1; set --config.{name}.')
+  for name in ('eval_every_steps', 'eval_batches', 'keep_checkpoints',
+               'keep_checkpoint_period'):
+    value = config[name]
+    if not isinstance(value, int) or value < 0:
+      raise ConfigError(f'{name}={value!r} must be an int >= 0 (0 turns it off); set '
+                        f'--config.{name}.')
+  if config.nonfinite not in NONFINITE_MODES:
+    raise ConfigError(f'nonfinite={config.nonfinite!r} must be one of {NONFINITE_MODES}: '
+                      "'skip' drops the update and counts it, 'stop' ends the run.")
+  if not 0.0 <= config.label_smoothing < 1.0:
+    raise ConfigError(f'label_smoothing={config.label_smoothing!r} must be in [0, 1).')
+
+
+def _check_workdir(workdir: str) -> None:
+  if not checkpointing.is_writable(workdir):
+    raise ConfigError(f'Cannot create files in --workdir={workdir}; choose a directory you '
+                      'can write to (checkpoints, vocabulary and metrics go there).')
+
+
+def evaluate(eval_step: Callable, params: Any, batches: Iterable[Mapping[str, np.ndarray]],
+             partitioner: Partitioner, max_batches: int = 0) -> dict[str, float]:
+  """Validation metrics over `batches` (the first `max_batches`, or all when 0)."""
+  outputs = []
+  for i, batch in enumerate(batches):
+    if max_batches and i >= max_batches:
+      break
+    outputs.append(eval_step(params, partitioner.shard_batch(batch)))
+  return metrics_writer.summarize_eval(metrics_writer.sum_metrics(jax.device_get(outputs)))
+
+
+def _peak_flops(partitioner: Partitioner) -> float | None:
+  peak = metrics_writer.PEAK_FLOPS.get(jax.devices()[0].device_kind)
+  return peak * partitioner.mesh.size if peak else None
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       stop_signal: multihost.StopSignal | None = None) -> TrainResult:
+  """Trains (or resumes training) the model of `config`, writing everything to `workdir`.
+
+  Args:
+    config: the run config (see `config.base_config`).
+    workdir: checkpoints, vocabulary, metrics and TensorBoard files go here.
+    stop_signal: defaults to one listening for SIGTERM.
+
+  Returns:
+    How the run ended.
+
+  Raises:
+    ConfigError: a config field, the mesh or the work directory cannot work; raised before
+      anything compiles. `checkpointing.ConfigMismatchError` when the config differs from
+      the checkpoint being resumed.
+    input_pipeline.DatasetNotFoundError: the dataset is not prepared.
+    NonFiniteError: see the class.
+  """
+  workdir = os.path.abspath(workdir)
+  check_training_fields(config)
+  # The model's fields, checked now with a stand-in vocabulary size: building the real
+  # vocabulary can take minutes.
+  TransformerConfig.from_config(config, vocab_size=max(config.vocab_size_target, 4))
+  _check_workdir(workdir)
+  partitioner = Partitioner.from_config(config)
+  rows_multiple = partitioner.rows_multiple(config.grad_accum_steps)
+  optimizer_config = optimizer.OptimizerConfig.from_config(config, config.d_model)
+  logging.info('%s', partitioner.describe())
+
+  datasets = input_pipeline.get_datasets(
+      config, workdir, process_index=jax.process_index(),
+      process_count=jax.process_count(), row_multiple=rows_multiple)
+  model_config = TransformerConfig.from_config(config,
+                                               vocab_size=datasets.tokenizer.vocab_size)
+  checkpointer = checkpointing.Checkpointer(
+      workdir, save_every=config.checkpoint_every_steps,
+      final_step=config.num_train_steps, keep=config.keep_checkpoints,
+      keep_period=config.keep_checkpoint_period)
+  own_signal = stop_signal is None
+  stop_signal = stop_signal or multihost.StopSignal()
+  writer = None
+  try:
+    state = _restore_or_initialize(config, checkpointer, datasets, model_config,
+                                   optimizer_config, partitioner)
+    tx, schedule = optimizer.create_optimizer(optimizer_config)
+    _, shardings = train_lib.abstract_state(model_config, tx, partitioner)
+    step_config = train_lib.StepConfig(model_config, seed=config.seed,
+                                       label_smoothing=config.label_smoothing,
+                                       grad_accum_steps=config.grad_accum_steps)
+    train_step = train_lib.jit_train_step(step_config, tx, schedule, partitioner, shardings)
+    eval_step = train_lib.jit_eval_step(model_config, config.label_smoothing, partitioner,
+                                        shardings.params)
+    start = int(state.step)
+    writer = metrics_writer.MetricsWriter(workdir, total_steps=config.num_train_steps,
+                                          start_step=start, enabled=jax.process_index() == 0)
+    writer.log(f'{train_lib.count_params(state.params):,} parameters; '
+               f'{datasets.steps_per_epoch} steps an epoch; training steps {start} to '
+               f'{config.num_train_steps}.')
+    meta = checkpointing.make_meta(config, datasets.tokenizer)
+    with partitioner.activate():
+      return _train_loop(config, state, datasets, partitioner, train_step, eval_step,
+                         checkpointer, meta, writer, stop_signal, model_config)
+  finally:
+    checkpointer.wait()
+    checkpointer.close()
+    if writer is not None:
+      writer.close()
+    if own_signal:
+      stop_signal.close()
+
+
+def _restore_or_initialize(config: ml_collections.ConfigDict,
+                           checkpointer: checkpointing.Checkpointer,
+                           datasets: input_pipeline.Datasets, model_config: TransformerConfig,
+                           optimizer_config: optimizer.OptimizerConfig,
+                           partitioner: Partitioner) -> train_lib.TrainState:
+  """The latest checkpoint's state (after checking its config), or a fresh one."""
+  tx, _ = optimizer.create_optimizer(optimizer_config)
+  abstract, shardings = train_lib.abstract_state(model_config, tx, partitioner)
+  latest = checkpointer.latest_step()
+  if latest is None:
+    return train_lib.create_train_state(config.seed, model_config, tx, partitioner,
+                                        shardings)
+  saved = checkpointer.restore_meta(latest)
+  checkpointing.check_config_matches(saved['config'], config, checkpointer.directory)
+  if saved['vocab_size'] != datasets.tokenizer.vocab_size:
+    raise ConfigError(
+        f'The checkpoint at step {latest} was trained with a {saved["vocab_size"]}-piece '
+        f'vocabulary, but {datasets.tokenizer.model_path} has '
+        f'{datasets.tokenizer.vocab_size}; point --config.vocab_path at the original '
+        f'model ({saved["tokenizer"]["path"]}) or use a new --workdir.')
+  state = checkpointer.restore(latest, abstract, datasets.train)
+  logging.info('Resumed from the checkpoint at step %d.', latest)
+  return state
+
+
+def _train_loop(config: ml_collections.ConfigDict, state: train_lib.TrainState,
+                datasets: input_pipeline.Datasets, partitioner: Partitioner,
+                train_step: Callable, eval_step: Callable,
+                checkpointer: checkpointing.Checkpointer, meta: Mapping[str, Any],
+                writer: metrics_writer.MetricsWriter, stop_signal: multihost.StopSignal,
+                model_config: TransformerConfig) -> TrainResult:
+  """Steps from `state.step` to `config.num_train_steps` (or to a stop signal)."""
+  start = int(state.step)
+  peak = _peak_flops(partitioner)
+  pending: list[dict[str, jax.Array]] = []  # Step metrics since the last log line.
+  untimed = 0  # How many of them throughput ignores (the first step: it compiles).
+  flops = 0.0
+  interval_start = time.time()
+  eval_metrics = None
+  stopped = False
+  for step in range(start, config.num_train_steps):
+    batch = next(datasets.train)
+    state, metrics = train_step(state, partitioner.shard_batch(batch))
+    done = step + 1
+    pending.append(metrics)
+    if step == start:
+      jax.block_until_ready(metrics)
+      writer.log(f'First step (with compilation) took {time.time() - interval_start:.1f}s.')
+      interval_start, untimed = time.time(), 1
+    else:
+      rows, source_length = batch['inputs'].shape
+      flops += metrics_writer.training_flops(model_config, rows * jax.process_count(),
+                                             source_length, batch['targets'].shape[1])
+    if config.nonfinite == 'stop' and not float(metrics['finite']):
+      raise NonFiniteError(
+          f'The loss or gradient at step {done} is not finite (the update was not applied; '
+          f'latest checkpoint: {checkpointer.latest_step() or "none"}). Lower '
+          '--config.learning_rate_scale, set --config.grad_clip_norm, or use '
+          "--config.nonfinite=skip to drop such updates.")
+    stopped = stop_signal.should_stop(done)
+    writer.step_done(done)
+
+    if done % config.log_every_steps == 0 or done == config.num_train_steps or stopped:
+      fetched = jax.device_get(pending)
+      summary = metrics_writer.summarize_train(
+          metrics_writer.sum_metrics(fetched), steps=len(fetched), last=fetched[-1],
+          skipped_total=int(state.skipped_steps),
+          timed=metrics_writer.sum_metrics(fetched[untimed:]),
+          seconds=time.time() - interval_start, flops=flops, peak_flops=peak)
+      writer.write(done, 'train', summary)
+      pending, untimed, flops, interval_start = [], 0, 0.0, time.time()
+
+    if config.eval_every_steps and (done % config.eval_every_steps == 0
+                                    or done == config.num_train_steps):
+      eval_start = time.time()
+      eval_metrics = evaluate(eval_step, state.params, datasets.eval_batches(), partitioner,
+                              config.eval_batches)
+      writer.write(done, 'eval', eval_metrics)
+      interval_start += time.time() - eval_start  # Evaluation is not training throughput.
+
+    if stopped or checkpointer.should_save(done):
+      _save(checkpointer, state, datasets.train, meta, writer)
+    if stopped:
+      logging.info('Stop requested: saving step %d on process %d, then exiting.', done,
+                   jax.process_index())
+      writer.log(f'Stop requested: saved step {done}; rerun the same command to resume.')
+      break
+  return TrainResult(state=state, stopped_early=stopped, eval_metrics=eval_metrics)
+
+
+def _save(checkpointer: checkpointing.Checkpointer, state: train_lib.TrainState,
+          data_iterator: Any, meta: Mapping[str, Any],
+          writer: metrics_writer.MetricsWriter) -> None:
+  """Saves `state` unless it holds a non-finite value (then raises)."""
+  step = int(state.step)
+  if checkpointer.latest_step() == step:
+    return
+  if not bool(train_lib.all_finite((state.params, state.opt_state))):
+    raise NonFiniteError(
+        f'The parameters or optimizer state at step {step} are not finite; no checkpoint '
+        f'was written (latest checkpoint: {checkpointer.latest_step() or "none"}). Lower '
+        '--config.learning_rate_scale or set --config.grad_clip_norm.')
+  checkpointer.save(state, data_iterator, meta, force=True)
+  writer.log(f'Saving checkpoint {step} (asynchronously).')
+
