@@ -1,0 +1,171 @@
+r"""Translates a test set with a trained checkpoint and scores it.
+
+  python evaluate.py --workdir=/tmp/tiny
+  python evaluate.py --workdir=$HOME/runs/ende_base --average_last=5      # the paper (base)
+  python evaluate.py --workdir=$HOME/runs/ende_big --average_last=20 \
+      --compare_to=other_system.txt                                       # paired bootstrap
+  python evaluate.py --workdir=DIR --step=100000 --source_file=newstest2014.en \
+      --reference_file=newstest2014.de --beam_size=4 --length_penalty=0.6
+
+Reports sacreBLEU (with its signature) and chrF on detokenized output, tokenized BLEU with
+compound splitting (to compare with the paper), sentences/s and tokens/s; writes
+`<split>.hyp.txt` and `<split>.metrics.json` to WORKDIR/eval/<step_N | avgK_step_A-B>/ (or
+--output_dir). Decoding options default to the run's config.
+
+Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory, checkpoint or data problem
+(explained in one paragraph, no traceback).
+"""
+
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+
+_WORKDIR = flags.DEFINE_string('workdir', None, "A training run's work directory.")
+_STEP = flags.DEFINE_integer('step', None, 'The checkpoint step (default: the latest).')
+_AVERAGE_LAST = flags.DEFINE_integer(
+    'average_last', 0, 'Average the parameters of the last N checkpoints (the paper: 5 for '
+    'base, 20 for big); 0: no averaging.')
+_SPLIT = flags.DEFINE_string('split', None, "The dataset split (default: the config's "
+                             'test_split).')
+_SOURCE_FILE = flags.DEFINE_string('source_file', None,
+                                   'Translate this file instead of a split (with '
+                                   '--reference_file), one sentence a line.')
+_REFERENCE_FILE = flags.DEFINE_string('reference_file', None,
+                                      'References for --source_file, line by line.')
+_TFDS_DATA_DIR = flags.DEFINE_string('tfds_data_dir', None,
+                                     "Where the TFDS data is (default: the run's).")
+_MAX_SENTENCES = flags.DEFINE_integer('max_sentences', 0,
+                                      'Only the first N sentences (0: all), for quick checks.')
+_BEAM_SIZE = flags.DEFINE_integer('beam_size', None, 'Beam size; 1 is greedy search.')
+_LENGTH_PENALTY = flags.DEFINE_float('length_penalty', None, 'Length penalty alpha.')
+_LENGTH_PENALTY_FORM = flags.DEFINE_enum('length_penalty_form', None, ['gnmt', 'power'],
+                                         'gnmt: ((5+|Y|)/6)^alpha; power: |Y|^alpha.')
+_EXTRA_LENGTH = flags.DEFINE_integer('max_decode_extra_length', None,
+                                     'Output limit = source length + this.')
+_BATCH_SIZE = flags.DEFINE_integer('batch_size', None, 'Sentences decoded together.')
+_COMPARE_TO = flags.DEFINE_string(
+    'compare_to', None, "Another system's output on the same sentences (one a line): adds a "
+    'paired bootstrap test of this checkpoint against it.')
+_BOOTSTRAP_SAMPLES = flags.DEFINE_integer('bootstrap_samples', 1000,
+                                          'Resamples of the paired bootstrap test.')
+_OUTPUT_DIR = flags.DEFINE_string('output_dir', None,
+                                  'Where results go (default: WORKDIR/eval/<checkpoint>).')
+_CACHE_DIR = flags.DEFINE_string('compilation_cache_dir', None,
+                                 'A persistent JAX compilation cache (reused across runs).')
+_PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
+
+
+def _fail(message: str) -> None:
+  print(f'evaluate.py: error: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(f'invalid flags: {e}. Run with --helpfull for the flags.')
+
+
+def _read_lines(path: str, flag: str) -> list[str]:
+  """A text file's lines (split on '\\n' only; invalid UTF-8 replaced)."""
+  if not os.path.isfile(path):
+    _fail(f'--{flag}={path} does not exist.')
+  with open(path, 'rb') as f:
+    data = f.read()
+  lines = data.split(b'\n')
+  if lines and lines[-1] == b'':
+    lines.pop()
+  return [line.rstrip(b'\r').decode('utf-8', errors='replace') for line in lines]
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    _fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
+  quiet_logs = not flags.FLAGS['verbosity'].present
+  if quiet_logs:  # Orbax logs every restore at INFO and WARNING; keep stderr readable.
+    logging.set_verbosity(logging.ERROR)
+  if not _WORKDIR.value:
+    _fail('--workdir is required: the directory of a training run.')
+  if not os.path.isdir(_WORKDIR.value):
+    _fail(f'--workdir={_WORKDIR.value} does not exist.')
+  if _STEP.value is not None and _AVERAGE_LAST.value:
+    _fail('give --step or --average_last, not both.')
+  if _AVERAGE_LAST.value < 0 or _MAX_SENTENCES.value < 0 or _BOOTSTRAP_SAMPLES.value < 1:
+    _fail('--average_last and --max_sentences must be >= 0, --bootstrap_samples >= 1.')
+  if bool(_SOURCE_FILE.value) != bool(_REFERENCE_FILE.value):
+    _fail('--source_file and --reference_file go together.')
+  if _SOURCE_FILE.value and (_SPLIT.value or _TFDS_DATA_DIR.value):
+    _fail('--source_file replaces the dataset; drop --split and --tfds_data_dir.')
+
+  # Imported here so that flag errors are reported without loading JAX and TFDS.
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from transformer_jax import evaluation
+  from transformer_jax import input_pipeline
+  from transformer_jax import translator as translator_lib
+  from transformer_jax.config import ConfigError
+  # pylint: enable=g-import-not-at-top
+  if _CACHE_DIR.value:
+    jax.config.update('jax_compilation_cache_dir', _CACHE_DIR.value)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+
+  try:
+    translator, checkpoint, steps = translator_lib.load_translator(
+        _WORKDIR.value, step=_STEP.value, average_last=_AVERAGE_LAST.value,
+        beam_size=_BEAM_SIZE.value, length_penalty=_LENGTH_PENALTY.value,
+        length_penalty_form=_LENGTH_PENALTY_FORM.value,
+        max_decode_extra_length=_EXTRA_LENGTH.value, batch_size=_BATCH_SIZE.value)
+  except (FileNotFoundError, ValueError, ConfigError) as e:
+    _fail(str(e))
+  if quiet_logs:
+    logging.set_verbosity(logging.WARNING)
+  config = checkpoint.config
+
+  if _SOURCE_FILE.value:
+    name = os.path.splitext(os.path.basename(_SOURCE_FILE.value))[0]
+    sources = _read_lines(_SOURCE_FILE.value, 'source_file')
+    references = _read_lines(_REFERENCE_FILE.value, 'reference_file')
+    if len(sources) != len(references):
+      _fail(f'{_SOURCE_FILE.value} has {len(sources)} lines but {_REFERENCE_FILE.value} has '
+            f'{len(references)}.')
+  else:
+    name = _SPLIT.value or config.test_split
+    if _TFDS_DATA_DIR.value:
+      config.tfds_data_dir = _TFDS_DATA_DIR.value  # An existing field: allowed when locked.
+    try:
+      pairs = input_pipeline.open_split(config, name)
+      sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
+    except (input_pipeline.DatasetNotFoundError, ValueError, KeyError) as e:
+      _fail(f'cannot read split {name!r} of {config.dataset}: {e}')
+  if _MAX_SENTENCES.value:
+    sources, references = sources[:_MAX_SENTENCES.value], references[:_MAX_SENTENCES.value]
+  baseline = None
+  if _COMPARE_TO.value:
+    baseline = _read_lines(_COMPARE_TO.value, 'compare_to')[:len(references)]
+    if len(baseline) != len(references):
+      _fail(f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
+            f'{len(references)} sentences.')
+
+  info = {'workdir': os.path.abspath(_WORKDIR.value), 'step': checkpoint.step,
+          'checkpoint_steps': steps, 'split': name, 'dataset': config.dataset,
+          'source_lang': config.source_lang, 'target_lang': config.target_lang,
+          'compared_to': os.path.abspath(_COMPARE_TO.value) if _COMPARE_TO.value else None}
+  logging.info('Evaluating %s (steps %s) on %d sentences of %s.', _WORKDIR.value, steps,
+               len(sources), name)
+  result = evaluation.evaluate(translator, sources, references, baseline=baseline,
+                               bootstrap_samples=_BOOTSTRAP_SAMPLES.value,
+                               show_progress=_PROGRESS.value, info=info)
+  output_dir = _OUTPUT_DIR.value or os.path.join(
+      _WORKDIR.value, 'eval', evaluation.result_tag(steps))
+  if jax.process_index() == 0:
+    paths = evaluation.write_results(output_dir, name, result.hypotheses, result.metrics)
+    print(evaluation.summary(result.metrics))
+    print(f'Wrote {paths[0]} and {paths[1]}')
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=_parse_flags)

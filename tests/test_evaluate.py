@@ -1,0 +1,158 @@
+"""Scoring, checkpoint averaging, and the evaluate.py / average_checkpoints.py commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import sacrebleu
+
+from test_translator import TRAIN_STEPS, build_test_run
+from transformer_jax import averaging
+from transformer_jax import checkpointing
+from transformer_jax import evaluation
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope='module')
+def run_dir(tmp_path_factory) -> str:
+  return build_test_run(str(tmp_path_factory.getbasetemp() / 'translator_test_run'))
+
+
+def _run(*args: str, cache_dir: str | None = None, timeout: int = 300):
+  command = [sys.executable, *args]
+  if cache_dir:
+    command.append(f'--compilation_cache_dir={cache_dir}')
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def test_compound_splitting_follows_tensor2tensor():
+  assert evaluation.split_compounds('rich-text format') == 'rich ##AT##-##AT## text format'
+  # Perl's s{(\S)-(\S)}{...}g does not overlap matches; neither does this.
+  assert evaluation.split_compounds('a-b-c') == 'a ##AT##-##AT## b-c'
+  assert evaluation.split_compounds('a - b') == 'a - b'
+  assert (evaluation.tokenize_for_bleu('Hello, world-wide "web".') ==
+          'Hello , world ##AT##-##AT## wide " web " .')
+
+
+def test_scores_match_sacrebleu_and_tokenized_bleu_credits_compound_parts():
+  references = ['The rich-text format is old.', 'A dog runs in the park today.']
+  hypotheses = ['The rich text format is old.', 'A dog runs in a park today.']
+  metrics = evaluation.score(hypotheses, references)
+  assert metrics['bleu'] == pytest.approx(
+      sacrebleu.corpus_bleu(hypotheses, [references]).score)
+  assert metrics['chrf'] == pytest.approx(
+      sacrebleu.corpus_chrf(hypotheses, [references]).score)
+  assert 'tok:13a' in metrics['bleu_signature']
+  assert f'version:{sacrebleu.__version__}' in metrics['bleu_signature']
+  assert 'nc:6' in metrics['chrf_signature']
+  # 'rich-text' is one token for 13a but three after compound splitting, two of them right.
+  assert metrics['tokenized_bleu'] > metrics['bleu']
+  perfect = evaluation.score(references, references)
+  assert perfect['bleu'] == pytest.approx(100.0)
+  assert perfect['tokenized_bleu'] == pytest.approx(100.0)
+  with pytest.raises(ValueError, match='one hypothesis per reference'):
+    evaluation.score(hypotheses[:1], references)
+
+
+def test_paired_bootstrap_separates_a_better_system():
+  references = [f'sentence number {i} has some words in it' for i in range(40)]
+  good = list(references[:36]) + ['sentence number x'] * 4
+  bad = [f'number {i} words' for i in range(40)]
+  result = evaluation.paired_bootstrap(good, bad, references, num_samples=200)
+  assert set(result) == {'bleu', 'chrf'}
+  assert result['bleu']['system'] > result['bleu']['baseline']
+  assert result['bleu']['p_value'] < 0.05 and result['chrf']['p_value'] < 0.05
+  assert 'bs:200' in result['bleu']['signature']
+
+
+def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
+  steps = averaging.last_steps(run_dir, 2)
+  assert steps == list(TRAIN_STEPS[-2:])
+  expected = jax.tree.map(
+      lambda a, b: (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2,
+      *[checkpointing.restore_params(run_dir, s)[0] for s in steps])
+  averaged = averaging.average_params(run_dir, steps)
+  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7),
+               averaged, expected)
+
+  out = str(tmp_path / 'avg')
+  path, written_steps = averaging.average_checkpoints(run_dir, out, 2)
+  assert written_steps == steps and path.endswith(f'checkpoints/{steps[-1]}')
+  loaded = checkpointing.load_for_inference(out)
+  assert loaded.step == steps[-1]
+  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7),
+               loaded.params, expected)
+  original = checkpointing.load_for_inference(run_dir)
+  assert loaded.tokenizer.fingerprint == original.tokenizer.fingerprint
+  assert loaded.model_config == original.model_config
+  meta, _ = checkpointing.read_meta(out)
+  assert meta['averaged_steps'] == steps
+  # An in-memory average (evaluate.py --average_last) equals the written one.
+  in_memory, used = averaging.load(run_dir, average_last=2)
+  assert used == steps and in_memory.step == steps[-1]
+  jax.tree.map(np.testing.assert_array_equal, in_memory.params, loaded.params)
+
+  with pytest.raises(FileExistsError):
+    averaging.average_checkpoints(run_dir, out, 2)
+  with pytest.raises(ValueError, match='must differ'):
+    averaging.average_checkpoints(run_dir, run_dir, 2)
+  with pytest.raises(ValueError, match='only 3'):
+    averaging.last_steps(run_dir, 5)
+  with pytest.raises(ValueError, match='not both'):
+    averaging.load(run_dir, step=100, average_last=2)
+
+
+def test_average_and_evaluate_commands(run_dir, tmp_path):
+  out = str(tmp_path / 'avg')
+  result = _run('average_checkpoints.py', f'--workdir={run_dir}', f'--output_workdir={out}',
+                '--num_checkpoints=2')
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f'{TRAIN_STEPS[-2:]}'.replace('(', '[').replace(')', ']') in result.stdout
+
+  root = os.path.dirname(run_dir)
+  references = open(os.path.join(root, 'test.de'), encoding='utf-8').read().splitlines()
+  baseline = tmp_path / 'baseline.txt'
+  baseline.write_text(''.join(r.split(' ')[0] + '\n' for r in references), encoding='utf-8')
+  result = _run('evaluate.py', f'--workdir={out}', f'--compare_to={baseline}',
+                '--bootstrap_samples=100', cache_dir=os.path.join(root, 'jax_cache'))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'sacreBLEU' in result.stdout and 'sentences/s' in result.stdout
+  assert 'Translating' in result.stderr  # The progress bar.
+
+  directory = os.path.join(out, 'eval', f'avg2_step_{TRAIN_STEPS[-2]}-{TRAIN_STEPS[-1]}')
+  with open(os.path.join(directory, 'test.metrics.json'), encoding='utf-8') as f:
+    metrics = json.load(f)
+  with open(os.path.join(directory, 'test.hyp.txt'), encoding='utf-8') as f:
+    hypotheses = f.read().split('\n')[:-1]
+  assert len(hypotheses) == len(references) == metrics['decoding']['sentences']
+  assert metrics['bleu'] == pytest.approx(sacrebleu.corpus_bleu(hypotheses,
+                                                                [references]).score)
+  assert metrics['bleu'] > 30  # The fixture model has learned its word substitution.
+  assert metrics['checkpoint_steps'] == list(TRAIN_STEPS[-2:])
+  assert metrics['decoding']['beam_size'] == 2
+  assert metrics['decoding']['tokens_per_second'] > 0
+  assert metrics['paired_bootstrap']['bleu']['p_value'] < 0.05
+
+
+@pytest.mark.parametrize('flags,message', [
+    (['--workdir=/nonexistent/run'], 'does not exist'),
+    (['--step=100', '--average_last=2'], 'not both'),
+    (['--beam_size=many'], 'invalid flags'),
+    (['--step=999'], 'no checkpoint for step 999'),
+])
+def test_evaluate_command_rejects_bad_requests_with_exit_code_2(run_dir, flags, message):
+  if not any(f.startswith('--workdir') for f in flags):
+    flags = [f'--workdir={run_dir}'] + flags
+  result = _run('evaluate.py', *flags)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert message in result.stderr
+  assert 'Traceback' not in result.stderr

@@ -1,0 +1,151 @@
+"""translate.py: one output line per input line whatever the input; the attention heatmap."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+
+from test_translator import MAX_LEN, build_test_run
+from transformer_jax import attention_plot
+from transformer_jax import translator as translator_lib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Each entry is one input line's bytes (without its '\n').
+MIXED_LINES = [
+    b'the cat sees a dog',
+    b'',
+    ' '.join(['the big red house'] * 10).encode(),  # Far more than max_len tokens.
+    'die Katze 日本語のテキスト Ελληνικά العربية 🐈'.encode(),
+    b'a man \xff\xfe eats \xc3',  # Invalid UTF-8.
+    b'   \t ',
+    b'water runs\r',  # A CRLF line ending.
+    'red\x0cblue\u2028tree \x85 house'.encode(),  # Characters that str.splitlines splits on.
+    b'\x00',
+    b'small child',
+]
+
+
+@pytest.fixture(scope='module')
+def run_dir(tmp_path_factory) -> str:
+  return build_test_run(str(tmp_path_factory.getbasetemp() / 'translator_test_run'))
+
+
+@pytest.fixture(scope='module')
+def loaded(run_dir):
+  translator, checkpoint, _ = translator_lib.load_translator(run_dir)
+  return translator, checkpoint
+
+
+@pytest.fixture(scope='module')
+def mixed_file(tmp_path_factory) -> str:
+  path = tmp_path_factory.mktemp('input') / 'mixed.txt'
+  path.write_bytes(b'\n'.join(MIXED_LINES))  # The last line has no newline.
+  return str(path)
+
+
+def _translate(*flags: str, run_dir: str, stdin: bytes | None = None,
+               devices: int = 1) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  if devices > 1:
+    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  cache = os.path.join(os.path.dirname(run_dir), 'jax_cache')
+  return subprocess.run(
+      [sys.executable, 'translate.py', f'--workdir={run_dir}',
+       f'--compilation_cache_dir={cache}', *flags],
+      cwd=REPO, env=env, input=stdin if stdin is not None else b'', capture_output=True,
+      timeout=300)
+
+
+@pytest.fixture(scope='module')
+def file_run(run_dir, mixed_file, tmp_path_factory):
+  output = tmp_path_factory.mktemp('output') / 'out.txt'
+  result = _translate(f'--input={mixed_file}', f'--output={output}', run_dir=run_dir)
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  return output.read_bytes(), result.stderr.decode()
+
+
+def test_every_input_line_gives_one_output_line_in_order(loaded, file_run):
+  translator, _ = loaded
+  output, stderr = file_run
+  assert output.endswith(b'\n')
+  lines = output.decode('utf-8').split('\n')[:-1]
+  assert len(lines) == len(MIXED_LINES)
+  assert lines[1] == '' and lines[5] == ''
+  # Each line is what the model gives for that line, so nothing shifted.
+  texts = [translator_lib.decode_line(raw)[0] for raw in MIXED_LINES]
+  expected, stats = translator.translate(texts)
+  assert lines == expected
+  assert stats.truncated == (2,)
+  assert lines[0] and len(set(lines)) >= 6  # Real, differing translations.
+  assert 'line 3: longer than max_len=24' in stderr
+  assert 'line 5: invalid UTF-8' in stderr
+  assert 'line 1:' not in stderr and 'line 4:' not in stderr
+  assert f'{len(MIXED_LINES)} lines' in stderr and 'sentences/s' in stderr
+
+
+def test_stdin_on_two_devices_gives_the_same_lines(run_dir, mixed_file, file_run):
+  with open(mixed_file, 'rb') as f:
+    data = f.read()
+  result = _translate('--quiet', '--batch_size=4', run_dir=run_dir, stdin=data, devices=2)
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  assert result.stdout == file_run[0]
+  assert b'sentences/s' not in result.stderr
+
+
+def test_attention_heatmap_of_one_sentence(run_dir, file_run, tmp_path):
+  image = tmp_path / 'attention.png'
+  result = _translate('--text=the cat sees a dog', f'--attention_plot={image}',
+                      '--attention_heads=all', '--attention_layer=0', run_dir=run_dir)
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  assert MIXED_LINES[0] == b'the cat sees a dog'
+  assert result.stdout == file_run[0].split(b'\n')[0] + b'\n'
+  assert image.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_cross_attention_weights_and_labels(loaded, tmp_path):
+  translator, checkpoint = loaded
+  source = checkpoint.tokenizer.encode('the cat sees a dog')
+  output = checkpoint.tokenizer.encode('die katze sieht ein hund')
+  weights = attention_plot.cross_attention(checkpoint.model_config, checkpoint.params,
+                                           source, output, layer=-1)
+  assert weights.shape == (4, len(output), len(source))  # [heads, output, source]
+  np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
+  labels = attention_plot.pieces(checkpoint.tokenizer, source)
+  assert labels[-1] == '</s>' and ''.join(labels[:-1]).replace('\u2581', ' ').strip() == (
+      'the cat sees a dog')
+  output_labels = attention_plot.pieces(checkpoint.tokenizer, output)
+  fig = attention_plot.plot(weights, labels, output_labels, str(tmp_path / 'a.png'),
+                            heads='mean')
+  ax = fig.axes[0]
+  assert [t.get_text() for t in ax.get_xticklabels()] == labels
+  assert [t.get_text() for t in ax.get_yticklabels()] == output_labels
+  np.testing.assert_allclose(ax.images[0].get_array(), weights.mean(0), atol=1e-6)
+  plt.close(fig)
+  with pytest.raises(ValueError, match='layer=5 does not exist'):
+    attention_plot.cross_attention(checkpoint.model_config, checkpoint.params, source, output,
+                                   layer=5)
+  with pytest.raises(ValueError, match='head 9 does not exist'):
+    attention_plot.plot(weights, labels, output_labels, str(tmp_path / 'b.png'), heads=9)
+  assert translator.max_source_length == MAX_LEN
+
+
+@pytest.mark.parametrize('flags,message', [
+    (['--workdir=/nonexistent/run'], 'does not exist'),
+    (['--attention_plot=x.png'], 'give it as --text'),
+    (['--no_such_flag=1'], 'invalid flags'),
+    (['--input=/nonexistent/input.txt'], 'does not exist'),
+])
+def test_bad_requests_exit_with_code_2(run_dir, flags, message):
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  if not any(f.startswith('--workdir') for f in flags):
+    flags = [f'--workdir={run_dir}'] + flags
+  result = subprocess.run([sys.executable, 'translate.py', *flags], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert message in result.stderr and 'Traceback' not in result.stderr

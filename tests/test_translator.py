@@ -1,0 +1,289 @@
+"""The decoder behind evaluation and translation: search on the real model, batching, order.
+
+The shared fixture (`build_test_run`, also used by test_evaluate.py and test_translate_cli.py)
+trains a tiny Transformer for a few hundred steps on a word-substitution "English->German"
+corpus, so that outputs depend on the source and end with EOS, and writes three checkpoints
+in the layout `checkpointing` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import random
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from configs import tiny
+from transformer_jax import averaging
+from transformer_jax import checkpointing
+from transformer_jax import decode
+from transformer_jax import translator as translator_lib
+from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig
+from transformer_jax.models import Transformer
+from transformer_jax.tokenizer import train_tokenizer
+
+_EN = 'the cat dog house red blue big small runs sees eats a man woman child tree water'.split()
+_DE = ('die katze hund haus rot blau gross klein laeuft sieht isst ein mann frau kind baum '
+       'wasser').split()
+TRAIN_STEPS = (100, 150, 200)  # Checkpoints written.
+MAX_LEN = 24
+
+
+def _pairs(seed: int, count: int) -> list[tuple[str, str]]:
+  rng = random.Random(seed)
+  words = dict(zip(_EN, _DE))
+  pairs = []
+  for _ in range(count):
+    sentence = [rng.choice(_EN) for _ in range(rng.randint(1, 6))]
+    pairs.append((' '.join(sentence), ' '.join(words[w] for w in sentence)))
+  return pairs
+
+
+def fixture_config(root: str) -> ml_collections.ConfigDict:
+  """The run config of the fixture: configs/tiny.py on plain text files."""
+  config = tiny.get_config()
+  config.dataset = 'text'
+  config.text_files = ml_collections.ConfigDict({
+      'test': f'{root}/test.en,{root}/test.de'})
+  config.max_len = MAX_LEN
+  config.d_model, config.num_heads, config.d_ff = 32, 4, 64
+  config.num_encoder_layers, config.num_decoder_layers = 1, 2
+  config.dropout_rate = 0.0
+  config.bucket_boundaries = (16,)  # Buckets 16 and max_len: few shapes to compile.
+  config.decode_batch_size = 8
+  config.beam_size = 2
+  config.max_decode_extra_length = 8
+  config.mesh = ml_collections.ConfigDict({'data': -1, 'fsdp': 1, 'tensor': 1})
+  return config
+
+
+def build_test_run(root: str) -> str:
+  """Trains the tiny model once per session (idempotent) and returns its work directory."""
+  workdir = os.path.join(root, 'run')
+  if os.path.exists(os.path.join(root, 'READY')):
+    return workdir
+  os.makedirs(root, exist_ok=True)
+  train, test = _pairs(0, 2000), _pairs(1, 24)
+  for side, suffix in ((0, 'en'), (1, 'de')):
+    with open(os.path.join(root, f'test.{suffix}'), 'w', encoding='utf-8') as f:
+      f.write(''.join(p[side] + '\n' for p in test))
+  tokenizer = train_tokenizer([s for p in train for s in p], os.path.join(root, 'spm.model'),
+                              vocab_size=80)
+  config = fixture_config(root)
+  model_config = TransformerConfig.from_config(config, vocab_size=tokenizer.vocab_size)
+  length = 16
+
+  def batchify(pairs):
+    arrays = np.zeros((2, len(pairs), length), np.int32)
+    for i, pair in enumerate(pairs):
+      for side in (0, 1):
+        ids = tokenizer.encode(pair[side])[:length]
+        arrays[side, i, :len(ids)] = ids
+    return arrays
+
+  inputs, targets = batchify(train)
+  model = Transformer(model_config)
+  params = nn.unbox(model.init(jax.random.key(0), inputs[:2], targets[:2])['params'])
+  tx = optax.adam(3e-3)
+
+  @jax.jit
+  def step(params, opt_state, x, y):
+    def loss_fn(p):
+      log_probs = jax.nn.log_softmax(model.apply({'params': p}, x, y))
+      nll = -jnp.take_along_axis(log_probs, y[..., None], axis=-1)[..., 0]
+      return jnp.sum(nll * (y != PAD_ID)) / jnp.sum(y != PAD_ID)
+    grads = jax.grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  opt_state = tx.init(params)
+  meta = checkpointing.make_meta(config, tokenizer)
+  for i in range(1, TRAIN_STEPS[-1] + 1):
+    rows = np.random.default_rng(i).integers(0, len(inputs), 64)
+    params, opt_state = step(params, opt_state, inputs[rows], targets[rows])
+    if i in TRAIN_STEPS:
+      averaging.write_checkpoint(workdir, i, params, meta)
+  with open(os.path.join(root, 'READY'), 'w') as f:
+    f.write('ok\n')
+  return workdir
+
+
+@pytest.fixture(scope='module')
+def run_dir(tmp_path_factory) -> str:
+  return build_test_run(str(tmp_path_factory.getbasetemp() / 'translator_test_run'))
+
+
+@pytest.fixture(scope='module')
+def loaded(run_dir):
+  translator, checkpoint, steps = translator_lib.load_translator(run_dir, batch_size=4,
+                                                                 buckets=(8, 16))
+  assert steps == [TRAIN_STEPS[-1]]
+  return translator, checkpoint
+
+
+def _test_sources(run_dir: str) -> tuple[list[str], list[str]]:
+  root = os.path.dirname(run_dir)
+  read = lambda s: open(os.path.join(root, f'test.{s}'), encoding='utf-8').read().splitlines()
+  return read('en'), read('de')
+
+
+def _padded_inputs(tokenizer, texts, length):
+  inputs = np.full((len(texts), length), PAD_ID, np.int32)
+  for i, text in enumerate(texts):
+    ids = tokenizer.encode(text)
+    inputs[i, :len(ids)] = ids
+  return jnp.asarray(inputs)
+
+
+@functools.partial(jax.jit, static_argnames=('cfg', 'max_decode_len', 'beam_size'))
+def _model_level_searches(cfg, params, inputs, max_decode_len, beam_size):
+  """Greedy search and beam search (alpha 0) through the real model's cache."""
+  tokens_to_logits, cache = translator_lib.start_decoding(cfg, params, inputs, max_decode_len)
+  greedy = decode.greedy_search(tokens_to_logits, cache, inputs.shape[0], max_decode_len)
+  beam = decode.beam_search(tokens_to_logits, cache, inputs.shape[0], beam_size,
+                            max_decode_len, alpha=0.0)
+  return greedy, beam
+
+
+def test_beam_size_one_is_greedy_search_on_the_model(loaded, run_dir):
+  translator, checkpoint = loaded
+  sources, _ = _test_sources(run_dir)
+  inputs = _padded_inputs(checkpoint.tokenizer, sources[:8], 16)
+  (greedy_seqs, greedy_log_probs), (beam_seqs, beam_scores) = _model_level_searches(
+      checkpoint.model_config, checkpoint.params, inputs, max_decode_len=12, beam_size=1)
+  np.testing.assert_array_equal(beam_seqs[:, 0], greedy_seqs)
+  np.testing.assert_allclose(beam_scores[:, 0], greedy_log_probs, rtol=1e-5, atol=1e-5)
+  # The outputs are real translations: most rows stop with EOS before the limit.
+  assert np.mean(np.any(np.asarray(greedy_seqs) == EOS_ID, axis=1)) >= 0.75
+
+
+@functools.partial(jax.jit, static_argnames='cfg')
+def _teacher_forced_log_probs(cfg, params, inputs, sequences):
+  """log P(Y | X) by one full (uncached) forward pass, summed over Y's non-pad tokens."""
+  logits = Transformer(cfg).apply({'params': params}, inputs, sequences)
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
+  token = jnp.take_along_axis(log_probs, sequences[..., None], axis=-1)[..., 0]
+  return jnp.sum(jnp.where(sequences != PAD_ID, token, 0.0), axis=1)
+
+
+def test_beam_hypotheses_are_ordered_and_scored_by_the_full_forward_pass(loaded, run_dir):
+  translator, checkpoint = loaded
+  max_decode_len = 6  # Short enough that some hypotheses never finish.
+  cfg, params = checkpoint.model_config, checkpoint.params
+  sources, _ = _test_sources(run_dir)
+  inputs = _padded_inputs(checkpoint.tokenizer, sources[:8], 16)
+  options = translator_lib.DecodeOptions(beam_size=4, length_penalty=0.6)
+  sequences, scores = jax.jit(functools.partial(
+      translator_lib.search, cfg, options=options, max_decode_len=max_decode_len))(
+          params, inputs)
+  sequences, scores = np.asarray(sequences), np.asarray(scores)
+  assert sequences.shape == (8, 4, max_decode_len)
+  assert np.all(np.isfinite(scores))
+  finished = np.any(sequences == EOS_ID, axis=2)  # [batch, beam]
+  assert finished[:, 0].any() and not finished.all()
+  for row in range(8):
+    # Finished hypotheses first, each group in descending score order.
+    assert list(finished[row]) == sorted(finished[row], reverse=True)
+    for group in (scores[row][finished[row]], scores[row][~finished[row]]):
+      assert np.all(np.diff(group) <= 1e-6)
+  flat = sequences.reshape(-1, max_decode_len)
+  log_probs = np.asarray(_teacher_forced_log_probs(
+      cfg, params, jnp.repeat(inputs, 4, axis=0), jnp.asarray(flat)))
+  lengths = np.sum(flat != PAD_ID, axis=1)
+  penalty = np.asarray(decode.length_penalty(lengths, 0.6, 'gnmt'))
+  np.testing.assert_allclose(scores.reshape(-1), log_probs / penalty, rtol=2e-4, atol=2e-4)
+
+
+def test_cached_greedy_decoding_equals_rerunning_the_full_model(loaded, run_dir):
+  translator, checkpoint = loaded
+  cfg, params = checkpoint.model_config, checkpoint.params
+  sources, _ = _test_sources(run_dir)
+  inputs = _padded_inputs(checkpoint.tokenizer, sources[:6], 16)
+  limit = 10
+  cached, _ = jax.jit(functools.partial(
+      translator_lib.search, cfg, options=translator_lib.DecodeOptions(beam_size=1),
+      max_decode_len=limit))(params, inputs)
+  cached = np.asarray(cached[:, 0])
+
+  # Uncached: at step t run the whole model on the prefix; the causal mask makes the
+  # placeholder tokens after position t irrelevant to the logits at t.
+  full = jax.jit(lambda targets: Transformer(cfg).apply({'params': params}, inputs, targets))
+  prefix = np.full((6, limit), 4, np.int32)
+  done = np.zeros(6, bool)
+  uncached = np.full((6, limit), PAD_ID, np.int32)
+  for t in range(limit):
+    logits = np.array(full(jnp.asarray(prefix))[:, t])
+    logits[:, PAD_ID] = -np.inf
+    token = np.where(done, PAD_ID, np.argmax(logits, axis=-1))
+    uncached[:, t] = token
+    prefix[:, t] = np.where(done, 4, token)
+    done |= token == EOS_ID
+  np.testing.assert_array_equal(cached, uncached)
+
+
+def test_batches_keep_input_order_and_do_not_change_translations(loaded, run_dir):
+  translator, _ = loaded
+  sources, references = _test_sources(run_dir)
+  texts = [sources[0], ''] + sources[1:12] + ['   ']
+  outputs, stats = translator.translate(texts)
+  assert len(outputs) == len(texts)
+  assert outputs[1] == '' and outputs[-1] == ''
+  assert stats.truncated == ()
+  compiled = translator.num_compiled
+  assert compiled <= 2  # Buckets 8 and 16: one compiled shape each, not one per sentence.
+  # Mostly right: the fixture model has learned the word substitution.
+  hits = [o == r for o, r in zip([outputs[0]] + outputs[2:13], references[:12])]
+  assert sum(hits) >= 8, list(zip(outputs, texts))
+
+  # The same sentences in another order and with other batch mates, same shapes.
+  subset = [11, 3, 0, 7, 2, 9, 5, 1]
+  again, _ = translator.translate([texts[i] for i in subset])
+  assert again == [outputs[i] for i in subset]
+  assert translator.num_compiled == compiled
+
+
+def test_translator_without_partitioner_gives_the_same_output(loaded, run_dir):
+  translator, checkpoint = loaded
+  sources, _ = _test_sources(run_dir)
+  plain = translator_lib.Translator(checkpoint.model_config, checkpoint.params,
+                                    checkpoint.tokenizer, translator.options)
+  ids = [i for i in map(checkpoint.tokenizer.encode, sources) if len(i) <= 8][:6]
+  assert len(ids) >= 4  # All in bucket 8: one shape to compile.
+  sharded_hyps, _ = translator.translate_ids(ids)
+  plain_hyps, stats = plain.translate_ids(ids)
+  assert [h.tokens for h in plain_hyps] == [h.tokens for h in sharded_hyps]
+  np.testing.assert_allclose([h.score for h in plain_hyps], [h.score for h in sharded_hyps],
+                             rtol=1e-5)
+  assert stats.output_tokens == sum(h.length for h in plain_hyps)
+  assert stats.tokens_per_second > 0 and stats.sentences_per_second > 0
+
+
+def test_long_sources_are_cut_to_max_len_and_outputs_are_limited(loaded):
+  translator, checkpoint = loaded
+  ids, cut = translator.encode_source(' '.join(['water'] * 40))
+  assert cut and len(ids) == MAX_LEN and ids[-1] == EOS_ID
+  short, cut = translator.encode_source('the cat')
+  assert not cut and short == checkpoint.tokenizer.encode('the cat')
+  assert translator.buckets == (8, 16, MAX_LEN)
+  assert translator.max_decode_len(8) == 8 + 8
+  learned = translator_lib.Translator(
+      dataclasses.replace(checkpoint.model_config, positional_encoding='learned'),
+      checkpoint.params, checkpoint.tokenizer, translator.options)
+  assert learned.max_decode_len(16) == MAX_LEN  # Its position table ends at max_len.
+  with pytest.raises(ValueError, match='longer than max_len'):
+    translator.bucket_for(MAX_LEN + 1)
+
+
+def test_decode_options_reject_bad_values():
+  with pytest.raises(ValueError, match='beam_size'):
+    translator_lib.DecodeOptions(beam_size=0)
+  with pytest.raises(ValueError, match='length_penalty_form'):
+    translator_lib.DecodeOptions(length_penalty_form='exp')

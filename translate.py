@@ -1,0 +1,169 @@
+r"""Translates text with a trained checkpoint: one output line for every input line, always.
+
+  python translate.py --workdir=/tmp/tiny < input.en > output.de
+  python translate.py --workdir=DIR --input=input.en --output=output.de --average_last=5
+  python translate.py --workdir=DIR --text='The cat sat on the mat.' \
+      --attention_plot=attention.png --attention_layer=-1 --attention_heads=mean
+
+An empty line gives an empty line; a line longer than the model's max_len tokens is cut and
+a warning names its line number on stderr; invalid UTF-8 is replaced (U+FFFD) and warned about.
+Lines are split on '\n' only. Reading from a terminal translates each line as it is typed.
+--attention_plot draws the encoder-decoder attention of the --text sentence as a heatmap
+labelled with its subword pieces ('mean' over heads, 'all' heads, or one head's index).
+
+Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory or checkpoint problem
+(explained in one paragraph, no traceback).
+"""
+
+import io
+import os
+import sys
+
+from absl import app
+from absl import flags
+from absl import logging
+
+_WORKDIR = flags.DEFINE_string('workdir', None, "A training run's work directory.")
+_STEP = flags.DEFINE_integer('step', None, 'The checkpoint step (default: the latest).')
+_AVERAGE_LAST = flags.DEFINE_integer('average_last', 0,
+                                     'Average the last N checkpoints (0: no averaging).')
+_INPUT = flags.DEFINE_string('input', '-', "Input file, one sentence a line ('-': stdin).")
+_OUTPUT = flags.DEFINE_string('output', '-', "Output file ('-': stdout).")
+_TEXT = flags.DEFINE_string('text', None, 'Translate this one sentence instead of --input.')
+_BEAM_SIZE = flags.DEFINE_integer('beam_size', None, 'Beam size; 1 is greedy search.')
+_LENGTH_PENALTY = flags.DEFINE_float('length_penalty', None, 'Length penalty alpha.')
+_LENGTH_PENALTY_FORM = flags.DEFINE_enum('length_penalty_form', None, ['gnmt', 'power'],
+                                         'gnmt: ((5+|Y|)/6)^alpha; power: |Y|^alpha.')
+_EXTRA_LENGTH = flags.DEFINE_integer('max_decode_extra_length', None,
+                                     'Output limit = source length + this.')
+_BATCH_SIZE = flags.DEFINE_integer('batch_size', None, 'Sentences decoded together.')
+_CHUNK_LINES = flags.DEFINE_integer(
+    'chunk_lines', 0, 'Lines read and sorted by length together (0: 16 batches; 1 from a '
+    'terminal).')
+_ATTENTION_PLOT = flags.DEFINE_string(
+    'attention_plot', None, 'With --text: save its encoder-decoder attention heatmap here '
+    '(.png, .pdf, .svg).')
+_ATTENTION_LAYER = flags.DEFINE_integer('attention_layer', -1,
+                                        'Decoder layer to draw (0-based; -1: the last).')
+_ATTENTION_HEADS = flags.DEFINE_string('attention_heads', 'mean',
+                                       "'mean' over heads, 'all' (one panel each) or an index.")
+_CACHE_DIR = flags.DEFINE_string('compilation_cache_dir', None,
+                                 'A persistent JAX compilation cache (reused across runs).')
+_QUIET = flags.DEFINE_bool('quiet', False, 'No speed summary on stderr.')
+
+
+def _fail(message: str) -> None:
+  print(f'translate.py: error: {message}', file=sys.stderr)
+  sys.exit(2)
+
+
+def _warn(message: str) -> None:
+  print(f'translate.py: warning: {message}', file=sys.stderr, flush=True)
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    _fail(f'invalid flags: {e}. Run with --helpfull for the flags.')
+
+
+def _check_flags() -> None:
+  if not _WORKDIR.value:
+    _fail('--workdir is required: the directory of a training run.')
+  if not os.path.isdir(_WORKDIR.value):
+    _fail(f'--workdir={_WORKDIR.value} does not exist.')
+  if _STEP.value is not None and _AVERAGE_LAST.value:
+    _fail('give --step or --average_last, not both.')
+  if _AVERAGE_LAST.value < 0 or _CHUNK_LINES.value < 0:
+    _fail('--average_last and --chunk_lines must be >= 0.')
+  if _TEXT.value is not None and _INPUT.value != '-':
+    _fail('give --text or --input, not both.')
+  if _INPUT.value != '-' and not os.path.isfile(_INPUT.value):
+    _fail(f'--input={_INPUT.value} does not exist.')
+  if _ATTENTION_PLOT.value and _TEXT.value is None:
+    _fail('--attention_plot draws one sentence: give it as --text.')
+  heads = _ATTENTION_HEADS.value
+  if heads not in ('mean', 'all') and not heads.isdigit():
+    _fail(f"--attention_heads={heads!r} must be 'mean', 'all' or a head index.")
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    _fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
+  quiet_logs = not flags.FLAGS['verbosity'].present
+  if quiet_logs:  # Orbax logs every restore at INFO and WARNING; keep stderr readable.
+    logging.set_verbosity(logging.ERROR)
+  _check_flags()
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from transformer_jax import translator as translator_lib
+  from transformer_jax.config import ConfigError
+  # pylint: enable=g-import-not-at-top
+  if _CACHE_DIR.value:
+    jax.config.update('jax_compilation_cache_dir', _CACHE_DIR.value)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  try:
+    translator, _, steps = translator_lib.load_translator(
+        _WORKDIR.value, step=_STEP.value, average_last=_AVERAGE_LAST.value,
+        beam_size=_BEAM_SIZE.value, length_penalty=_LENGTH_PENALTY.value,
+        length_penalty_form=_LENGTH_PENALTY_FORM.value,
+        max_decode_extra_length=_EXTRA_LENGTH.value, batch_size=_BATCH_SIZE.value)
+  except (FileNotFoundError, ValueError, ConfigError) as e:
+    _fail(str(e))
+  if quiet_logs:
+    logging.set_verbosity(logging.WARNING)
+
+  if _OUTPUT.value == '-':
+    output = io.TextIOWrapper(sys.stdout.buffer, encoding='utf-8', errors='replace',
+                              newline='\n', write_through=True)
+  else:
+    output = open(_OUTPUT.value, 'w', encoding='utf-8', newline='\n')
+  if _TEXT.value is not None:
+    source = io.BytesIO((_TEXT.value + '\n').encode('utf-8', errors='replace'))
+  elif _INPUT.value == '-':
+    source = sys.stdin.buffer
+  else:
+    source = open(_INPUT.value, 'rb')
+  interactive = _TEXT.value is None and _INPUT.value == '-' and sys.stdin.isatty()
+  chunk_lines = 1 if interactive else (
+      _CHUNK_LINES.value or 16 * translator.options.batch_size)
+
+  def write(line: str) -> None:
+    output.write(line)
+    if interactive:
+      output.flush()
+
+  try:
+    stats = translator_lib.translate_lines(translator, source, write, _warn, chunk_lines)
+  finally:
+    output.flush()
+    if _OUTPUT.value == '-':
+      output.detach()  # Leave sys.stdout open.
+    else:
+      output.close()
+    if source is not sys.stdin.buffer:
+      source.close()
+  if not _QUIET.value:
+    print(f'translate.py: {stats.sentences} lines (checkpoint steps {steps}) in '
+          f'{stats.decode_seconds:.1f}s (+{stats.compile_seconds:.1f}s compiling): '
+          f'{stats.sentences_per_second:.1f} sentences/s, {stats.tokens_per_second:.1f} '
+          'output tokens/s.', file=sys.stderr)
+
+  if _ATTENTION_PLOT.value:
+    from transformer_jax import attention_plot  # pylint: disable=g-import-not-at-top
+    source_ids, _ = translator.encode_source(_TEXT.value)
+    [hypothesis], _ = translator.translate_ids([source_ids])
+    heads = _ATTENTION_HEADS.value
+    try:
+      attention_plot.draw(translator.model_config, translator.params, translator.tokenizer,
+                          source_ids, hypothesis.tokens, _ATTENTION_PLOT.value,
+                          layer=_ATTENTION_LAYER.value,
+                          heads=int(heads) if heads.isdigit() else heads)
+    except ValueError as e:
+      _fail(str(e))
+    print(f'translate.py: wrote {_ATTENTION_PLOT.value}', file=sys.stderr)
+
+
+if __name__ == '__main__':
+  app.run(main, flags_parser=_parse_flags)
