@@ -7,6 +7,8 @@ import zlib
 import pytest
 
 from transformer_jax import bible_en_es
+from transformer_jax import input_pipeline
+from transformer_jax.config import base_config
 
 
 def test_osis_to_text_strips_markup_notes_headings_and_strongs():
@@ -114,3 +116,17 @@ def test_text_is_clean_and_misaligned_chapters_are_dropped(splits):
   # Spanish verse division differs here (Jonah 1:17 is Spanish 2:1).
   assert not any(ref.startswith(('Jonah.2.', 'Num.13.')) for ref in verses)
   assert 'Jonah.3.1' in splits['train'] and 'Num.14.1' in splits['train']
+
+
+@needs_modules
+def test_open_split_iterates_every_pair_once(tmp_path):
+  # Regression: array-record sources raise ValueError, not IndexError, past the end, so a
+  # plain `for pair in split` never stopped.
+  bible_en_es.prepare(str(tmp_path))
+  config = base_config()
+  config.dataset, config.source_lang, config.target_lang = 'bible_en_es', 'en', 'es'
+  config.tfds_data_dir = str(tmp_path)
+  pairs = input_pipeline.open_split(config, 'test')
+  listed = list(pairs)
+  assert len(listed) == len(pairs) == 1378
+  assert listed[-1] == pairs[-1]

@@ -91,7 +91,10 @@ class ParallelText(Sequence):
     return len(self._records)
 
   def __getitem__(self, index: int) -> tuple[str, str]:
-    record = self._records[index]
+    # Sequence iteration stops at IndexError; array-record sources raise ValueError instead.
+    if not -len(self) <= index < len(self):
+      raise IndexError(f'{self.name}: index {index} out of range ({len(self)} pairs)')
+    record = self._records[index % len(self)]
     return _text(record[self._source_key]), _text(record[self._target_key])
 
 
