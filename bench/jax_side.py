@@ -1,0 +1,354 @@
+"""The JAX side of the benchmark: the real train step, decoding, matmul peak, token budgets.
+
+Run by `bench.run` as a worker process (see `bench/worker.py`); its environment sets the XLA
+thread flags. Everything here uses the project's own code paths: `train_lib.create_train_state`
+and `train_lib.jit_train_step` for training, and the same encode -> init_cache -> search
+function that `translator.search` builds, with one change: the end-of-sequence logit is
+masked, so that every system generates exactly the requested number of tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from bench import flops, worker
+from transformer_jax import decode, optimizer, train_lib
+from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig, base_config
+from transformer_jax.models import Transformer
+from transformer_jax.partitioning import Partitioner
+
+# The paper's Table 3 sizes, plus a tiny one for --quick runs and tests.
+MODEL_SIZES = {
+    'base': dict(d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6,
+                 num_decoder_layers=6, dropout_rate=0.1),
+    'big': dict(d_model=1024, num_heads=16, d_ff=4096, num_encoder_layers=6,
+                num_decoder_layers=6, dropout_rate=0.3),
+    'tiny': dict(d_model=64, num_heads=4, d_ff=256, num_encoder_layers=2,
+                 num_decoder_layers=2, dropout_rate=0.1),
+}
+FIRST_ORDINARY_ID = 4  # Ids 0-3 are pad, bos, eos, unk.
+
+
+def run_config(model: str, vocab_size: int, dtype: str = 'float32',
+               remat: str = 'none') -> ml_collections.ConfigDict:
+  """The run config of a benchmark model: `base_config()` with the size's fields."""
+  config = base_config()
+  config.update(MODEL_SIZES[model])
+  config.vocab_size = vocab_size
+  config.dtype = dtype
+  config.remat_policy = remat
+  return config
+
+
+def random_batch(rows: int, source_length: int, target_length: int, vocab_size: int,
+                 seed: int = 0) -> dict[str, np.ndarray]:
+  """A training batch of unpadded rows of random ordinary ids, every key of `BATCH_KEYS`."""
+  rng = np.random.default_rng(seed)
+  def side(length):
+    tokens = rng.integers(FIRST_ORDINARY_ID, vocab_size, (rows, length), dtype=np.int32)
+    tokens[:, -1] = EOS_ID
+    return (tokens, np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
+            np.ones((rows, length), np.int32))
+  inputs, inputs_position, inputs_segmentation = side(source_length)
+  targets, targets_position, targets_segmentation = side(target_length)
+  return dict(inputs=inputs, targets=targets, inputs_position=inputs_position,
+              targets_position=targets_position, inputs_segmentation=inputs_segmentation,
+              targets_segmentation=targets_segmentation)
+
+
+def memory_bytes(compiled: Any) -> int | None:
+  """Device memory a compiled step needs: arguments + outputs - donated + temporaries."""
+  try:
+    m = compiled.memory_analysis()
+  except Exception:  # Not every backend implements it.
+    return None
+  if m is None:
+    return None
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+
+
+def xla_flops(compiled: Any) -> float | None:
+  """XLA's own FLOP count of a compiled function (all ops, rematerialization included)."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:
+    return None
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  return float(cost['flops']) if cost and 'flops' in cost else None
+
+
+def device_memory_stats() -> dict[str, Any]:
+  stats = jax.local_devices()[0].memory_stats() or {}
+  return {k: stats[k] for k in ('peak_bytes_in_use', 'bytes_limit') if k in stats}
+
+
+class _TrainSetup:
+  """The train step of `train_lib` for one model size and batch shape."""
+
+  def __init__(self, model: str, dtype: str, rows: int, source_length: int,
+               target_length: int, vocab_size: int, remat: str, seed: int = 0):
+    self.config = run_config(model, vocab_size, dtype, remat)
+    self.model_config = TransformerConfig.from_config(self.config)
+    self.partitioner = Partitioner.from_config(self.config)
+    opt_config = optimizer.OptimizerConfig.from_config(self.config, self.model_config.d_model)
+    self.tx, self.schedule = optimizer.create_optimizer(opt_config)
+    self.abstract, self.shardings = train_lib.abstract_state(
+        self.model_config, self.tx, self.partitioner)
+    self.step_config = train_lib.StepConfig(model=self.model_config, seed=seed,
+                                            label_smoothing=self.config.label_smoothing)
+    self.step = train_lib.jit_train_step(self.step_config, self.tx, self.schedule,
+                                         self.partitioner, self.shardings)
+    self.shape = (rows, source_length, target_length)
+    self.seed = seed
+
+  def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+    rows, source_length, target_length = self.shape
+    sharding = self.partitioner.batch_sharding
+    return {k: jax.ShapeDtypeStruct((rows, target_length if k.startswith('targets')
+                                     else source_length), jnp.int32, sharding=sharding)
+            for k in train_lib.BATCH_KEYS}
+
+  def compile(self) -> tuple[Any, float]:
+    start = time.perf_counter()
+    with self.partitioner.activate():
+      compiled = self.step.lower(self.abstract, self.abstract_batch()).compile()
+    return compiled, time.perf_counter() - start
+
+
+class TrainTask:
+  """One full training step (forward, backward, Adam update) of `train_lib.train_step`."""
+
+  def __init__(self, model: str = 'base', dtype: str = 'float32', rows: int = 8,
+               source_length: int = 64, target_length: int = 64, vocab_size: int = 37000,
+               remat: str = 'none'):
+    self.train = _TrainSetup(model, dtype, rows, source_length, target_length, vocab_size,
+                             remat)
+
+  def setup(self) -> dict[str, Any]:
+    t = self.train
+    rows, source_length, target_length = t.shape
+    start = time.perf_counter()
+    self.state = train_lib.create_train_state(t.seed, t.model_config, t.tx, t.partitioner,
+                                              t.shardings)
+    jax.block_until_ready(self.state)
+    init_s = time.perf_counter() - start
+    self.compiled, compile_s = t.compile()
+    self.batch = t.partitioner.shard_batch(random_batch(
+        rows, source_length, target_length, t.model_config.vocab_size))
+    start = time.perf_counter()
+    self.run()
+    first_step_s = time.perf_counter() - start
+    return {
+        'compile_s': compile_s,
+        'init_s': init_s,
+        'first_step_s': first_step_s,
+        'params': train_lib.count_params(self.state.params),
+        'source_tokens': rows * source_length,
+        'target_tokens': rows * target_length,
+        'model_flops': flops.batch_flops(t.model_config, [source_length] * rows,
+                                         [target_length] * rows),
+        'xla_flops': xla_flops(self.compiled),
+        'compiled_memory_bytes': memory_bytes(self.compiled),
+        'device_memory': device_memory_stats(),
+        'device': jax.devices()[0].device_kind,
+        'loss_per_token': float(self.metrics['loss'] / self.metrics['tokens']),
+    }
+
+  def run(self) -> None:
+    self.state, self.metrics = self.compiled(self.state, self.batch)
+    jax.block_until_ready((self.state, self.metrics))
+
+
+def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: jax.Array,
+                        beam_size: int, output_length: int, alpha: float = 0.6) -> jax.Array:
+  """Encode, create the cache and search, as `translator.search`, with EOS never chosen.
+
+  Random weights stop at arbitrary times; masking the end-of-sequence logit makes every
+  hypothesis exactly `output_length` tokens long, as min = max length does for the others.
+
+  Returns:
+    int32 [batch, output_length], the best hypothesis of each row.
+  """
+  model = Transformer(dataclasses.replace(model_config, decode=True, deterministic=True))
+  encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
+  _, variables = model.apply({'params': params}, encoded, inputs, output_length,
+                             method=Transformer.init_cache, mutable=['cache'])
+
+  def tokens_to_logits(tokens, cache):
+    logits, new_variables = model.apply(
+        {'params': params, 'cache': cache}, None, None, tokens,
+        method=Transformer.decode, mutable=['cache'])
+    logits = logits[:, 0].at[:, EOS_ID].set(-jnp.inf)  # [batch, vocab]
+    return logits, new_variables['cache']
+
+  batch_size = inputs.shape[0]
+  if beam_size == 1:
+    sequences, _ = decode.greedy_search(tokens_to_logits, variables['cache'], batch_size,
+                                        output_length)
+    return sequences
+  sequences, _ = decode.beam_search(tokens_to_logits, variables['cache'], batch_size,
+                                    beam_size, output_length, alpha=alpha)
+  return sequences[:, 0]
+
+
+class DecodeTask:
+  """Greedy or beam search over a batch of random sources, fixed output length."""
+
+  def __init__(self, model: str = 'base', dtype: str = 'float32', batch: int = 32,
+               source_length: int = 32, output_length: int = 32, beam_size: int = 1,
+               vocab_size: int = 37000):
+    config = run_config(model, vocab_size, dtype)
+    self.model_config = TransformerConfig.from_config(config, deterministic=True)
+    self.shape = (batch, source_length, output_length)
+    self.beam_size = beam_size
+
+  def setup(self) -> dict[str, Any]:
+    batch, source_length, output_length = self.shape
+    cfg = self.model_config
+    tokens = jnp.ones((1, 8), jnp.int32)
+    self.params = jax.jit(lambda rng: Transformer(cfg).init(rng, tokens, tokens)['params'])(
+        jax.random.key(0))
+    self.inputs = jnp.asarray(random_batch(batch, source_length, 1, cfg.vocab_size)['inputs'])
+    fn = jax.jit(lambda params, inputs: fixed_length_search(
+        cfg, params, inputs, self.beam_size, output_length))
+    start = time.perf_counter()
+    self.compiled = fn.lower(self.params, self.inputs).compile()
+    compile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    self.run()
+    first_s = time.perf_counter() - start
+    out = np.asarray(self.output)
+    lengths = (out != PAD_ID).sum(axis=1)
+    if not (lengths == output_length).all() or (out == EOS_ID).any():
+      raise AssertionError(f'outputs are not all {output_length} tokens: {lengths}')
+    return {'compile_s': compile_s, 'first_s': first_s,
+            'generated_tokens': int(lengths.sum()),
+            'device_memory': device_memory_stats(),
+            'device': jax.devices()[0].device_kind}
+
+  def run(self) -> None:
+    self.output = self.compiled(self.params, self.inputs)
+    jax.block_until_ready(self.output)
+
+
+class MatmulTask:
+  """Square matrix multiplies through XLA: the measured peak a step is compared with."""
+
+  def __init__(self, n: int = 2048, dtype: str = 'float32', reps: int = 1,
+               precision: str = 'default'):
+    self.n, self.dtype, self.reps, self.precision = n, jnp.dtype(dtype), reps, precision
+
+  def setup(self) -> dict[str, Any]:
+    n, reps = self.n, self.reps
+    key_a, key_b = jax.random.split(jax.random.key(0))
+    self.a = jax.random.normal(key_a, (n, n), self.dtype)
+    self.b = (jax.random.normal(key_b, (n, n), jnp.float32) / math.sqrt(n)).astype(self.dtype)
+    precision = jax.lax.Precision[self.precision.upper()]
+
+    def chain(a, b):  # reps dependent multiplies, so one dispatch covers them all.
+      return jax.lax.fori_loop(0, reps, lambda _, x: jnp.dot(x, b, precision=precision), a)
+    start = time.perf_counter()
+    self.compiled = jax.jit(chain).lower(self.a, self.b).compile()
+    compile_s = time.perf_counter() - start
+    self.run()
+    return {'flops_per_iter': 2.0 * n ** 3 * reps, 'compile_s': compile_s,
+            'device': jax.devices()[0].device_kind}
+
+  def run(self) -> None:
+    jax.block_until_ready(self.compiled(self.a, self.b))
+
+
+class BudgetTask:
+  """The largest token budget whose train step fits the device's memory.
+
+  Rows of `length` tokens (source and target alike) are added until XLA's memory analysis
+  of the compiled step exceeds the device's limit; the largest size found is then run once
+  to confirm it. Reports tokens per side (the paper's 25,000 is per side).
+  """
+
+  def __init__(self, model: str = 'base', dtype: str = 'bfloat16', remat: str = 'none',
+               length: int = 64, vocab_size: int = 37000, limit_bytes: int | None = None,
+               start_tokens: int = 25000, max_doublings: int = 6, row_multiple: int = 8):
+    self.args = (model, dtype, remat, length, vocab_size)
+    self.limit_bytes = limit_bytes
+    self.start_tokens, self.max_doublings = start_tokens, max_doublings
+    self.multiple = row_multiple
+
+  def _fits(self, rows: int) -> tuple[bool, int | None]:
+    model, dtype, remat, length, vocab_size = self.args
+    setup = _TrainSetup(model, dtype, rows, length, length, vocab_size, remat)
+    try:
+      compiled, _ = setup.compile()
+    except Exception as e:  # XLA may refuse at compile time.
+      if 'RESOURCE_EXHAUSTED' in str(e) or 'memory' in str(e).lower():
+        return False, None
+      raise
+    need = memory_bytes(compiled)
+    return (need is not None and need <= self.limit_bytes), need
+
+  def _runs(self, rows: int) -> bool:
+    model, dtype, remat, length, vocab_size = self.args
+    task = TrainTask(model, dtype, rows, length, length, vocab_size, remat)
+    try:
+      task.setup()
+      return True
+    except Exception as e:
+      if 'RESOURCE_EXHAUSTED' in str(e) or 'out of memory' in str(e).lower():
+        return False
+      raise
+    finally:
+      del task
+      jax.clear_caches()
+
+  def setup(self) -> dict[str, Any]:
+    if self.limit_bytes is None:
+      self.limit_bytes = device_memory_stats().get('bytes_limit')
+    if self.limit_bytes is None:
+      raise RuntimeError('the device reports no memory limit; pass limit_bytes.')
+    length, m = self.args[3], self.multiple
+    round_rows = lambda r: max(m, int(r) // m * m)
+    probes = {}
+    lo, hi = 0, round_rows(math.ceil(self.start_tokens / length / m) * m)
+    for _ in range(self.max_doublings + 1):  # Find a size that does not fit.
+      ok, probes[hi] = self._fits(hi)
+      if not ok:
+        break
+      lo, hi = hi, hi * 2
+    else:
+      hi = None  # Everything tried fits; report the largest as a lower bound.
+    while hi is not None and hi - lo > max(m, lo // 32):  # Within 3%.
+      mid = round_rows((lo + hi) // 2)
+      if mid in (lo, hi):
+        break
+      ok, probes[mid] = self._fits(mid)
+      lo, hi = (mid, hi) if ok else (lo, mid)
+    confirmed = False
+    while lo > 0 and not confirmed:
+      confirmed = self._runs(lo)
+      if not confirmed:
+        lo = round_rows(lo * 0.95) if lo > m else 0
+    return {'rows': lo, 'length': length, 'tokens_per_side': lo * length,
+            'upper_bound_found': hi is not None, 'confirmed_by_running': confirmed,
+            'limit_bytes': self.limit_bytes,
+            'probes': {str(k): v for k, v in sorted(probes.items())},
+            'device': jax.devices()[0].device_kind}
+
+  def run(self) -> None:
+    pass
+
+
+FACTORIES = {'train': TrainTask, 'decode': DecodeTask, 'matmul': MatmulTask,
+             'budget': BudgetTask}
+
+if __name__ == '__main__':
+  worker.serve(FACTORIES, extra_exit_info=lambda: {'device_memory': device_memory_stats()})

@@ -1,0 +1,249 @@
+"""The reference side: Hugging Face `MarianMTModel` (PyTorch) and CTranslate2, same dimensions.
+
+`MarianMTModel` is the Transformer of the paper as Marian trains it: post-norm, ReLU,
+sinusoidal positions, embeddings scaled by sqrt(d_model) and one matrix shared by the source
+and target embeddings and the output projection. It is built from a `MarianConfig` with
+random weights (nothing is downloaded). CTranslate2 gets the same model through its
+Transformers converter, from a copy saved to a temporary directory.
+
+Differences that do not change the work measured: Marian keeps its pad id last
+(`vocab_size - 1`) and starts the decoder from it, where this project uses ids 0 (pad) and
+1 (bos); CTranslate2's converter drops that last pad row, so its vocabulary is one smaller;
+Marian adds a (frozen) bias to the logits.
+
+Run by `bench.run` as a worker process (see `bench/worker.py`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from bench import worker
+
+EOS_ID = 2  # As in this project; Marian's pad is vocab_size - 1.
+FIRST_ORDINARY_ID = 4
+
+MODEL_SIZES = {
+    'base': dict(d_model=512, heads=8, d_ff=2048, layers=6),
+    'big': dict(d_model=1024, heads=16, d_ff=4096, layers=6),
+    'tiny': dict(d_model=64, heads=4, d_ff=256, layers=2),
+}
+THREADS = int(os.environ.get('BENCH_THREADS', '2'))
+
+
+def _torch():
+  import torch  # Imported late: a GPU machine may run the JAX side without torch.
+  torch.set_num_threads(THREADS)
+  return torch
+
+
+def marian_config(model: str, vocab_size: int, max_length: int = 512, dropout: float = 0.1):
+  """A `MarianConfig` with this project's dimensions (the paper's base or big model)."""
+  import transformers
+  size = MODEL_SIZES[model]
+  pad = vocab_size - 1
+  return transformers.MarianConfig(
+      vocab_size=vocab_size, d_model=size['d_model'],
+      encoder_layers=size['layers'], decoder_layers=size['layers'],
+      encoder_attention_heads=size['heads'], decoder_attention_heads=size['heads'],
+      encoder_ffn_dim=size['d_ff'], decoder_ffn_dim=size['d_ff'],
+      activation_function='relu', dropout=dropout, attention_dropout=0.0,
+      activation_dropout=0.0, scale_embedding=True, share_encoder_decoder_embeddings=True,
+      tie_word_embeddings=True, max_position_embeddings=max_length,
+      pad_token_id=pad, eos_token_id=EOS_ID, decoder_start_token_id=pad,
+      forced_eos_token_id=None, bos_token_id=None)
+
+
+def marian_model(model: str, vocab_size: int, attn_implementation: str | None = None):
+  """A randomly initialised `MarianMTModel` (seeded)."""
+  torch = _torch()
+  import transformers
+  torch.manual_seed(0)
+  kwargs = {} if attn_implementation is None else {'attn_implementation': attn_implementation}
+  return transformers.MarianMTModel(marian_config(model, vocab_size), **kwargs)
+
+
+def random_ids(rows: int, length: int, vocab_size: int, seed: int = 0) -> np.ndarray:
+  """Ordinary ids (neither this project's specials nor Marian's pad), EOS last."""
+  ids = np.random.default_rng(seed).integers(FIRST_ORDINARY_ID, vocab_size - 1,
+                                             (rows, length), dtype=np.int64)
+  ids[:, -1] = EOS_ID
+  return ids
+
+
+class TorchTrainTask:
+  """A full training step of `MarianMTModel`: forward, label-smoothed loss, backward, Adam."""
+
+  def __init__(self, model: str = 'base', rows: int = 8, source_length: int = 64,
+               target_length: int = 64, vocab_size: int = 37000,
+               attn_implementation: str | None = None, fused_adam: bool = False):
+    self.args = (model, rows, source_length, target_length, vocab_size)
+    self.attn_implementation, self.fused_adam = attn_implementation, fused_adam
+
+  def setup(self) -> dict[str, Any]:
+    torch = _torch()
+    model, rows, source_length, target_length, vocab_size = self.args
+    start = time.perf_counter()
+    self.model = marian_model(model, vocab_size, self.attn_implementation).train()
+    init_s = time.perf_counter() - start
+    self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4, betas=(0.9, 0.98),
+                                      eps=1e-9, fused=self.fused_adam or None)
+    self.inputs = torch.from_numpy(random_ids(rows, source_length, vocab_size))
+    targets = random_ids(rows, target_length, vocab_size, seed=1)
+    self.labels = torch.from_numpy(targets)
+    decoder_inputs = np.concatenate(
+        [np.full((rows, 1), vocab_size - 1), targets[:, :-1]], axis=1)
+    self.decoder_inputs = torch.from_numpy(decoder_inputs)
+    self.mask = torch.ones_like(self.inputs)
+    start = time.perf_counter()
+    self.run()
+    first_step_s = time.perf_counter() - start
+    return {'init_s': init_s, 'first_step_s': first_step_s,
+            'params': sum(p.numel() for p in self.model.parameters()),
+            'attn_implementation': self.model.config._attn_implementation,
+            'torch': torch.__version__, 'threads': torch.get_num_threads(),
+            'loss_per_token': self.loss}
+
+  def run(self) -> None:
+    torch = _torch()
+    logits = self.model(input_ids=self.inputs, attention_mask=self.mask,
+                        decoder_input_ids=self.decoder_inputs).logits
+    # Sum over tokens, divided once by their count, as train_lib does.
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), self.labels.reshape(-1),
+        label_smoothing=0.1, reduction='sum') / self.labels.numel()
+    loss.backward()
+    self.optimizer.step()
+    self.optimizer.zero_grad(set_to_none=True)
+    self.loss = float(loss.detach())
+
+
+class GenerateTask:
+  """`MarianMTModel.generate`: greedy or beam search with exactly `output_length` tokens."""
+
+  def __init__(self, model: str = 'base', batch: int = 32, source_length: int = 32,
+               output_length: int = 32, beam_size: int = 1, vocab_size: int = 37000,
+               alpha: float = 0.6):
+    self.args = (model, batch, source_length, output_length, beam_size, vocab_size, alpha)
+
+  def setup(self) -> dict[str, Any]:
+    torch = _torch()
+    model, batch, source_length, output_length, beam_size, vocab_size, _ = self.args
+    self.model = marian_model(model, vocab_size).eval()
+    self.inputs = torch.from_numpy(random_ids(batch, source_length, vocab_size))
+    start = time.perf_counter()
+    self.run()
+    first_s = time.perf_counter() - start
+    generated = self.output.shape[1] - 1  # The decoder start token comes first.
+    if generated != output_length:
+      raise AssertionError(f'generate produced {generated} tokens, not {output_length}.')
+    return {'first_s': first_s, 'generated_tokens': batch * generated,
+            'attn_implementation': self.model.config._attn_implementation}
+
+  def run(self) -> None:
+    torch = _torch()
+    _, _, _, output_length, beam_size, _, alpha = self.args
+    with torch.inference_mode():
+      self.output = self.model.generate(
+          input_ids=self.inputs, attention_mask=torch.ones_like(self.inputs),
+          num_beams=beam_size, do_sample=False, max_new_tokens=output_length,
+          min_new_tokens=output_length, num_return_sequences=1,
+          **(dict(length_penalty=alpha, early_stopping=False) if beam_size > 1 else {}))
+
+
+class _VocabularyOnly:
+  """What the CTranslate2 converter reads from a tokenizer; a random model has none."""
+
+  def __init__(self, vocab_size: int):
+    tokens = [f't{i}' for i in range(vocab_size)]
+    tokens[EOS_ID], tokens[3], tokens[vocab_size - 1] = '</s>', '<unk>', '<pad>'
+    self.tokens = tokens
+    self.eos_token, self.unk_token, self.pad_token, self.bos_token = (
+        '</s>', '<unk>', '<pad>', None)
+
+  def get_vocab(self) -> dict[str, int]:
+    return {token: i for i, token in enumerate(self.tokens)}
+
+
+def convert_to_ctranslate2(model, vocab_size: int, output_dir: str) -> str:
+  """Saves `model` and converts it with `ctranslate2.converters.TransformersConverter`."""
+  import ctranslate2
+  source_dir = os.path.join(output_dir, 'marian')
+  model.save_pretrained(source_dir)
+
+  class Converter(ctranslate2.converters.TransformersConverter):
+    def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
+      return _VocabularyOnly(vocab_size)
+
+  return Converter(source_dir).convert(os.path.join(output_dir, 'ct2'), force=True)
+
+
+class CTranslate2Task:
+  """`ctranslate2.Translator.translate_batch` with exactly `output_length` tokens."""
+
+  def __init__(self, model: str = 'base', batch: int = 32, source_length: int = 32,
+               output_length: int = 32, beam_size: int = 1, vocab_size: int = 37000,
+               alpha: float = 0.6, compute_type: str = 'float32'):
+    self.args = (model, batch, source_length, output_length, beam_size, vocab_size, alpha)
+    self.compute_type = compute_type
+
+  def setup(self) -> dict[str, Any]:
+    import ctranslate2
+    model, batch, source_length, output_length, _, vocab_size, _ = self.args
+    self.tmp = tempfile.TemporaryDirectory(prefix='bench_ct2_')
+    start = time.perf_counter()
+    ct2_dir = convert_to_ctranslate2(marian_model(model, vocab_size), vocab_size,
+                                     self.tmp.name)
+    convert_s = time.perf_counter() - start
+    self.translator = ctranslate2.Translator(
+        ct2_dir, device='cpu', compute_type=self.compute_type, inter_threads=1,
+        intra_threads=THREADS)
+    vocab = _VocabularyOnly(vocab_size).tokens
+    self.sources = [[vocab[i] for i in row]
+                    for row in random_ids(batch, source_length, vocab_size)]
+    start = time.perf_counter()
+    self.run()
+    first_s = time.perf_counter() - start
+    lengths = [len(r.hypotheses[0]) for r in self.results]
+    if set(lengths) != {output_length}:
+      raise AssertionError(f'CTranslate2 produced lengths {sorted(set(lengths))}, not '
+                           f'{output_length}.')
+    return {'convert_s': convert_s, 'first_s': first_s, 'generated_tokens': sum(lengths),
+            'ctranslate2': ctranslate2.__version__, 'compute_type': self.compute_type}
+
+  def run(self) -> None:
+    _, _, _, output_length, beam_size, _, alpha = self.args
+    self.results = self.translator.translate_batch(
+        self.sources, beam_size=beam_size, max_decoding_length=output_length,
+        min_decoding_length=output_length, length_penalty=alpha, max_batch_size=0,
+        return_scores=False)
+
+
+class TorchMatmulTask:
+  """Square float32 matrix multiplies through PyTorch (oneMKL/oneDNN on this build)."""
+
+  def __init__(self, n: int = 2048):
+    self.n = n
+
+  def setup(self) -> dict[str, Any]:
+    torch = _torch()
+    generator = torch.Generator().manual_seed(0)
+    self.a = torch.randn(self.n, self.n, generator=generator)
+    self.b = torch.randn(self.n, self.n, generator=generator) / self.n ** 0.5
+    self.run()
+    return {'flops_per_iter': 2.0 * self.n ** 3, 'threads': torch.get_num_threads()}
+
+  def run(self) -> None:
+    self.c = self.a @ self.b
+
+
+FACTORIES = {'torch_train': TorchTrainTask, 'hf_generate': GenerateTask,
+             'ct2_translate': CTranslate2Task, 'torch_matmul': TorchMatmulTask}
+
+if __name__ == '__main__':
+  worker.serve(FACTORIES)

@@ -1,0 +1,514 @@
+"""Benchmark command: every comparison in one process tree, one table, one JSON file.
+
+    python -m bench.run [--quick] [--json=bench.json] [--threads=2] [--platform=auto]
+
+Each system runs in its own worker process (`bench/worker.py`) whose environment fixes its
+thread count: XLA's flags for JAX, `torch.set_num_threads` for PyTorch, `intra_threads` for
+CTranslate2. The parent never imports JAX or PyTorch. Workers of one comparison are set up
+one after the other (so compile times are not inflated by each other), then timed in
+alternating rounds, so that load from elsewhere on a shared machine hits both sides alike;
+each ratio is the median of the per-round ratios.
+
+On a CPU backend: matmul peak (XLA and PyTorch), a base-model fp32 training step against
+Hugging Face `MarianMTModel`, and greedy / beam-4 decoding against `generate` and
+CTranslate2 (each reference is skipped when its package is not importable). On a GPU
+backend: the bf16 matmul peak, base and big bf16 steps of 25,000 tokens a side, the largest
+token budget that fits with and without rematerialization, and decoding at batch 32 and at
+large bucketed batches; no reference systems (they would run on the host CPU).
+See bench/README.md for what each figure means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from transformer_jax.config import TransformerConfig
+
+from bench import flops
+from bench.jax_side import MODEL_SIZES
+
+GIB = 1024 ** 3
+MAIN_JOB_RSS_GOAL = 8 * GIB
+
+
+class Worker:
+  """A worker process of `bench/worker.py`, driven over its stdin/stdout."""
+
+  def __init__(self, label: str, module: str, specs: list[dict[str, Any]],
+               env: dict[str, str], log_dir: str):
+    self.label = label
+    self.log_path = os.path.join(log_dir, f'{label}.log')
+    self.log = open(self.log_path, 'w')
+    start = time.perf_counter()
+    self.process = subprocess.Popen(
+        [sys.executable, '-m', module, json.dumps(specs)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1)
+    self.ready = self._receive()['ready']
+    self.startup_s = time.perf_counter() - start
+    self.exit_info: dict[str, Any] = {}
+
+  def _receive(self) -> dict[str, Any]:
+    line = self.process.stdout.readline()
+    if not line:
+      self.log.flush()
+      with open(self.log_path) as f:
+        tail = f.read()[-3000:]
+      raise RuntimeError(f'worker {self.label} died (exit {self.process.wait()}):\n{tail}')
+    return json.loads(line)
+
+  def ok(self, task: str) -> bool:
+    return task in self.ready and 'error' not in self.ready[task]
+
+  def time(self, task: str, iters: int) -> list[float]:
+    self.process.stdin.write(json.dumps({'task': task, 'iters': iters}) + '\n')
+    self.process.stdin.flush()
+    return self._receive()['times']
+
+  def close(self) -> dict[str, Any]:
+    self.process.stdin.write(json.dumps({'exit': True}) + '\n')
+    self.process.stdin.flush()
+    self.exit_info = self._receive()
+    self.process.wait()
+    self.log.close()
+    return self.exit_info
+
+
+def interleave(workers: dict[str, tuple[Worker, str]], rounds: int,
+               iters: int) -> dict[str, list[list[float]]]:
+  """Times each (worker, task) for `iters` iterations a round, alternating the order."""
+  times: dict[str, list[list[float]]] = {name: [] for name in workers}
+  names = [n for n, (w, task) in workers.items() if w.ok(task)]
+  for r in range(rounds):
+    for name in (names if r % 2 == 0 else names[::-1]):
+      w, task = workers[name]
+      times[name].append(w.time(task, iters))
+  return times
+
+
+def summarize(rounds: list[list[float]]) -> dict[str, float] | None:
+  if not rounds:
+    return None
+  flat = sorted(t for r in rounds for t in r)
+  q = statistics.quantiles(flat, n=4) if len(flat) > 1 else [flat[0]] * 3
+  return {'median_s': statistics.median(flat), 'min_s': flat[0], 'p25_s': q[0],
+          'p75_s': q[2], 'n': len(flat),
+          'round_medians_s': [statistics.median(r) for r in rounds]}
+
+
+def paired_speedup(ours: dict | None, ref: dict | None) -> float | None:
+  """Median over rounds of (reference time / our time): > 1 means we are faster."""
+  if not ours or not ref:
+    return None
+  pairs = [b / a for a, b in zip(ours['round_medians_s'], ref['round_medians_s'])]
+  return statistics.median(pairs)
+
+
+def best_speedup(ours: dict | None, ref: dict | None) -> float | None:
+  """Reference's fastest iteration over ours: the least load-sensitive comparison."""
+  if not ours or not ref:
+    return None
+  return ref['min_s'] / ours['min_s']
+
+
+# --- Environments. ---
+
+
+def jax_env(threads: int, platform_name: str, extra_xla_flags: str) -> dict[str, str]:
+  env = dict(os.environ)
+  flags = [extra_xla_flags] if extra_xla_flags else []
+  if platform_name == 'cpu':
+    flags.insert(0, f'--xla_cpu_multi_thread_eigen=true '
+                    f'intra_op_parallelism_threads={threads}')
+    env['JAX_PLATFORMS'] = 'cpu'
+  else:
+    env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.95')
+  env['XLA_FLAGS'] = ' '.join([env.get('XLA_FLAGS', '')] + flags).strip()
+  env.update(OMP_NUM_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL='2')
+  return env
+
+
+def torch_env(threads: int) -> dict[str, str]:
+  env = dict(os.environ)
+  env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+             BENCH_THREADS=str(threads), TOKENIZERS_PARALLELISM='false',
+             HF_HUB_OFFLINE='1', TRANSFORMERS_VERBOSITY='error', CUDA_VISIBLE_DEVICES='')
+  return env
+
+
+def detect_backend(env: dict[str, str]) -> str:
+  out = subprocess.run([sys.executable, '-c', 'import jax; print(jax.default_backend())'],
+                       env=env, capture_output=True, text=True, check=True)
+  return out.stdout.strip().splitlines()[-1]
+
+
+def importable(module: str) -> bool:
+  return importlib.util.find_spec(module) is not None
+
+
+# --- Plans. ---
+
+
+@dataclasses.dataclass
+class Sizes:
+  model: str
+  vocab: int
+  train_rows: int
+  train_length: int
+  decode_batch: int
+  decode_source: int
+  decode_output: int
+  matmul_n: int
+  rounds: int
+  train_iters: int
+  decode_iters: int
+
+
+def cpu_sizes(quick: bool) -> Sizes:
+  if quick:
+    return Sizes('tiny', 1000, 4, 16, 8, 8, 8, 512, 2, 2, 2)
+  return Sizes('base', 37000, 8, 64, 32, 32, 32, 2048, 5, 3, 2)
+
+
+def model_config(model: str, vocab: int) -> TransformerConfig:
+  return TransformerConfig(vocab_size=vocab, **{k: v for k, v in MODEL_SIZES[model].items()
+                                                if k != 'dropout_rate'})
+
+
+def run_cpu(args, results: dict[str, Any], log_dir: str) -> None:
+  s = cpu_sizes(args.quick)
+  jenv = jax_env(args.threads, 'cpu', args.xla_flags)
+  tenv = torch_env(args.threads)
+  has_torch = importable('torch') and importable('transformers')
+  has_ct2 = has_torch and importable('ctranslate2')
+  results['sizes'] = dataclasses.asdict(s)
+  results['references'] = {'transformers': has_torch, 'ctranslate2': has_ct2}
+
+  # 1. Matrix-multiply peak: what both training steps are measured against.
+  n = s.matmul_n
+  only = set(args.only.split(',')) if args.only else {'train', 'decode'}
+  group = {'xla': (Worker('peak_jax', 'bench.jax_side',
+                          [dict(name='mm', kind='matmul', n=n)], jenv, log_dir), 'mm')}
+  if has_torch:
+    group['torch'] = (Worker('peak_torch', 'bench.marian',
+                             [dict(name='mm', kind='torch_matmul', n=n)], tenv, log_dir), 'mm')
+  times = interleave(group, s.rounds, 3)
+  peak = {}
+  for name, (w, task) in group.items():
+    st = summarize(times[name])
+    if st:
+      peak[name] = w.ready[task]['flops_per_iter'] / st['min_s']
+    w.close()
+  results['matmul_peak_flops'] = peak
+  machine_peak = max(peak.values())
+  results['machine_peak_flops'] = machine_peak
+
+  # 2. Training step, same batch, fp32; 3. decoding.
+  if 'train' in only:
+    run_cpu_train(args, s, results, log_dir, jenv, tenv, has_torch, machine_peak)
+  if 'decode' in only:
+    run_cpu_decode(args, s, results, log_dir, jenv, tenv, has_torch, has_ct2)
+
+
+def run_cpu_train(args, s, results, log_dir, jenv, tenv, has_torch, machine_peak):
+  """Training step: ours against MarianMTModel, the same batch shape, fp32."""
+  rows, length = s.train_rows, s.train_length
+  cfg = model_config(s.model, s.vocab)
+  step_flops = flops.batch_flops(cfg, [length] * rows, [length] * rows)
+  tokens = 2 * rows * length
+  group = {'jax': (Worker('train_jax', 'bench.jax_side', [dict(
+      name='train', kind='train', model=s.model, rows=rows, source_length=length,
+      target_length=length, vocab_size=s.vocab)], jenv, log_dir), 'train')}
+  if has_torch:
+    group['torch'] = (Worker('train_torch', 'bench.marian', [dict(
+        name='train', kind='torch_train', model=s.model, rows=rows, source_length=length,
+        target_length=length, vocab_size=s.vocab)], tenv, log_dir), 'train')
+  times = interleave(group, s.rounds, s.train_iters)
+  train = {'model_flops_per_step': step_flops, 'tokens_per_step': tokens,
+           'batch': f'{rows} x {length} source + {length} target, no padding'}
+  for name, (w, task) in group.items():
+    st = summarize(times[name])
+    entry = {'setup': w.ready[task], 'startup_s': w.startup_s, 'times': st}
+    if st:
+      entry['tokens_per_s'] = tokens / st['median_s']
+      entry['mfu'] = flops.mfu(step_flops, st['median_s'], machine_peak)
+      entry['mfu_best'] = flops.mfu(step_flops, st['min_s'], machine_peak)
+    entry['exit'] = w.close()
+    train[name] = entry
+  train['speedup_vs_torch'] = paired_speedup(train['jax'].get('times'),
+                                             train.get('torch', {}).get('times'))
+  train['best_speedup_vs_torch'] = best_speedup(train['jax'].get('times'),
+                                                train.get('torch', {}).get('times'))
+  results['train'] = train
+
+
+def run_cpu_decode(args, s, results, log_dir, jenv, tenv, has_torch, has_ct2):
+  """Decoding: batch, fixed output length, greedy and beam 4."""
+  dec = dict(model=s.model, batch=s.decode_batch, source_length=s.decode_source,
+             output_length=s.decode_output, vocab_size=s.vocab)
+  beams = {'greedy': 1, 'beam4': 4}
+  workers = {'jax': Worker('decode_jax', 'bench.jax_side', [
+      dict(name=k, kind='decode', beam_size=b, **dec) for k, b in beams.items()], jenv,
+                           log_dir)}
+  if has_torch:
+    workers['hf'] = Worker('decode_hf', 'bench.marian', [
+        dict(name=k, kind='hf_generate', beam_size=b, **dec) for k, b in beams.items()],
+                           tenv, log_dir)
+  if has_ct2:
+    workers['ct2'] = Worker('decode_ct2', 'bench.marian', [
+        dict(name=k, kind='ct2_translate', beam_size=b, **dec) for k, b in beams.items()],
+                            tenv, log_dir)
+  decoding = {'shape': dec}
+  for search in beams:
+    times = interleave({name: (w, search) for name, w in workers.items()}, s.rounds,
+                       s.decode_iters)
+    entry = {}
+    for name, w in workers.items():
+      st = summarize(times[name])
+      e = {'setup': w.ready[search], 'times': st}
+      if st:
+        e['tokens_per_s'] = s.decode_batch * s.decode_output / st['median_s']
+      entry[name] = e
+    entry['speedup_vs_hf'] = paired_speedup(entry['jax']['times'],
+                                            entry.get('hf', {}).get('times'))
+    entry['speedup_vs_ct2'] = paired_speedup(entry['jax']['times'],
+                                             entry.get('ct2', {}).get('times'))
+    for ref in ('hf', 'ct2'):
+      entry[f'best_speedup_vs_{ref}'] = best_speedup(entry['jax']['times'],
+                                                     entry.get(ref, {}).get('times'))
+    decoding[search] = entry
+  decoding['exit'] = {name: w.close() for name, w in workers.items()}
+  results['decode'] = decoding
+
+
+def gpu_sizes(quick: bool) -> dict[str, Any]:
+  if quick:  # Plumbing only: tiny shapes, which also run on a CPU with --platform=gpu.
+    return dict(models=['tiny'], vocab=1000, length=16, tokens=256, matmul_n=512,
+                matmul_reps=2, decode_batches=[8, 32], decode_source=8, decode_output=8,
+                rounds=2, iters=2, budget_doublings=3)
+  return dict(models=['base', 'big'], vocab=37000, length=64, tokens=25000, matmul_n=8192,
+              matmul_reps=10, decode_batches=[32, 256, 1024], decode_source=32,
+              decode_output=32, rounds=3, iters=3, budget_doublings=6)
+
+
+def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
+  g = gpu_sizes(args.quick)
+  env = jax_env(args.threads, 'gpu', args.xla_flags)
+  results['sizes'] = g
+  results['references'] = 'skipped on GPU: the reference systems would run on the host CPU'
+  dtype = 'bfloat16'
+
+  def solo(label, specs, rounds, iters):
+    """One worker at a time, so that device memory peaks are its own."""
+    w = Worker(label, 'bench.jax_side', specs, env, log_dir)
+    times = {spec['name']: summarize(interleave({spec['name']: (w, spec['name'])},
+                                                rounds, iters)[spec['name']])
+             for spec in specs if spec['kind'] != 'budget'}
+    exit_info = w.close()
+    return w.ready, times, exit_info
+
+  ready, times, _ = solo('peak_gpu', [
+      dict(name='bf16', kind='matmul', n=g['matmul_n'], dtype='bfloat16',
+           reps=g['matmul_reps']),
+      dict(name='fp32', kind='matmul', n=g['matmul_n'], dtype='float32',
+           reps=g['matmul_reps'], precision='highest')], g['rounds'], 3)
+  peak = {k: ready[k]['flops_per_iter'] / times[k]['min_s'] for k in times if times[k]}
+  results['matmul_peak_flops'] = peak
+  results['machine_peak_flops'] = peak['bf16']
+
+  rows = -(-g['tokens'] // g['length'])
+  rows = -(-rows // 8) * 8
+  train, budgets = {}, {}
+  for model in g['models']:
+    cfg = model_config(model, g['vocab'])
+    step_flops = flops.batch_flops(cfg, [g['length']] * rows, [g['length']] * rows)
+    ready, times, exit_info = solo(f'train_{model}', [dict(
+        name='train', kind='train', model=model, dtype=dtype, rows=rows,
+        source_length=g['length'], target_length=g['length'], vocab_size=g['vocab'])],
+                                   g['rounds'], g['iters'])
+    entry = {'setup': ready['train'], 'times': times.get('train'), 'exit': exit_info,
+             'model_flops_per_step': step_flops, 'tokens_per_step': 2 * rows * g['length'],
+             'batch': f'{rows} x {g["length"]} source + {g["length"]} target, bf16'}
+    if entry['times']:
+      entry['tokens_per_s'] = entry['tokens_per_step'] / entry['times']['median_s']
+      entry['mfu'] = flops.mfu(step_flops, entry['times']['median_s'], peak['bf16'])
+    train[model] = entry
+    for remat in ('none', 'full'):
+      spec = dict(name='budget', kind='budget', model=model, dtype=dtype, remat=remat,
+                  length=g['length'], vocab_size=g['vocab'], start_tokens=g['tokens'],
+                  max_doublings=g['budget_doublings'])
+      if args.memory_limit_gib:
+        spec['limit_bytes'] = int(args.memory_limit_gib * GIB)
+      ready, _, _ = solo(f'budget_{model}_{remat}', [spec], 0, 0)
+      budgets[f'{model}/{remat}'] = ready['budget']
+  results['train'] = train
+  results['token_budget'] = budgets
+
+  decoding = {}
+  for batch in g['decode_batches']:
+    specs = [dict(name=f'{k}_b{batch}', kind='decode', model=g['models'][0], dtype=dtype,
+                  batch=batch, source_length=g['decode_source'],
+                  output_length=g['decode_output'], beam_size=b, vocab_size=g['vocab'])
+             for k, b in (('greedy', 1), ('beam4', 4))]
+    ready, times, exit_info = solo(f'decode_b{batch}', specs, g['rounds'], g['iters'])
+    for spec in specs:
+      t = times.get(spec['name'])
+      decoding[spec['name']] = {
+          'setup': ready[spec['name']], 'times': t,
+          'tokens_per_s': batch * g['decode_output'] / t['median_s'] if t else None}
+  results['decode'] = decoding
+
+
+# --- The table. ---
+
+
+def _fmt(x, spec='.1f', scale=1.0, suffix=''):
+  return '-' if x is None else f'{x * scale:{spec}}{suffix}'
+
+
+def table(results: dict[str, Any]) -> str:
+  lines = []
+  add = lines.append
+  env = results['environment']
+  add(f"transformer_jax benchmark ({env['backend']}, {env['threads']} threads, "
+      f"{env['cpu']}); load average {env['load_before'][0]:.2f} before, "
+      f"{env['load_after'][0]:.2f} after (1 min)")
+  add('')
+  peak = results['matmul_peak_flops']
+  add('Matrix-multiply peak (measured): ' + ', '.join(
+      f'{k} {v / 1e9:.1f} GFLOP/s' for k, v in peak.items())
+      + f"; MFU below is against {results['machine_peak_flops'] / 1e9:.1f} GFLOP/s")
+  add('')
+  row = '{:<34} {:>14} {:>14} {:>14} {:>10}'
+  if env['plan'] == 'cpu' and 'train' in results:
+    t = results['train']
+    add(f"Training step ({results['sizes']['model']}, fp32, {t['batch']}; "
+        f"{t['model_flops_per_step'] / 1e9:.1f} model GFLOP/step)")
+    add(row.format('', 'JAX (ours)', 'PyTorch HF', 'ours/theirs', ''))
+    j, p = t['jax'], t.get('torch', {})
+    add(row.format('tokens/s (source+target)', _fmt(j.get('tokens_per_s')),
+                   _fmt(p.get('tokens_per_s')), _fmt(t['speedup_vs_torch'], '.2f', 1, 'x'),
+                   ''))
+    add(row.format('step time, median s', _fmt((j.get('times') or {}).get('median_s'), '.3f'),
+                   _fmt((p.get('times') or {}).get('median_s'), '.3f'), '', ''))
+    add(row.format('step time, best s', _fmt((j.get('times') or {}).get('min_s'), '.3f'),
+                   _fmt((p.get('times') or {}).get('min_s'), '.3f'),
+                   _fmt(t['best_speedup_vs_torch'], '.2f', 1, 'x'), ''))
+    add(row.format('MFU vs machine matmul peak', _fmt(j.get('mfu'), '.1%'),
+                   _fmt(p.get('mfu'), '.1%'), '', ''))
+    add(row.format('MFU at the best step', _fmt(j.get('mfu_best'), '.1%'),
+                   _fmt(p.get('mfu_best'), '.1%'), '', ''))
+    add(row.format('compile s / first step s',
+                   f"{_fmt(j['setup'].get('compile_s'))} / "
+                   f"{_fmt(j['setup'].get('first_step_s'))}",
+                   f"- / {_fmt(p.get('setup', {}).get('first_step_s'))}", '', ''))
+    add(row.format('peak RSS GiB', _fmt(j['exit']['peak_rss_bytes'], '.2f', 1 / GIB),
+                   _fmt(p.get('exit', {}).get('peak_rss_bytes'), '.2f', 1 / GIB), '', ''))
+    add(f"  main job (JAX train) peak RSS goal < 8 GiB: "
+        f"{'met' if j['exit']['peak_rss_bytes'] < MAIN_JOB_RSS_GOAL else 'NOT met'}")
+    add('')
+  if env['plan'] == 'cpu' and 'decode' in results:
+    d = results['decode']
+    add(f"Decoding ({results['sizes']['model']}, fp32, batch {d['shape']['batch']}, source "
+        f"{d['shape']['source_length']}, exactly {d['shape']['output_length']} generated "
+        'tokens; generated tokens/s of the best hypothesis)')
+    row5 = '{:<20} {:>11} {:>11} {:>11} {:>9} {:>9} {:>12}'
+    add(row5.format('', 'JAX (ours)', 'HF generate', 'CTranslate2', 'ours/HF', 'ours/CT2',
+                    'JAX compile s'))
+    for search in ('greedy', 'beam4'):
+      e = d[search]
+      add(row5.format(search, _fmt(e['jax'].get('tokens_per_s')),
+                      _fmt(e.get('hf', {}).get('tokens_per_s')),
+                      _fmt(e.get('ct2', {}).get('tokens_per_s')),
+                      _fmt(e['speedup_vs_hf'], '.2f', 1, 'x'),
+                      _fmt(e['speedup_vs_ct2'], '.2f', 1, 'x'),
+                      _fmt(e['jax']['setup'].get('compile_s'))))
+      add(row5.format('  best iteration', '', '', '',
+                      _fmt(e['best_speedup_vs_hf'], '.2f', 1, 'x'),
+                      _fmt(e['best_speedup_vs_ct2'], '.2f', 1, 'x'), ''))
+    add(row5.format('peak RSS GiB', *[_fmt(d['exit'].get(k, {}).get('peak_rss_bytes'), '.2f',
+                                           1 / GIB) for k in ('jax', 'hf', 'ct2')], '', '',
+                    ''))
+  if env['plan'] == 'gpu':
+    add(row.format('Training step, bf16', 'tokens/s', 'MFU', 'compile s', 'peak GiB'))
+    for model, e in results['train'].items():
+      mem = e['exit'].get('device_memory', {}).get('peak_bytes_in_use')
+      add(row.format(f"{model}: {e['batch']}", _fmt(e.get('tokens_per_s'), '.0f'),
+                     _fmt(e.get('mfu'), '.1%'), _fmt(e['setup'].get('compile_s')),
+                     _fmt(mem, '.1f', 1 / GIB)))
+      if 'error' in e['setup']:
+        add(f"  {model}: {e['setup']['error']}")
+    add('')
+    add(row.format('Largest token budget', 'tokens/side', 'rows x len', 'confirmed', ''))
+    for key, b in results['token_budget'].items():
+      if 'error' in b:
+        add(f'  {key}: {b["error"]}')
+        continue
+      add(row.format(f'{key} (model/remat)', b['tokens_per_side'],
+                     f"{b['rows']} x {b['length']}", str(b['confirmed_by_running']), ''))
+    add('')
+    add(row.format('Decoding, bf16', 'tokens/s', 'compile s', '', ''))
+    for name, e in results['decode'].items():
+      add(row.format(name, _fmt(e['tokens_per_s'], '.0f'),
+                     _fmt(e['setup'].get('compile_s')), '', ''))
+  return '\n'.join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--quick', action='store_true', help='tiny sizes, few iterations')
+  parser.add_argument('--json', default='', help='write all results to this path')
+  parser.add_argument('--threads', type=int, default=2)
+  parser.add_argument('--platform', choices=('auto', 'cpu', 'gpu'), default='auto',
+                      help="'gpu' runs the GPU plan on whatever backend JAX has")
+  parser.add_argument('--xla_flags', '--xla-flags', default='',
+                      help='extra XLA_FLAGS for the JAX workers (experiments)')
+  parser.add_argument('--only', default='',
+                      help='comma-separated subset of train,decode (CPU plan; the peak always runs)')
+  parser.add_argument('--memory_limit_gib', '--memory-limit-gib', type=float, default=0,
+                      help='token-budget limit when the device reports none (CPU)')
+  args = parser.parse_args(argv)
+
+  backend = detect_backend(jax_env(args.threads, 'auto', ''))
+  plan = backend if args.platform == 'auto' else args.platform
+  plan = 'cpu' if plan == 'cpu' else 'gpu'
+  results: dict[str, Any] = {'environment': {
+      'backend': backend, 'plan': plan, 'threads': args.threads,
+      'cpu': platform.processor() or platform.machine(), 'cpus': os.cpu_count(),
+      'load_before': os.getloadavg(), 'quick': args.quick, 'xla_flags': args.xla_flags,
+      'python': sys.version.split()[0]}}
+  try:
+    with open('/proc/cpuinfo') as f:
+      names = [l.split(':', 1)[1].strip() for l in f if l.startswith('model name')]
+    results['environment']['cpu'] = names[0] if names else results['environment']['cpu']
+  except OSError:
+    pass
+  start = time.perf_counter()
+  with tempfile.TemporaryDirectory(prefix='bench_logs_') as log_dir:
+    (run_cpu if plan == 'cpu' else run_gpu)(args, results, log_dir)
+  results['environment']['load_after'] = os.getloadavg()
+  results['environment']['wall_s'] = time.perf_counter() - start
+  results['environment']['parent_peak_rss_bytes'] = (
+      __import__('resource').getrusage(__import__('resource').RUSAGE_SELF).ru_maxrss * 1024)
+  text = table(results)
+  results['table'] = text
+  print(text)
+  if args.json:
+    with open(args.json, 'w') as f:
+      json.dump(results, f, indent=1, default=str)
+    print(f'\nwrote {args.json}')
+  return results
+
+
+if __name__ == '__main__':
+  main()

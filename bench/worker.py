@@ -1,0 +1,95 @@
+"""The benchmark's process protocol: a worker sets measurements up once, then times rounds.
+
+Every system under test (JAX, PyTorch, CTranslate2) runs in its own process, started by
+`bench.run` with the thread settings in its environment. A worker is started as
+
+    python -m bench.<side> '<JSON list of task specs>'
+
+builds each task (compilation, model creation, conversion: timed, reported as setup), prints
+one JSON line `{"ready": {task: info}}`, then answers JSON commands read from stdin:
+
+    {"task": name, "iters": n}  ->  {"times": [seconds of each of the n iterations]}
+    {"exit": true}              ->  {"peak_rss_bytes": ..., ...} and the process ends.
+
+The protocol has its own file descriptor (a duplicate of the original stdout); stdout itself
+is pointed at stderr, so that library chatter, even from C++, cannot corrupt it. Rounds of two
+systems are interleaved by the parent, so that a noisy, shared machine slows both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+
+class Task(Protocol):
+  """One measurement. `setup` returns facts to report (compile seconds, shapes, memory)."""
+
+  def setup(self) -> dict[str, Any]: ...
+
+  def run(self) -> None:
+    """One timed iteration; returns when the work is finished (results blocked on)."""
+
+
+def peak_rss_bytes() -> int:
+  """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def serve(factories: Mapping[str, Callable[..., Task]],
+          extra_exit_info: Callable[[], dict[str, Any]] | None = None) -> None:
+  """Runs the worker side of the protocol for the task kinds in `factories`.
+
+  Args:
+    factories: task kind -> constructor taking the spec's other fields as keyword arguments.
+    extra_exit_info: adds facts to the exit message (e.g. device memory peaks).
+  """
+  channel = os.fdopen(os.dup(1), 'w', buffering=1)
+  os.dup2(2, 1)
+  sys.stdout = sys.stderr
+
+  def send(message: dict[str, Any]) -> None:
+    channel.write(json.dumps(message) + '\n')
+    channel.flush()
+
+  specs = json.loads(sys.argv[1])
+  tasks: dict[str, Task] = {}
+  ready: dict[str, Any] = {}
+  for spec in specs:
+    spec = dict(spec)
+    name, kind = spec.pop('name'), spec.pop('kind')
+    start = time.perf_counter()
+    try:
+      task = factories[kind](**spec)
+      info = task.setup()
+    except Exception as e:  # Reported, so that the other measurements still run.
+      traceback.print_exc()
+      ready[name] = {'error': f'{type(e).__name__}: {str(e)[:300]}'}
+      continue
+    info.setdefault('setup_s', time.perf_counter() - start)
+    info['rss_after_setup_bytes'] = peak_rss_bytes()
+    tasks[name] = task
+    ready[name] = info
+  send({'ready': ready})
+
+  for line in sys.stdin:
+    command = json.loads(line)
+    if command.get('exit'):
+      info = {'peak_rss_bytes': peak_rss_bytes()}
+      if extra_exit_info is not None:
+        info.update(extra_exit_info())
+      send(info)
+      return
+    task = tasks[command['task']]
+    times = []
+    for _ in range(command['iters']):
+      start = time.perf_counter()
+      task.run()
+      times.append(time.perf_counter() - start)
+    send({'times': times})
