@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from bench import flops, worker
-from transformer_jax import decode, optimizer, train_lib
+from bench import worker
+from transformer_jax import decode, flops, optimizer, train_lib
 from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig, base_config
 from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner

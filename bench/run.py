@@ -35,7 +35,7 @@ from typing import Any
 
 from transformer_jax.config import TransformerConfig
 
-from bench import flops
+from transformer_jax import flops
 from bench.jax_side import MODEL_SIZES
 
 GIB = 1024 ** 3

@@ -20,7 +20,6 @@ import tqdm
 from absl import logging
 from tensorboardX import SummaryWriter
 
-from transformer_jax.config import TransformerConfig
 
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
@@ -41,23 +40,6 @@ PEAK_FLOPS = {
 }
 
 
-def training_flops(cfg: TransformerConfig, rows: int, source_length: int,
-                   target_length: int) -> float:
-  """Model FLOPs of one training step on a [rows, length] batch (padding included).
-
-  Matmul multiply-adds of the forward pass (projections, feed-forward, attention scores
-  and sums, the output layer), times 2 FLOPs each, times 3 for forward plus backward.
-  """
-  d, f, v = cfg.d_model, cfg.d_ff, cfg.vocab_size
-  src, tgt = rows * source_length, rows * target_length
-  encoder = cfg.num_encoder_layers * (src * (4 * d * d + 2 * d * f)
-                                      + 2 * rows * source_length ** 2 * d)
-  decoder = cfg.num_decoder_layers * (
-      tgt * (6 * d * d + 2 * d * f) + src * 2 * d * d  # Cross-attention keys and values.
-      + 2 * rows * target_length ** 2 * d + 2 * rows * target_length * source_length * d)
-  return 6.0 * (encoder + decoder + tgt * d * v)
-
-
 def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str, float],
                     skipped_total: int, timed: Mapping[str, float] | None = None,
                     seconds: float = 0.0, flops: float = 0.0,
@@ -72,7 +54,7 @@ def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str,
     timed: the sums of the steps that `seconds` timed (compilation excluded); no rates
       are reported without them.
     seconds: the wall time of the `timed` steps.
-    flops: their model FLOPs (see `training_flops`).
+    flops: their model FLOPs (see `flops.batch_flops`).
     peak_flops: the whole job's peak FLOP/s; None where unknown (no MFU then).
   """
   tokens = max(sums['tokens'], 1.0)

@@ -20,6 +20,7 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import checkpointing
+from transformer_jax import flops as model_flops
 from transformer_jax import input_pipeline
 from transformer_jax import metrics_writer
 from transformer_jax import multihost
@@ -220,9 +221,10 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_lib.TrainState,
       writer.log(f'First step (with compilation) took {time.time() - interval_start:.1f}s.')
       interval_start, untimed = time.time(), 1
     else:
-      rows, source_length = batch['inputs'].shape
-      flops += metrics_writer.training_flops(model_config, rows * jax.process_count(),
-                                             source_length, batch['targets'].shape[1])
+      # Model FLOPs of the real tokens; other hosts' batches are taken to be alike.
+      flops += jax.process_count() * model_flops.batch_flops(
+          model_config, (batch['inputs_segmentation'] > 0).sum(axis=1),
+          (batch['targets_segmentation'] > 0).sum(axis=1))
     if config.nonfinite == 'stop' and not float(metrics['finite']):
       raise NonFiniteError(
           f'The loss or gradient at step {done} is not finite (the update was not applied; '

@@ -1,10 +1,10 @@
-"""The model-FLOPs count of bench/flops.py, against a hand count and the real parameters."""
+"""Model FLOPs (transformer_jax/flops.py) against a hand count and the real parameters."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from bench import flops
+from transformer_jax import flops
 from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
 
