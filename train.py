@@ -13,6 +13,7 @@ flag, data or work-directory problem (explained in one paragraph, no traceback).
 """
 
 import logging as std_logging
+import re
 import sys
 
 from absl import app
@@ -53,16 +54,17 @@ def _parse_flags(argv: list[str]) -> list[str]:
     if _CONFIG.value is not None:
       _CONFIG.value.keys()  # A config file that failed to load raises here.
   except (flags.Error, AttributeError, KeyError, OSError, TypeError, ValueError) as e:
-    detail = str(e).strip().splitlines()
-    hint = ''
+    text = ' '.join(str(e).replace('\\n', '\n').split())
     if isinstance(e, (AttributeError, KeyError)):
-      name = str(e).strip('"\'').split("'")[0]
       bad = [a.split('=')[0] for a in argv if a.startswith('--config.')
-             and a.split('=')[0].split('.')[-1] == name]
-      hint = (f' {bad[0] if bad else name} is not a field of the config; check the spelling '
-              'against transformer_jax/config.py (base_config).')
-    detail = ' '.join(line.strip() for line in detail[:5])
-    _fail(f'invalid flags: {detail}.{hint} Run with --helpfull for the flags.')
+             and a.split('=')[0].rsplit('.', 1)[-1] in text]
+      suggestion = re.search(r'Did you mean "([\w.]+)"', text)
+      _fail(f'{bad[0] if bad else "a --config flag"} is not a field of the config'
+            + (f' (did you mean {bad[0].rsplit(".", 1)[0] if bad else "--config"}.'
+               f'{suggestion.group(1)}?)' if suggestion else '')
+            + '; the fields and their defaults are in transformer_jax/config.py '
+            '(base_config).')
+    _fail(f'invalid flags: {text[:600]}. Run with --helpfull for the flags.')
   if _CONFIG.value is None:
     _fail('--config is required, e.g. --config=configs/tiny.py.')
   if not _WORKDIR.value:

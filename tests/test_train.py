@@ -258,6 +258,7 @@ def config_file(data_files, tmp_path_factory):
 def test_train_py_rejects_bad_setups_before_compiling(config_file, tmp_path):
   cases = {
       'unknown field': (['--config.no_such_field=1'], 'no_such_field is not a field'),
+      'misspelt field': (['--config.mesh.dta=2'], 'did you mean --config.mesh.data?'),
       'mesh': (['--config.mesh.fsdp=3'], 'do not divide the 1 devices'),
       'dataset': (['--config.dataset=wmt14_translate/de-en',
                    f'--config.tfds_data_dir={tmp_path}/none'], 'is not prepared'),
