@@ -9,7 +9,6 @@ masked, so that every system generates exactly the requested number of tokens.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from typing import Any
@@ -20,7 +19,7 @@ import ml_collections
 import numpy as np
 
 from bench import worker
-from transformer_jax import decode, flops, optimizer, train_lib
+from transformer_jax import decode, flops, optimizer, train_lib, translator
 from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig, base_config
 from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner
@@ -179,24 +178,18 @@ def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: ja
   Returns:
     int32 [batch, output_length], the best hypothesis of each row.
   """
-  model = Transformer(dataclasses.replace(model_config, decode=True, deterministic=True))
-  encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
-  _, variables = model.apply({'params': params}, encoded, inputs, output_length,
-                             method=Transformer.init_cache, mutable=['cache'])
+  model_step, cache = translator.start_decoding(model_config, params, inputs, output_length)
 
   def tokens_to_logits(tokens, cache):
-    logits, new_variables = model.apply(
-        {'params': params, 'cache': cache}, None, None, tokens,
-        method=Transformer.decode, mutable=['cache'])
-    logits = logits[:, 0].at[:, EOS_ID].set(-jnp.inf)  # [batch, vocab]
-    return logits, new_variables['cache']
+    logits, cache = model_step(tokens, cache)
+    return logits.at[:, EOS_ID].set(-jnp.inf), cache  # [batch, vocab]
 
   batch_size = inputs.shape[0]
   if beam_size == 1:
-    sequences, _ = decode.greedy_search(tokens_to_logits, variables['cache'], batch_size,
+    sequences, _ = decode.greedy_search(tokens_to_logits, cache, batch_size,
                                         output_length)
     return sequences
-  sequences, _ = decode.beam_search(tokens_to_logits, variables['cache'], batch_size,
+  sequences, _ = decode.beam_search(tokens_to_logits, cache, batch_size,
                                     beam_size, output_length, alpha=alpha)
   return sequences[:, 0]
 
