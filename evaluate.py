@@ -23,11 +23,8 @@ from absl import app
 from absl import flags
 from absl import logging
 
-_WORKDIR = flags.DEFINE_string('workdir', None, "A training run's work directory.")
-_STEP = flags.DEFINE_integer('step', None, 'The checkpoint step (default: the latest).')
-_AVERAGE_LAST = flags.DEFINE_integer(
-    'average_last', 0, 'Average the parameters of the last N checkpoints (the paper: 5 for '
-    'base, 20 for big); 0: no averaging.')
+from transformer_jax import decoding_flags
+
 _SPLIT = flags.DEFINE_string('split', None, "The dataset split (default: the config's "
                              'test_split).')
 _SOURCE_FILE = flags.DEFINE_string('source_file', None,
@@ -39,13 +36,6 @@ _TFDS_DATA_DIR = flags.DEFINE_string('tfds_data_dir', None,
                                      "Where the TFDS data is (default: the run's).")
 _MAX_SENTENCES = flags.DEFINE_integer('max_sentences', 0,
                                       'Only the first N sentences (0: all), for quick checks.')
-_BEAM_SIZE = flags.DEFINE_integer('beam_size', None, 'Beam size; 1 is greedy search.')
-_LENGTH_PENALTY = flags.DEFINE_float('length_penalty', None, 'Length penalty alpha.')
-_LENGTH_PENALTY_FORM = flags.DEFINE_enum('length_penalty_form', None, ['gnmt', 'power'],
-                                         'gnmt: ((5+|Y|)/6)^alpha; power: |Y|^alpha.')
-_EXTRA_LENGTH = flags.DEFINE_integer('max_decode_extra_length', None,
-                                     'Output limit = source length + this.')
-_BATCH_SIZE = flags.DEFINE_integer('batch_size', None, 'Sentences decoded together.')
 _COMPARE_TO = flags.DEFINE_string(
     'compare_to', None, "Another system's output on the same sentences (one a line): adds a "
     'paired bootstrap test of this checkpoint against it.')
@@ -53,8 +43,6 @@ _BOOTSTRAP_SAMPLES = flags.DEFINE_integer('bootstrap_samples', 1000,
                                           'Resamples of the paired bootstrap test.')
 _OUTPUT_DIR = flags.DEFINE_string('output_dir', None,
                                   'Where results go (default: WORKDIR/eval/<checkpoint>).')
-_CACHE_DIR = flags.DEFINE_string('compilation_cache_dir', None,
-                                 'A persistent JAX compilation cache (reused across runs).')
 _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 
 
@@ -88,14 +76,9 @@ def main(argv: list[str]) -> None:
   quiet_logs = not flags.FLAGS['verbosity'].present
   if quiet_logs:  # Orbax logs every restore at INFO and WARNING; keep stderr readable.
     logging.set_verbosity(logging.ERROR)
-  if not _WORKDIR.value:
-    _fail('--workdir is required: the directory of a training run.')
-  if not os.path.isdir(_WORKDIR.value):
-    _fail(f'--workdir={_WORKDIR.value} does not exist.')
-  if _STEP.value is not None and _AVERAGE_LAST.value:
-    _fail('give --step or --average_last, not both.')
-  if _AVERAGE_LAST.value < 0 or _MAX_SENTENCES.value < 0 or _BOOTSTRAP_SAMPLES.value < 1:
-    _fail('--average_last and --max_sentences must be >= 0, --bootstrap_samples >= 1.')
+  decoding_flags.check(_fail)
+  if _MAX_SENTENCES.value < 0 or _BOOTSTRAP_SAMPLES.value < 1:
+    _fail('--max_sentences must be >= 0, --bootstrap_samples >= 1.')
   if bool(_SOURCE_FILE.value) != bool(_REFERENCE_FILE.value):
     _fail('--source_file and --reference_file go together.')
   if _SOURCE_FILE.value and (_SPLIT.value or _TFDS_DATA_DIR.value):
@@ -106,21 +89,8 @@ def main(argv: list[str]) -> None:
   import jax
   from transformer_jax import evaluation
   from transformer_jax import input_pipeline
-  from transformer_jax import translator as translator_lib
-  from transformer_jax.config import ConfigError
   # pylint: enable=g-import-not-at-top
-  if _CACHE_DIR.value:
-    jax.config.update('jax_compilation_cache_dir', _CACHE_DIR.value)
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
-
-  try:
-    translator, checkpoint, steps = translator_lib.load_translator(
-        _WORKDIR.value, step=_STEP.value, average_last=_AVERAGE_LAST.value,
-        beam_size=_BEAM_SIZE.value, length_penalty=_LENGTH_PENALTY.value,
-        length_penalty_form=_LENGTH_PENALTY_FORM.value,
-        max_decode_extra_length=_EXTRA_LENGTH.value, batch_size=_BATCH_SIZE.value)
-  except (FileNotFoundError, ValueError, ConfigError) as e:
-    _fail(str(e))
+  translator, checkpoint, steps = decoding_flags.load_translator(_fail)
   if quiet_logs:
     logging.set_verbosity(logging.WARNING)
   config = checkpoint.config
@@ -150,17 +120,18 @@ def main(argv: list[str]) -> None:
       _fail(f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
             f'{len(references)} sentences.')
 
-  info = {'workdir': os.path.abspath(_WORKDIR.value), 'step': checkpoint.step,
+  workdir = decoding_flags.WORKDIR.value
+  info = {'workdir': os.path.abspath(workdir), 'step': checkpoint.step,
           'checkpoint_steps': steps, 'split': name, 'dataset': config.dataset,
           'source_lang': config.source_lang, 'target_lang': config.target_lang,
           'compared_to': os.path.abspath(_COMPARE_TO.value) if _COMPARE_TO.value else None}
-  logging.info('Evaluating %s (steps %s) on %d sentences of %s.', _WORKDIR.value, steps,
+  logging.info('Evaluating %s (steps %s) on %d sentences of %s.', workdir, steps,
                len(sources), name)
   result = evaluation.evaluate(translator, sources, references, baseline=baseline,
                                bootstrap_samples=_BOOTSTRAP_SAMPLES.value,
                                show_progress=_PROGRESS.value, info=info)
   output_dir = _OUTPUT_DIR.value or os.path.join(
-      _WORKDIR.value, 'eval', evaluation.result_tag(steps))
+      workdir, 'eval', evaluation.result_tag(steps))
   if jax.process_index() == 0:
     paths = evaluation.write_results(output_dir, name, result.hypotheses, result.metrics)
     print(evaluation.summary(result.metrics))

@@ -23,20 +23,11 @@ from absl import app
 from absl import flags
 from absl import logging
 
-_WORKDIR = flags.DEFINE_string('workdir', None, "A training run's work directory.")
-_STEP = flags.DEFINE_integer('step', None, 'The checkpoint step (default: the latest).')
-_AVERAGE_LAST = flags.DEFINE_integer('average_last', 0,
-                                     'Average the last N checkpoints (0: no averaging).')
+from transformer_jax import decoding_flags
+
 _INPUT = flags.DEFINE_string('input', '-', "Input file, one sentence a line ('-': stdin).")
 _OUTPUT = flags.DEFINE_string('output', '-', "Output file ('-': stdout).")
 _TEXT = flags.DEFINE_string('text', None, 'Translate this one sentence instead of --input.')
-_BEAM_SIZE = flags.DEFINE_integer('beam_size', None, 'Beam size; 1 is greedy search.')
-_LENGTH_PENALTY = flags.DEFINE_float('length_penalty', None, 'Length penalty alpha.')
-_LENGTH_PENALTY_FORM = flags.DEFINE_enum('length_penalty_form', None, ['gnmt', 'power'],
-                                         'gnmt: ((5+|Y|)/6)^alpha; power: |Y|^alpha.')
-_EXTRA_LENGTH = flags.DEFINE_integer('max_decode_extra_length', None,
-                                     'Output limit = source length + this.')
-_BATCH_SIZE = flags.DEFINE_integer('batch_size', None, 'Sentences decoded together.')
 _CHUNK_LINES = flags.DEFINE_integer(
     'chunk_lines', 0, 'Lines read and sorted by length together (0: 16 batches; 1 from a '
     'terminal).')
@@ -47,8 +38,6 @@ _ATTENTION_LAYER = flags.DEFINE_integer('attention_layer', -1,
                                         'Decoder layer to draw (0-based; -1: the last).')
 _ATTENTION_HEADS = flags.DEFINE_string('attention_heads', 'mean',
                                        "'mean' over heads, 'all' (one panel each) or an index.")
-_CACHE_DIR = flags.DEFINE_string('compilation_cache_dir', None,
-                                 'A persistent JAX compilation cache (reused across runs).')
 _QUIET = flags.DEFINE_bool('quiet', False, 'No speed summary on stderr.')
 
 
@@ -69,14 +58,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
 
 
 def _check_flags() -> None:
-  if not _WORKDIR.value:
-    _fail('--workdir is required: the directory of a training run.')
-  if not os.path.isdir(_WORKDIR.value):
-    _fail(f'--workdir={_WORKDIR.value} does not exist.')
-  if _STEP.value is not None and _AVERAGE_LAST.value:
-    _fail('give --step or --average_last, not both.')
-  if _AVERAGE_LAST.value < 0 or _CHUNK_LINES.value < 0:
-    _fail('--average_last and --chunk_lines must be >= 0.')
+  decoding_flags.check(_fail)
+  if _CHUNK_LINES.value < 0:
+    _fail('--chunk_lines must be >= 0.')
   if _TEXT.value is not None and _INPUT.value != '-':
     _fail('give --text or --input, not both.')
   if _INPUT.value != '-' and not os.path.isfile(_INPUT.value):
@@ -95,22 +79,8 @@ def main(argv: list[str]) -> None:
   if quiet_logs:  # Orbax logs every restore at INFO and WARNING; keep stderr readable.
     logging.set_verbosity(logging.ERROR)
   _check_flags()
-  # pylint: disable=g-import-not-at-top
-  import jax
-  from transformer_jax import translator as translator_lib
-  from transformer_jax.config import ConfigError
-  # pylint: enable=g-import-not-at-top
-  if _CACHE_DIR.value:
-    jax.config.update('jax_compilation_cache_dir', _CACHE_DIR.value)
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
-  try:
-    translator, _, steps = translator_lib.load_translator(
-        _WORKDIR.value, step=_STEP.value, average_last=_AVERAGE_LAST.value,
-        beam_size=_BEAM_SIZE.value, length_penalty=_LENGTH_PENALTY.value,
-        length_penalty_form=_LENGTH_PENALTY_FORM.value,
-        max_decode_extra_length=_EXTRA_LENGTH.value, batch_size=_BATCH_SIZE.value)
-  except (FileNotFoundError, ValueError, ConfigError) as e:
-    _fail(str(e))
+  from transformer_jax import translator as translator_lib  # pylint: disable=g-import-not-at-top
+  translator, _, steps = decoding_flags.load_translator(_fail)
   if quiet_logs:
     logging.set_verbosity(logging.WARNING)
 
