@@ -73,9 +73,6 @@ def _read_lines(path: str, flag: str) -> list[str]:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     _fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
-  quiet_logs = not flags.FLAGS['verbosity'].present
-  if quiet_logs:  # Orbax logs every restore at INFO and WARNING; keep stderr readable.
-    logging.set_verbosity(logging.ERROR)
   decoding_flags.check(_fail)
   if _MAX_SENTENCES.value < 0 or _BOOTSTRAP_SAMPLES.value < 1:
     _fail('--max_sentences must be >= 0, --bootstrap_samples >= 1.')
@@ -91,8 +88,6 @@ def main(argv: list[str]) -> None:
   from transformer_jax import input_pipeline
   # pylint: enable=g-import-not-at-top
   translator, checkpoint, steps = decoding_flags.load_translator(_fail)
-  if quiet_logs:
-    logging.set_verbosity(logging.WARNING)
   config = checkpoint.config
 
   if _SOURCE_FILE.value:

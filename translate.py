@@ -21,7 +21,6 @@ import sys
 
 from absl import app
 from absl import flags
-from absl import logging
 
 from transformer_jax import decoding_flags
 
@@ -75,14 +74,9 @@ def _check_flags() -> None:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     _fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
-  quiet_logs = not flags.FLAGS['verbosity'].present
-  if quiet_logs:  # Orbax logs every restore at INFO and WARNING; keep stderr readable.
-    logging.set_verbosity(logging.ERROR)
   _check_flags()
   from transformer_jax import translator as translator_lib  # pylint: disable=g-import-not-at-top
   translator, _, steps = decoding_flags.load_translator(_fail)
-  if quiet_logs:
-    logging.set_verbosity(logging.WARNING)
 
   if _OUTPUT.value == '-':
     output = io.TextIOWrapper(sys.stdout.buffer, encoding='utf-8', errors='replace',

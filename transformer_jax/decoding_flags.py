@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from absl import flags
+from absl import logging
 
 WORKDIR = flags.DEFINE_string('workdir', None, "A training run's work directory.")
 STEP = flags.DEFINE_integer('step', None, 'The checkpoint step (default: the latest).')
@@ -29,7 +30,13 @@ CACHE_DIR = flags.DEFINE_string('compilation_cache_dir', None,
 
 
 def check(fail: Callable[[str], NoReturn]) -> None:
-  """Checks the shared flags before anything heavy is imported; `fail` reports and exits."""
+  """Checks the shared flags before anything heavy is imported; `fail` reports and exits.
+
+  Unless --verbosity is given, logging is quiet (errors only) until `load_translator` has
+  restored the checkpoint: orbax logs every restore at INFO and WARNING.
+  """
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.ERROR)
   if not WORKDIR.value:
     fail('--workdir is required: the directory of a training run.')
   if not os.path.isdir(WORKDIR.value):
@@ -55,10 +62,13 @@ def load_translator(fail: Callable[[str], NoReturn]) -> tuple[Any, Any, list[int
     jax.config.update('jax_compilation_cache_dir', CACHE_DIR.value)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   try:
-    return translator.load_translator(
+    loaded = translator.load_translator(
         WORKDIR.value, step=STEP.value, average_last=AVERAGE_LAST.value,
         beam_size=BEAM_SIZE.value, length_penalty=LENGTH_PENALTY.value,
         length_penalty_form=LENGTH_PENALTY_FORM.value,
         max_decode_extra_length=EXTRA_LENGTH.value, batch_size=BATCH_SIZE.value)
   except (FileNotFoundError, ValueError, ConfigError) as e:
     fail(str(e))
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  return loaded
