@@ -170,7 +170,7 @@ class TrainTask:
 
 def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: jax.Array,
                         beam_size: int, output_length: int, alpha: float = 0.6) -> jax.Array:
-  """Encode, create the cache and search, as `translator.search`, with EOS never chosen.
+  """Encode, create the caches and search, as `translator.search`, with EOS never chosen.
 
   Random weights stop at arbitrary times; masking the end-of-sequence logit makes every
   hypothesis exactly `output_length` tokens long, as min = max length does for the others.
@@ -178,7 +178,8 @@ def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: ja
   Returns:
     int32 [batch, output_length], the best hypothesis of each row.
   """
-  model_step, cache = translator.start_decoding(model_config, params, inputs, output_length)
+  model_step, cache = translator.start_decoding(model_config, params, inputs, output_length,
+                                                beam_size)
 
   def tokens_to_logits(tokens, cache):
     logits, cache = model_step(tokens, cache)

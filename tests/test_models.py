@@ -100,13 +100,13 @@ def _decode_step_by_step(cfg, params, inputs, targets):
   model = Transformer(dataclasses.replace(cfg, decode=True))
   encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
   _, variables = model.apply({'params': params}, encoded, inputs, targets.shape[1],
-                             method=Transformer.init_cache, mutable=['cache'])
-  cache = variables['cache']
+                             method=Transformer.init_cache, mutable=['cache', 'encoder_cache'])
+  cache, encoder_cache = variables['cache'], variables['encoder_cache']
   decoder_inputs = jnp.concatenate(
       [jnp.full((targets.shape[0], 1), BOS_ID, jnp.int32), targets[:, :-1]], axis=1)
   step = jax.jit(lambda cache, token: model.apply(
-      {'params': params, 'cache': cache}, None, None, token, method=Transformer.decode,
-      mutable=['cache']))
+      {'params': params, 'encoder_cache': encoder_cache, 'cache': cache}, None, None, token,
+      method=Transformer.decode, mutable=['cache']))
   logits = []
   for t in range(targets.shape[1]):
     out, variables = step(cache, decoder_inputs[:, t:t + 1])
@@ -125,26 +125,47 @@ def test_cached_decoding_equals_full_forward_pass(variant):
   np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
 
 
-def test_encoder_decoder_keys_and_values_are_projected_once():
+def _leaf_paths(tree) -> set[str]:
+  return {jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_encoder_decoder_keys_and_values_are_kept_apart_from_the_step_cache():
   rng = np.random.default_rng(4)
   inputs, targets = _tokens(rng, 2, 6), _tokens(rng, 2, 4)
   params = _init(TINY, inputs, targets)
   model = Transformer(dataclasses.replace(TINY, decode=True))
   encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
-  _, variables = model.apply({'params': params}, encoded, inputs, 4,
-                             method=Transformer.init_cache, mutable=['cache'])
-  cross = variables['cache']['decoder']['layer_0']['encoder_decoder_attention']
-  assert cross['cached_key'].shape == (2, 6, 4, 8)
-  # A step gets no encoder output at all, so it can only be using the cached projection;
-  # changing the cached keys must change its logits.
-  step = lambda cache: model.apply({'params': params, 'cache': cache}, None, None,
-                                   jnp.full((2, 1), BOS_ID), method=Transformer.decode,
-                                   mutable=['cache'])[0]
-  cache = variables['cache']
+  _, variables = model.apply({'params': params}, encoded, inputs, 5,
+                             method=Transformer.init_cache, mutable=['cache', 'encoder_cache'])
+  assert set(variables) == {'cache', 'encoder_cache'}
+  layers = range(TINY.num_decoder_layers)
+  # 'cache', which beam search reorders every step: self-attention and the index only.
+  assert _leaf_paths(variables['cache']) == {"['decoder']['cache_index']"} | {
+      f"['decoder']['layer_{i}']['self_attention']['cached_{name}']"
+      for i in layers for name in ('key', 'value')}
+  # 'encoder_cache': the source's keys, values and mask, for every layer.
+  assert _leaf_paths(variables['encoder_cache']) == {
+      f"['decoder']['layer_{i}']['encoder_decoder_attention']['cached_{name}']"
+      for i in layers for name in ('key', 'value', 'mask')}
+  self_cache = variables['cache']['decoder']['layer_0']['self_attention']
+  cross = variables['encoder_cache']['decoder']['layer_0']['encoder_decoder_attention']
+  assert self_cache['cached_key'].shape == (2, 5, 4, 8)  # [batch, output, heads, head_dim]
+  assert cross['cached_key'].shape == cross['cached_value'].shape == (2, 6, 4, 8)
+  assert cross['cached_mask'].shape == (2, 1, 1, 6)
+
+  # A step gets no encoder output at all, so it can only be using the cached projection:
+  # changing the cached keys must change its logits. It writes 'cache' only.
+  def step(encoder_cache):
+    return model.apply({'params': params, 'encoder_cache': encoder_cache,
+                        'cache': variables['cache']}, None, None, jnp.full((2, 1), BOS_ID),
+                       method=Transformer.decode, mutable=['cache'])
+  logits, new_variables = step(variables['encoder_cache'])
+  assert set(new_variables) == {'cache'}
+  assert int(new_variables['cache']['decoder']['cache_index']) == 1
   changed = jax.tree_util.tree_map_with_path(
-      lambda path, x: x + 1.0 if 'cached_key' in jax.tree_util.keystr(path) and
-      'encoder_decoder' in jax.tree_util.keystr(path) else x, cache)
-  assert not np.allclose(step(cache), step(changed))
+      lambda path, x: x + 1.0 if 'cached_key' in jax.tree_util.keystr(path) else x,
+      variables['encoder_cache'])
+  assert not np.allclose(logits, step(changed)[0])
 
 
 def test_attention_weights_are_returned_on_request_and_sum_to_one():

@@ -148,6 +148,8 @@ def _model_level_searches(cfg, params, inputs, max_decode_len, beam_size):
   """Greedy search and beam search (alpha 0) through the real model's cache."""
   tokens_to_logits, cache = translator_lib.start_decoding(cfg, params, inputs, max_decode_len)
   greedy = decode.greedy_search(tokens_to_logits, cache, inputs.shape[0], max_decode_len)
+  tokens_to_logits, cache = translator_lib.start_decoding(cfg, params, inputs, max_decode_len,
+                                                          beam_size)
   beam = decode.beam_search(tokens_to_logits, cache, inputs.shape[0], beam_size,
                             max_decode_len, alpha=0.0)
   return greedy, beam
@@ -200,6 +202,62 @@ def test_beam_hypotheses_are_ordered_and_scored_by_the_full_forward_pass(loaded,
   lengths = np.sum(flat != PAD_ID, axis=1)
   penalty = np.asarray(decode.length_penalty(lengths, 0.6, 'gnmt'))
   np.testing.assert_allclose(scores.reshape(-1), log_probs / penalty, rtol=2e-4, atol=2e-4)
+
+
+@functools.partial(jax.jit, static_argnames=('cfg', 'max_decode_len', 'beam_size'))
+def _beam_search_gathering_the_encoder_cache(cfg, params, inputs, max_decode_len, beam_size):
+  """Beam search with the encoder-decoder keys and values in the searched cache, so that
+  `beam_search` tiles them itself and gathers them with the beams every step (the reference
+  for `start_decoding`'s closure over a once-tiled 'encoder_cache')."""
+  model = Transformer(dataclasses.replace(cfg, decode=True, deterministic=True))
+  encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
+  _, variables = model.apply({'params': params}, encoded, inputs, max_decode_len,
+                             method=Transformer.init_cache, mutable=['cache', 'encoder_cache'])
+
+  def tokens_to_logits(tokens, caches):
+    logits, new_variables = model.apply({'params': params, **caches}, None, None, tokens,
+                                         method=Transformer.decode, mutable=['cache'])
+    return logits[:, 0], dict(caches, cache=new_variables['cache'])
+  return decode.beam_search(tokens_to_logits, dict(variables), inputs.shape[0], beam_size,
+                            max_decode_len, alpha=0.6)
+
+
+def test_beam_search_over_the_shared_encoder_cache_equals_gathering_it(loaded, run_dir):
+  translator, checkpoint = loaded
+  cfg, params = checkpoint.model_config, checkpoint.params
+  sources, _ = _test_sources(run_dir)
+  inputs = _padded_inputs(checkpoint.tokenizer, sources[:8], 16)  # Rows of many lengths.
+  options = translator_lib.DecodeOptions(beam_size=4, length_penalty=0.6)
+  sequences, scores = jax.jit(functools.partial(
+      translator_lib.search, cfg, options=options, max_decode_len=10))(params, inputs)
+  expected_seqs, expected_scores = _beam_search_gathering_the_encoder_cache(
+      cfg, params, inputs, max_decode_len=10, beam_size=4)
+  np.testing.assert_array_equal(sequences, expected_seqs)
+  np.testing.assert_allclose(scores, expected_scores, rtol=1e-6, atol=1e-6)
+
+
+def test_beam_search_loop_carries_no_encoder_keys_and_values(loaded):
+  _, checkpoint = loaded
+  cfg = checkpoint.model_config
+  batch, source_length, max_decode_len, beam_size = 2, 7, 5, 3
+  jaxpr = jax.make_jaxpr(functools.partial(
+      translator_lib.search, cfg, options=translator_lib.DecodeOptions(beam_size=beam_size),
+      max_decode_len=max_decode_len))(checkpoint.params,
+                                      jax.ShapeDtypeStruct((batch, source_length), jnp.int32))
+  loops = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == 'while']
+  assert len(loops) == 1
+  loop = loops[0]
+  first_body_const = loop.params['cond_nconsts']
+  constants = [v.aval.shape for v in
+               loop.invars[first_body_const:first_body_const + loop.params['body_nconsts']]]
+  carried = [v.aval.shape for v in loop.outvars]
+  rows, heads = batch * beam_size, (cfg.num_heads, cfg.head_dim)
+  num_kv = 2 * cfg.num_decoder_layers  # A key and a value per decoder layer.
+  # Encoder-decoder keys and values, tiled once, are loop constants, never gathered...
+  assert constants.count((rows, source_length) + heads) == num_kv
+  assert (rows, source_length) + heads not in carried
+  # ...while the self-attention cache is carried (and reordered with the beams).
+  assert carried.count((rows, max_decode_len) + heads) == num_kv
 
 
 def test_cached_greedy_decoding_equals_rerunning_the_full_model(loaded, run_dir):

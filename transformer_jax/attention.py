@@ -136,8 +136,10 @@ class MultiHeadAttention(nn.Module):
   """Multi-head attention (the paper's section 3.2.2), for self and encoder-decoder use.
 
   In decode mode (`config.decode`), self-attention keeps a key/value cache of the whole
-  output length and writes one position a call; encoder-decoder attention projects the
-  encoder output to keys and values once, when the cache is created, and reuses them.
+  output length in the 'cache' collection and writes one position a call; encoder-decoder
+  attention projects the encoder output to keys and values once, when the cache is created,
+  and keeps them, with the source mask, in the 'encoder_cache' collection, which decode steps
+  only read (see `Transformer.init_cache`).
 
   Attributes:
     config: the model config.
@@ -176,9 +178,10 @@ class MultiHeadAttention(nn.Module):
     Args:
       inputs_q: [batch, q_length, d_model].
       inputs_kv: [batch, kv_length, d_model]; for self-attention pass `inputs_q`. In decode
-        mode, encoder-decoder attention may get None once its cache exists.
-      mask: boolean, broadcastable to [batch, heads, q_length, kv_length]. Ignored by
-        self-attention in a decode step (the cache index decides).
+        mode, encoder-decoder attention may get None once its 'encoder_cache' exists.
+      mask: boolean, broadcastable to [batch, heads, q_length, kv_length]. Ignored in a
+        decode step: self-attention's cache index decides, encoder-decoder attention uses
+        the mask cached when the cache was created.
       q_positions: [batch, q_length] positions (for RoPE and ALiBi).
       kv_positions: [batch, kv_length] positions (for RoPE and ALiBi).
       decode_index: scalar position of the current token in a decode step, else None.
@@ -196,11 +199,13 @@ class MultiHeadAttention(nn.Module):
 
     cached = cfg.decode and self.in_decoder
     if cached and not self.is_self_attention:
-      # Keys and values of the source: projected once, when the cache is created.
-      key = self.variable('cache', 'cached_key', self._projection, 'key', inputs_kv).value
-      value = self.variable('cache', 'cached_value', self._projection, 'value',
+      # Keys and values of the source: projected once, when the cache is created, and the
+      # same at every step, so they live apart from the per-step 'cache'.
+      key = self.variable('encoder_cache', 'cached_key', self._projection, 'key',
+                          inputs_kv).value
+      value = self.variable('encoder_cache', 'cached_value', self._projection, 'value',
                             inputs_kv).value
-      mask = self.variable('cache', 'cached_mask', lambda: mask).value
+      mask = self.variable('encoder_cache', 'cached_mask', lambda: mask).value
     else:
       key = self._projection('key', inputs_kv)
       value = self._projection('value', inputs_kv)

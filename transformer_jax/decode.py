@@ -7,12 +7,14 @@ The search knows the model only through a callback that feeds one token a step:
 The encoder runs once, outside; the callback closes over its output and runs one decoder
 step, reading and writing the decoder's key/value cache. The first call is fed `bos_id`.
 
-The cache is a pytree (a Flax 'cache' collection). Leaves with ndim >= 1 have the batch as
-their leading dimension; leaves with ndim 0 (the per-layer `cache_index` counters) are shared
-by every row and are passed through untouched. Beam search repeats each batch row
-`beam_size` times (`tile_beams`: [batch, ...] -> [batch * beam, ...], beam index minor) and
-gathers the rows whenever beams are reordered; arrays the callback closes over (the encoder
-output, the source mask) must be tiled the same way with `tile_beams`.
+The cache is a pytree (a Flax 'cache' collection) of what changes from step to step. Leaves
+with ndim >= 1 have the batch as their leading dimension; leaves with ndim 0 (the per-layer
+`cache_index` counters) are shared by every row and are passed through untouched. Beam search
+repeats each batch row `beam_size` times (`tile_beams`: [batch, ...] -> [batch * beam, ...],
+beam index minor) and gathers every row of every leaf at every step, as beams are reordered.
+What no step changes (the encoder output, its encoder-decoder attention keys and values, the
+source mask) is the same for all beams of a row, so it belongs in the callback's closure, not
+in the cache: tiled once, the same way, with `tile_beams`, and never gathered.
 
 Every search is one `lax.while_loop` with only batch-parallel operations and no host
 callbacks, so it can be traced under `jax.jit` with the batch sharded over devices. Sizes and
@@ -21,7 +23,7 @@ search options are Python values (static under `jit`):
     @functools.partial(jax.jit, static_argnames=('max_decode_len',))
     def translate(params, encoded, source_mask, cache, max_decode_len):
       batch_size = encoded.shape[0]
-      # Each beam attends to its own copy of the source.
+      # Each beam attends to its own copy of the source, tiled once, outside the loop.
       encoded, source_mask = decode.tile_beams((encoded, source_mask), 4)
       def step(tokens, cache):
         return decoder_step(params, encoded, source_mask, tokens, cache)
@@ -329,8 +331,9 @@ def beam_search(
     tokens_to_logits: one decoder step for [batch * beam_size] rows, see the module
       docstring; arrays it closes over must be tiled with `tile_beams`.
     cache: the decoder cache for `batch_size` rows (not tiled); leaves with ndim >= 1 are
-      tiled to [batch * beam_size, ...] here and reordered with the beams, ndim-0 leaves are
-      passed through.
+      tiled to [batch * beam_size, ...] here and reordered with the beams at every step,
+      ndim-0 leaves are passed through. Keep what no step changes out of it (see the module
+      docstring).
     batch_size: rows decoded together.
     beam_size: hypotheses kept per row.
     max_decode_len: the most tokens a hypothesis has, EOS included (the paper: source

@@ -206,7 +206,7 @@ class Decoder(nn.Module):
     """Decoder inputs [batch, length] -> logits [batch, length, vocab].
 
     In a decode step (`config.decode` and a cache exists) `decoder_inputs` is [batch, 1],
-    the position comes from the cache index and the masks are not needed.
+    the position comes from the cache index and `encoded` and the masks are not needed.
     """
     cfg = self.config
     decode_index = None
@@ -297,9 +297,10 @@ class Transformer(nn.Module):
 
     Training and scoring: `targets` [batch, target_length] are the unshifted targets; this
     shifts them right itself. Decode mode (`config.decode`): the first call, with
-    `mutable=['cache']`, creates the cache for `targets.shape` (see `init_cache`); each
-    later call takes the previous output token [batch, 1] as `targets` and may pass None
-    for `encoded` and `inputs`.
+    `mutable=['cache', 'encoder_cache']`, creates the caches for `targets.shape` (see
+    `init_cache`); each later call, a decode step, takes the previous output token
+    [batch, 1] as `targets`, passes None for `encoded` and `inputs`, reads 'encoder_cache'
+    and updates 'cache' (`mutable=['cache']`).
 
     Returns:
       [batch, target_length, vocab] logits in the computation dtype.
@@ -308,7 +309,8 @@ class Transformer(nn.Module):
     if cfg.decode:
       if encoded is None:  # A step over an existing cache.
         return self.decoder(targets, None, None, None, None)
-      # Cache creation: a key-only source mask, stored by encoder-decoder attention.
+      # Cache creation: a key-only source mask, kept by encoder-decoder attention in
+      # 'encoder_cache'.
       source_mask = (inputs != PAD_ID)[:, None, None, :]
       positions = jnp.broadcast_to(jnp.arange(targets.shape[1]), targets.shape)
       causal = nn.make_causal_mask(targets, dtype=jnp.bool_)
@@ -323,11 +325,22 @@ class Transformer(nn.Module):
     return self.decoder(decoder_inputs, encoded, positions, self_mask, cross_mask)
 
   def init_cache(self, encoded: Array, inputs: Array, max_decode_length: int) -> Array:
-    """Creates the decode cache (call with `mutable=['cache']` on a decode-mode model).
+    """Creates the decode caches (call on a decode-mode model with
+    `mutable=['cache', 'encoder_cache']`).
 
-    Self-attention caches get room for `max_decode_length` tokens; encoder-decoder
-    attention projects `encoded` to keys and values here, once. Under `jax.jit` the
-    returned logits are unused and the pass that produces them is compiled away.
+    Two variable collections, every leaf but the scalar `cache_index` batch-major:
+
+      * 'cache', what a decode step changes: each decoder layer's self-attention
+        `cached_key` and `cached_value` [batch, max_decode_length, heads, head_dim], with
+        room for `max_decode_length` tokens, and the scalar `cache_index` (int32 [], shared
+        by all rows). Steps take it with `mutable=['cache']`; beam search reorders its rows.
+      * 'encoder_cache', what no step changes: each layer's encoder-decoder attention
+        `cached_key` and `cached_value` [batch, source_length, heads, head_dim], `encoded`
+        projected here, once, and `cached_mask` [batch, 1, 1, source_length], the source's
+        padding mask. Steps only read it, and all beams of a sentence share it.
+
+    Under `jax.jit` the returned logits are unused and the pass that produces them is
+    compiled away.
     """
     dummy = jnp.zeros((inputs.shape[0], max_decode_length), jnp.int32)
     return self.decode(encoded, inputs, dummy)

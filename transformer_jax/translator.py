@@ -1,8 +1,10 @@
 """Batched translation with a fixed set of compiled shapes: `Translator`.
 
 A `Translator` turns source ids into output ids with the search of `decode.py`. For every
-batch it runs one compiled function, encode -> create the key/value cache -> the whole search
-loop; the encoder runs once and every decoder step feeds one token through the cache.
+batch it runs one compiled function, encode -> create the key/value caches -> the whole search
+loop; the encoder runs once, its encoder-decoder attention keys and values are projected once
+and shared by a sentence's beams (`start_decoding`), and every decoder step feeds one token
+through the self-attention cache.
 
 Shapes stay few, so a test set never recompiles per sentence:
 
@@ -162,37 +164,50 @@ def param_shardings(model_config: TransformerConfig, partitioner: Partitioner) -
 
 
 def start_decoding(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
-                   max_decode_len: int) -> tuple[decode.TokensToLogits, PyTree]:
-  """Runs the encoder once and creates the key/value cache (traceable under jit).
+                   max_decode_len: int, beam_size: int = 1
+                   ) -> tuple[decode.TokensToLogits, PyTree]:
+  """Runs the encoder once and creates the decode caches (traceable under jit).
+
+  Of the two collections `Transformer.init_cache` creates, only 'cache' (self-attention keys
+  and values, the cache index) changes per step; it is returned for the search to carry and,
+  in beam search, to tile and reorder with the beams. 'encoder_cache' (encoder-decoder
+  attention keys, values and source mask) is the same at every step and for every beam of a
+  sentence: it is tiled to `beam_size` rows per sentence here, once, with `decode.tile_beams`
+  (row b * beam_size + j is beam j of sentence b, the layout of beam search's rows), and
+  closed over by the step, which only reads it.
 
   Args:
     model_config: the model's config (decode mode and no dropout are set here).
     params: the parameters.
     inputs: int32 [batch, source_length], ids ending with EOS, then PAD.
     max_decode_len: room in the self-attention caches, in output tokens.
+    beam_size: the beam size of the search the step is for; 1 for greedy search and
+      sampling.
 
   Returns:
-    `tokens_to_logits(tokens [batch, 1], cache) -> (logits [batch, vocab], cache)`, one
-    decoder step for `decode.py` (the encoder output lives in the cache, projected to keys
-    and values, so beam search tiles it with the cache), and the cache for `batch` rows.
+    `tokens_to_logits(tokens [batch * beam_size, 1], cache) -> (logits [batch * beam_size,
+    vocab], cache)`, one decoder step for `decode.py`, and the 'cache' for `batch` rows (not
+    tiled: `decode.beam_search` tiles it).
   """
   model = Transformer(dataclasses.replace(model_config, decode=True, deterministic=True))
   encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
   _, variables = model.apply({'params': params}, encoded, inputs, max_decode_len,
-                             method=Transformer.init_cache, mutable=['cache'])
+                             method=Transformer.init_cache,
+                             mutable=['cache', 'encoder_cache'])
+  encoder_cache = decode.tile_beams(variables['encoder_cache'], beam_size)
 
   def tokens_to_logits(tokens: jax.Array, cache: PyTree) -> tuple[jax.Array, PyTree]:
     logits, new_variables = model.apply(
-        {'params': params, 'cache': cache}, None, None, tokens,
-        method=Transformer.decode, mutable=['cache'])
-    return logits[:, 0], new_variables['cache']  # [batch, vocab]
+        {'params': params, 'encoder_cache': encoder_cache, 'cache': cache}, None, None,
+        tokens, method=Transformer.decode, mutable=['cache'])
+    return logits[:, 0], new_variables['cache']  # [batch * beam_size, vocab]
 
   return tokens_to_logits, variables['cache']
 
 
 def search(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
            options: DecodeOptions, max_decode_len: int) -> tuple[jax.Array, jax.Array]:
-  """Encodes `inputs`, creates the cache and runs the whole search (traceable under jit).
+  """Encodes `inputs`, creates the caches and runs the whole search (traceable under jit).
 
   Beam size 1 is greedy search (`decode.greedy_search`); its score gets the same length
   penalty as beam search's.
@@ -208,7 +223,8 @@ def search(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
     sequences: int32 [batch, beam, max_decode_len], best first, PAD after the end.
     scores: float32 [batch, beam], log P(Y) / lp(|Y|), descending.
   """
-  tokens_to_logits, cache = start_decoding(model_config, params, inputs, max_decode_len)
+  tokens_to_logits, cache = start_decoding(model_config, params, inputs, max_decode_len,
+                                           options.beam_size)
   batch_size = inputs.shape[0]
   if options.beam_size == 1:
     sequences, log_probs = decode.greedy_search(tokens_to_logits, cache, batch_size,
