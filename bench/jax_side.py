@@ -104,6 +104,7 @@ class _TrainSetup:
     self.abstract, self.shardings = train_lib.abstract_state(
         self.model_config, self.tx, self.partitioner)
     self.step_config = train_lib.StepConfig(model=self.model_config, seed=seed,
+                                            dropout_rng_impl=self.config.dropout_rng_impl,
                                             label_smoothing=self.config.label_smoothing)
     self.step = train_lib.jit_train_step(self.step_config, self.tx, self.schedule,
                                          self.partitioner, self.shardings)

@@ -63,13 +63,14 @@ class StepHarness:
       state = state.replace(opt_state=tx.init(state.params))
     return state
 
-  def step(self, grad_accum_steps=1, dropout_rate=0.0, tx=None):
+  def step(self, grad_accum_steps=1, dropout_rate=0.0, tx=None, dropout_rng_impl='rbg'):
     tx = tx or self.tx
     schedule = self.schedule if tx is self.tx else optax.constant_schedule(1.0)
     model_config = dataclasses.replace(self.model_config, dropout_rate=dropout_rate)
     _, shardings = train_lib.abstract_state(model_config, tx, self.partitioner)
     step = train_lib.jit_train_step(
-        train_lib.StepConfig(model_config, seed=0, grad_accum_steps=grad_accum_steps),
+        train_lib.StepConfig(model_config, seed=0, grad_accum_steps=grad_accum_steps,
+                             dropout_rng_impl=dropout_rng_impl),
         tx, schedule, self.partitioner, shardings)
 
     def run(state, batch):
@@ -121,10 +122,11 @@ def test_nonfinite_loss_skips_the_update_and_counts_it(harness):
   assert float(metrics['finite']) == 1.0 and int(healthy.skipped_steps) == 0
 
 
-def test_dropout_masks_depend_only_on_the_step(harness):
+@pytest.mark.parametrize('impl', ['rbg', 'threefry2x32'])
+def test_dropout_masks_depend_only_on_the_step(harness, impl):
   """Same state and batch: same masks (a resumed run redraws them); another step: new ones."""
   batch = synthetic_batch(2)
-  step = harness.step(dropout_rate=0.3)
+  step = harness.step(dropout_rate=0.3, dropout_rng_impl=impl)
   a, _ = step(harness.state(), batch)
   b, _ = step(harness.state(), batch)
   c, _ = step(harness.state().replace(step=jnp.int32(7)), batch)
@@ -260,6 +262,8 @@ def test_train_py_rejects_bad_setups_before_compiling(config_file, tmp_path):
       'unknown field': (['--config.no_such_field=1'], 'no_such_field is not a field'),
       'misspelt field': (['--config.mesh.dta=2'], 'did you mean --config.mesh.data?'),
       'mesh': (['--config.mesh.fsdp=3'], 'do not divide the 1 devices'),
+      'dropout prng': (['--config.dropout_rng_impl=philox'],
+                       "dropout_rng_impl='philox' must be one of"),
       'dataset': (['--config.dataset=wmt14_translate/de-en',
                    f'--config.tfds_data_dir={tmp_path}/none'], 'is not prepared'),
       'workdir': ([], 'Cannot create files in --workdir'),

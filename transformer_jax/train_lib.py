@@ -68,12 +68,14 @@ class StepConfig:
   Attributes:
     model: the model config for training (dropout on).
     seed: the run's seed; dropout keys are derived from it and the step.
+    dropout_rng_impl: the PRNG implementation of the dropout keys (`jax.random.key`'s impl).
     label_smoothing: eps of the label-smoothed loss.
     grad_accum_steps: microbatches a step.
   """
 
   model: TransformerConfig
   seed: int = 0
+  dropout_rng_impl: str = 'rbg'
   label_smoothing: float = 0.1
   grad_accum_steps: int = 1
 
@@ -127,7 +129,8 @@ def train_step(state: TrainState, batch: Batch, *, cfg: StepConfig,
     counts 'source_tokens' and 'slots' (rows x length of both sides, for padding share).
   """
   model = Transformer(cfg.model)
-  step_key = jax.random.fold_in(jax.random.key(cfg.seed), state.step)
+  step_key = jax.random.fold_in(jax.random.key(cfg.seed, impl=cfg.dropout_rng_impl),
+                                state.step)
 
   def loss_fn(params, microbatch, key):
     sums = batch_metrics(model, params, microbatch, cfg.label_smoothing, key)

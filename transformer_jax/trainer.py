@@ -30,6 +30,7 @@ from transformer_jax.config import ConfigError, TransformerConfig
 from transformer_jax.partitioning import Partitioner
 
 NONFINITE_MODES = ('skip', 'stop')
+DROPOUT_RNG_IMPLS = ('rbg', 'unsafe_rbg', 'threefry2x32')
 
 
 class NonFiniteError(RuntimeError):
@@ -73,6 +74,10 @@ def check_training_fields(config: ml_collections.ConfigDict) -> None:
   if config.nonfinite not in NONFINITE_MODES:
     raise ConfigError(f'nonfinite={config.nonfinite!r} must be one of {NONFINITE_MODES}: '
                       "'skip' drops the update and counts it, 'stop' ends the run.")
+  if config.dropout_rng_impl not in DROPOUT_RNG_IMPLS:
+    raise ConfigError(f'dropout_rng_impl={config.dropout_rng_impl!r} must be one of '
+                      f"{DROPOUT_RNG_IMPLS}; 'rbg' is fast, 'threefry2x32' the same on every "
+                      'mesh.')
   if not 0.0 <= config.label_smoothing < 1.0:
     raise ConfigError(f'label_smoothing={config.label_smoothing!r} must be in [0, 1).')
 
@@ -147,6 +152,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     tx, schedule = optimizer.create_optimizer(optimizer_config)
     _, shardings = train_lib.abstract_state(model_config, tx, partitioner)
     step_config = train_lib.StepConfig(model_config, seed=config.seed,
+                                       dropout_rng_impl=config.dropout_rng_impl,
                                        label_smoothing=config.label_smoothing,
                                        grad_accum_steps=config.grad_accum_steps)
     train_step = train_lib.jit_train_step(step_config, tx, schedule, partitioner, shardings)
