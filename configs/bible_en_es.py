@@ -28,23 +28,34 @@ def get_config() -> ml_collections.ConfigDict:
   c.max_source_length = 128
   c.max_target_length = 128
   c.bucket_boundaries = (16, 24, 32, 48, 64, 96, 128)
+  # Several examples a row: 8% padding instead of 20% with buckets, one compiled shape.
+  c.packing = True
   # Small batches, many updates: on a 2-core CPU the run is compute-bound, and more updates
   # of fewer tokens learn faster per minute than the paper's 25,000-token steps.
   c.tokens_per_batch = 2048
 
-  # A small model that learns something in ~20 CPU minutes.
-  c.d_model = 256
+  # Tuned for held-out BLEU after ~20 minutes on 2 CPU cores (2026-11-21). Measured: d_model
+  # 128 steps 1.7x faster than 256 and matched its training loss step for step over the first
+  # 200 steps, so it sees 1.7x more data in the time. Chosen, not compared one by one:
+  # pre-norm for the high peak rate, no dropout (2 epochs; dropout also costs step time) and
+  # a linear cooldown over the last 300 steps. Held-out sacreBLEU 17.0 (was 2.1 with the
+  # post-norm d_model 256 config of 700 steps in the same time).
+  c.d_model = 128
   c.num_heads = 4
-  c.d_ff = 1024
+  c.d_ff = 512
   c.num_encoder_layers = 3
   c.num_decoder_layers = 3
+  c.norm_position = 'pre'
+  c.dropout_rate = 0.0
   c.max_len = 256
-  c.warmup_steps = 200
-  c.learning_rate_scale = 0.5  # Peak 0.0022 at step 200.
-  c.num_train_steps = 700
+  c.warmup_steps = 150
+  c.learning_rate_scale = 0.7  # Peak 0.005 at step 150.
+  c.num_train_steps = 1000
+  c.lr_cooldown_steps = 300
 
   c.log_every_steps = 25
-  c.eval_every_steps = 350
+  c.eval_every_steps = 250
   c.checkpoint_every_steps = 100
+  c.keep_checkpoint_period = 200  # Kept for the BLEU-against-minutes curve (README).
   c.decode_batch_size = 64
   return c

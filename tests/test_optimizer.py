@@ -31,6 +31,26 @@ def test_schedule_rises_linearly_then_decays_as_inverse_sqrt():
   np.testing.assert_allclose(rates[399] / rates[99], (100 / 400) ** 0.5, rtol=1e-5)
 
 
+def test_cooldown_falls_linearly_to_zero_over_the_last_steps():
+  paper = optimizer.learning_rate_schedule(128, 10)
+  cooled = optimizer.learning_rate_schedule(128, 10, num_train_steps=100, cooldown_steps=40)
+  for count in (0, 9, 30, 59, 60):  # Before the cooldown (and its first update): the paper.
+    np.testing.assert_allclose(float(cooled(count)), float(paper(count)), rtol=1e-6)
+  for count in (61, 80, 99):
+    np.testing.assert_allclose(float(cooled(count)),
+                               float(paper(count)) * (100 - count) / 40, rtol=1e-6)
+  assert float(cooled(100)) == 0.0 and float(cooled(500)) == 0.0
+
+
+def test_cooldown_comes_from_the_config_and_reaches_the_chain():
+  config = tiny.get_config()
+  config.num_train_steps, config.lr_cooldown_steps = 20, 5
+  cfg = optimizer.OptimizerConfig.from_config(config, d_model=32)
+  _, schedule = optimizer.create_optimizer(cfg)
+  assert float(schedule(14)) > 0 and float(schedule(19)) == pytest.approx(
+      float(optimizer.learning_rate_schedule(32, config.warmup_steps)(19)) / 5, rel=1e-6)
+
+
 def adam_reference(grads_seq, params, lr_fn, b1=0.9, b2=0.98, eps=1e-9):
   """Kingma & Ba's Adam with bias correction, in numpy."""
   m = np.zeros_like(params)
@@ -93,7 +113,8 @@ def test_weight_decay_shrinks_matrices_but_not_vectors():
 
 @pytest.mark.parametrize('field,value', [
     ('warmup_steps', 0), ('learning_rate_scale', 0.0), ('adam_b2', 1.0), ('adam_eps', 0.0),
-    ('weight_decay', -1.0), ('grad_clip_norm', -0.1)])
+    ('weight_decay', -1.0), ('grad_clip_norm', -0.1), ('lr_cooldown_steps', -1),
+    ('lr_cooldown_steps', 10**9)])
 def test_bad_fields_raise_config_error_naming_them(field, value):
   config = tiny.get_config()
   config[field] = value

@@ -5,7 +5,9 @@ Section 5.3 of the paper: Adam with beta1 = 0.9, beta2 = 0.98, eps = 1e-9 and
     lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5),
 
 a linear rise for `warmup_steps` steps, then inverse-square-root decay. Optional extras for
-runs that want them: gradient clipping by global norm and decoupled weight decay (AdamW).
+runs that want them: a linear cooldown to zero over the last `lr_cooldown_steps` steps (short
+runs end much better annealed), gradient clipping by global norm and decoupled weight decay
+(AdamW).
 Gradient accumulation is not an optax wrapper here; the train step sums microbatch gradients
 itself (see `train_lib.py` for why).
 """
@@ -29,6 +31,8 @@ class OptimizerConfig:
   d_model: int
   warmup_steps: int = 4000
   learning_rate_scale: float = 1.0
+  num_train_steps: int = 0
+  cooldown_steps: int = 0
   b1: float = 0.9
   b2: float = 0.98
   eps: float = 1e-9
@@ -42,6 +46,10 @@ class OptimizerConfig:
         (self.learning_rate_scale > 0,
          f'learning_rate_scale={self.learning_rate_scale!r} must be > 0 (1.0 is the '
          "paper's schedule)."),
+        (isinstance(self.cooldown_steps, int)
+         and 0 <= self.cooldown_steps <= max(self.num_train_steps, 0),
+         f'lr_cooldown_steps={self.cooldown_steps!r} must be an int in [0, num_train_steps='
+         f'{self.num_train_steps}] (0: the paper\'s schedule, no cooldown).'),
         (0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
          f'adam_b1={self.b1!r} and adam_b2={self.b2!r} must be in [0, 1) (the paper: '
          '0.9, 0.98).'),
@@ -66,6 +74,8 @@ class OptimizerConfig:
         d_model=d_model,
         warmup_steps=config.warmup_steps,
         learning_rate_scale=float(config.learning_rate_scale),
+        num_train_steps=config.num_train_steps,
+        cooldown_steps=config.lr_cooldown_steps,
         b1=float(config.adam_b1),
         b2=float(config.adam_b2),
         eps=float(config.adam_eps),
@@ -74,8 +84,9 @@ class OptimizerConfig:
     )
 
 
-def learning_rate_schedule(d_model: int, warmup_steps: int,
-                           scale: float = 1.0) -> optax.Schedule:
+def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0,
+                           num_train_steps: int = 0,
+                           cooldown_steps: int = 0) -> optax.Schedule:
   """The paper's schedule as an optax schedule of the update count.
 
   optax counts updates from 0 and the paper counts steps from 1, so update `count` uses
@@ -83,18 +94,30 @@ def learning_rate_schedule(d_model: int, warmup_steps: int,
   d_model^-0.5 * warmup^-0.5, is reached at update `warmup_steps - 1`. Written by hand
   because optax has no inverse-square-root schedule.
 
+  With `cooldown_steps` > 0 the rate is further multiplied by
+  `(num_train_steps - count) / cooldown_steps` over the last `cooldown_steps` updates: a
+  linear fall to 1/cooldown_steps of the paper's rate at the last update (the
+  warmup-stable-decay recipe; MaxText and T5X offer the same tail). Changing
+  `num_train_steps` on resume moves the cooldown with it.
+
   Args:
     d_model: the model width.
     warmup_steps: steps of linear warmup.
     scale: a factor on the whole schedule.
+    num_train_steps: the run's length; read only with `cooldown_steps`.
+    cooldown_steps: updates of linear cooldown at the end (0: none, the paper).
 
   Returns:
     A function from the update count (int array) to the learning rate (float32).
   """
   def schedule(count: jax.Array) -> jax.Array:
     step = jnp.asarray(count, jnp.float32) + 1.0
-    return (scale * d_model ** -0.5) * jnp.minimum(
+    rate = (scale * d_model ** -0.5) * jnp.minimum(
         jax.lax.rsqrt(step), step * float(warmup_steps) ** -1.5)
+    if cooldown_steps:
+      remaining = float(num_train_steps) - jnp.asarray(count, jnp.float32)
+      rate *= jnp.clip(remaining / float(cooldown_steps), 0.0, 1.0)
+    return rate
   return schedule
 
 
@@ -113,7 +136,8 @@ def create_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation
   Returns:
     (the optax transformation, its learning-rate schedule, for logging).
   """
-  schedule = learning_rate_schedule(cfg.d_model, cfg.warmup_steps, cfg.learning_rate_scale)
+  schedule = learning_rate_schedule(cfg.d_model, cfg.warmup_steps, cfg.learning_rate_scale,
+                                    cfg.num_train_steps, cfg.cooldown_steps)
   if cfg.weight_decay > 0:
     adam = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                        weight_decay=cfg.weight_decay, mask=_decay_mask)
