@@ -24,7 +24,7 @@ from transformer_jax import multihost  # pylint: disable=wrong-import-position
 from transformer_jax import optimizer  # pylint: disable=wrong-import-position
 from transformer_jax import train_lib  # pylint: disable=wrong-import-position
 from transformer_jax import trainer  # pylint: disable=wrong-import-position
-from transformer_jax.config import TransformerConfig  # pylint: disable=wrong-import-position
+from transformer_jax.config import TransformerConfig, base_config  # pylint: disable=wrong-import-position
 from transformer_jax.partitioning import Partitioner  # pylint: disable=wrong-import-position
 
 VOCAB = 64
@@ -218,6 +218,16 @@ def test_resuming_with_a_different_config_lists_the_fields(finished_run):
   assert 'd_model: checkpoint=32 now=64' in message
   assert 'label_smoothing: checkpoint=0.1 now=0.2' in message
   assert 'num_train_steps' not in message.split('Fields that may change')[0]
+
+
+def test_a_checkpoint_older_than_a_field_counts_as_its_legacy_value():
+  config = base_config()
+  saved = checkpointing.config_to_json(config)
+  del saved['dropout_rng_impl'], saved['lr_cooldown_steps']  # Written before they existed.
+  assert checkpointing.config_differences(saved, config) == [
+      'dropout_rng_impl: checkpoint="threefry2x32" now="rbg"']
+  config.dropout_rng_impl = 'threefry2x32'
+  assert checkpointing.config_differences(saved, config) == []
 
 
 class SigtermAt(multihost.StopSignal):

@@ -50,6 +50,15 @@ RESUMABLE_FIELDS = frozenset({
 })
 
 
+# Fields added after checkpoints were already being written, with the value that reproduces
+# what a run did before the field existed. A checkpoint without the field counts as having
+# this value, so an older run resumes when the config asks for the old behaviour.
+LEGACY_VALUES = {
+    'dropout_rng_impl': 'threefry2x32',
+    'lr_cooldown_steps': 0,
+}
+
+
 class ConfigMismatchError(ConfigError):
   """The config differs from the one of the checkpoint it would resume."""
 
@@ -72,7 +81,8 @@ def _flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
 def config_differences(saved: Mapping[str, Any], config: ml_collections.ConfigDict,
                        ignore: frozenset[str] = RESUMABLE_FIELDS) -> list[str]:
   """Lines 'field: checkpoint=<saved> now=<current>' for fields that may not differ."""
-  old, new = _flatten(saved), _flatten(config_to_json(config))
+  old = {**LEGACY_VALUES, **_flatten(saved)}
+  new = _flatten(config_to_json(config))
   missing = object()
   lines = []
   for key in sorted(set(old) | set(new)):

@@ -75,7 +75,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.vocab_train_sentences = 2_000_000  # Sentences sampled to train the vocabulary.
   c.max_source_length = 256  # Training drops longer examples (and says how many).
   c.max_target_length = 256
-  c.tokens_per_batch = 25000  # Source and target token budget of one step, all devices.
+  c.tokens_per_batch = 25000  # Token slots a side (source; target alike) a step, all devices.
   c.bucket_boundaries = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
   c.packing = False  # Pack several examples per row instead of length buckets.
   c.data_seed = 0
