@@ -5,8 +5,7 @@ Section 5.3 of the paper: Adam with beta1 = 0.9, beta2 = 0.98, eps = 1e-9 and
     lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5),
 
 a linear rise for `warmup_steps` steps, then inverse-square-root decay. Optional extras for
-runs that want them: a linear cooldown to zero over the last `lr_cooldown_steps` steps (short
-runs end much better annealed), gradient clipping by global norm and decoupled weight decay
+runs that want them: a linear cooldown to zero over the last `lr_cooldown_steps` steps, gradient clipping by global norm and decoupled weight decay
 (AdamW).
 Gradient accumulation is not an optax wrapper here; the train step sums microbatch gradients
 itself (see `train_lib.py` for why).
@@ -96,8 +95,7 @@ def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0,
 
   With `cooldown_steps` > 0 the rate is further multiplied by
   `(num_train_steps - count) / cooldown_steps` over the last `cooldown_steps` updates: a
-  linear fall to 1/cooldown_steps of the paper's rate at the last update (the
-  warmup-stable-decay recipe; MaxText and T5X offer the same tail). Changing
+  linear fall to 1/cooldown_steps of the paper's rate at the last update. Changing
   `num_train_steps` on resume moves the cooldown with it.
 
   Args:
@@ -111,12 +109,12 @@ def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0,
     A function from the update count (int array) to the learning rate (float32).
   """
   def schedule(count: jax.Array) -> jax.Array:
-    step = jnp.asarray(count, jnp.float32) + 1.0
+    count = jnp.asarray(count, jnp.float32)
+    step = count + 1.0
     rate = (scale * d_model ** -0.5) * jnp.minimum(
         jax.lax.rsqrt(step), step * float(warmup_steps) ** -1.5)
     if cooldown_steps:
-      remaining = float(num_train_steps) - jnp.asarray(count, jnp.float32)
-      rate *= jnp.clip(remaining / float(cooldown_steps), 0.0, 1.0)
+      rate *= jnp.clip((num_train_steps - count) / cooldown_steps, 0.0, 1.0)
     return rate
   return schedule
 
