@@ -136,7 +136,9 @@ def test_average_and_evaluate_commands(run_dir, tmp_path):
   assert len(hypotheses) == len(references) == metrics['decoding']['sentences']
   assert metrics['bleu'] == pytest.approx(sacrebleu.corpus_bleu(hypotheses,
                                                                 [references]).score)
-  assert metrics['bleu'] > 30  # The fixture model has learned its word substitution.
+  # The fixture model has learned its word substitution: single checkpoints scored
+  # BLEU 76-91 on these 24 sentences over 4 trainings (3 seeds, 2 XLA code paths).
+  assert metrics['bleu'] > 30
   assert metrics['checkpoint_steps'] == list(TRAIN_STEPS[-2:])
   assert metrics['decoding']['beam_size'] == 2
   assert metrics['decoding']['tokens_per_second'] > 0

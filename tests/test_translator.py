@@ -4,6 +4,11 @@ The shared fixture (`build_test_run`, also used by test_evaluate.py and test_tra
 trains a tiny Transformer for a few hundred steps on a word-substitution "English->German"
 corpus, so that outputs depend on the source and end with EOS, and writes three checkpoints
 in the layout `checkpointing` reads.
+
+Its numerics differ in the last bits from one CPU (or XLA code path) to another, so the model
+trained here differs too: tests assert what any such model does (properties, recomputations
+on this machine, quality thresholds far below what every measured training reached), never
+its exact outputs.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+import sacrebleu
 
 from configs import tiny
 from transformer_jax import averaging
@@ -33,7 +39,7 @@ from transformer_jax.tokenizer import train_tokenizer
 _EN = 'the cat dog house red blue big small runs sees eats a man woman child tree water'.split()
 _DE = ('die katze hund haus rot blau gross klein laeuft sieht isst ein mann frau kind baum '
        'wasser').split()
-TRAIN_STEPS = (100, 150, 200)  # Checkpoints written.
+TRAIN_STEPS = (300, 350, 400)  # Checkpoints written.
 MAX_LEN = 24
 
 
@@ -54,7 +60,7 @@ def fixture_config(root: str) -> ml_collections.ConfigDict:
   config.text_files = ml_collections.ConfigDict({
       'test': f'{root}/test.en,{root}/test.de'})
   config.max_len = MAX_LEN
-  config.d_model, config.num_heads, config.d_ff = 32, 4, 64
+  config.d_model, config.num_heads, config.d_ff = 64, 4, 128
   config.num_encoder_layers, config.num_decoder_layers = 1, 2
   config.dropout_rate = 0.0
   config.bucket_boundaries = (16,)  # Buckets 16 and max_len: few shapes to compile.
@@ -160,10 +166,11 @@ def test_beam_size_one_is_greedy_search_on_the_model(loaded, run_dir):
   sources, _ = _test_sources(run_dir)
   inputs = _padded_inputs(checkpoint.tokenizer, sources[:8], 16)
   (greedy_seqs, greedy_log_probs), (beam_seqs, beam_scores) = _model_level_searches(
-      checkpoint.model_config, checkpoint.params, inputs, max_decode_len=12, beam_size=1)
+      checkpoint.model_config, checkpoint.params, inputs, max_decode_len=16, beam_size=1)
   np.testing.assert_array_equal(beam_seqs[:, 0], greedy_seqs)
   np.testing.assert_allclose(beam_scores[:, 0], greedy_log_probs, rtol=1e-5, atol=1e-5)
-  # The outputs are real translations: most rows stop with EOS before the limit.
+  # The outputs are real translations: most rows stop with EOS before the limit (every
+  # reference fits in 16 tokens; 8 of 8 rows stopped in each of the 4 trainings measured).
   assert np.mean(np.any(np.asarray(greedy_seqs) == EOS_ID, axis=1)) >= 0.75
 
 
@@ -297,9 +304,13 @@ def test_batches_keep_input_order_and_do_not_change_translations(loaded, run_dir
   assert stats.truncated == ()
   compiled = translator.num_compiled
   assert compiled <= 2  # Buckets 8 and 16: one compiled shape each, not one per sentence.
-  # Mostly right: the fixture model has learned the word substitution.
-  hits = [o == r for o, r in zip([outputs[0]] + outputs[2:13], references[:12])]
-  assert sum(hits) >= 8, list(zip(outputs, texts))
+  # Mostly right: the fixture model has learned the word substitution. Exact sentence hits
+  # are no measure for this: the same training gave 7 to 11 of these 12 on one CPU under
+  # different XLA code paths (--xla_cpu_max_isa). chrF was 86.5-97.3 over 4 trainings
+  # (3 seeds, 2 code paths); 70 leaves a margin of 16 points.
+  translated = [outputs[0]] + outputs[2:13]
+  chrf = sacrebleu.corpus_chrf(translated, [references[:12]]).score
+  assert chrf >= 70, (chrf, list(zip(translated, references)))
 
   # The same sentences in another order and with other batch mates, same shapes.
   subset = [11, 3, 0, 7, 2, 9, 5, 1]
