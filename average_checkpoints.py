@@ -10,15 +10,15 @@ OUTPUT_WORKDIR/checkpoints/<last step>/ with the parameters and the run's config
 vocabulary, for evaluate.py and translate.py; it holds no optimizer state, so it cannot be
 resumed and is never written into the training run's own directory.
 
-Exit codes: 0 done; 1 an unexpected error; 2 a flag or work-directory problem (explained in
-one paragraph, no traceback).
+Exit codes: 0 done; 1 an unexpected error; 2 a flag, work-directory or checkpoint problem
+(explained in one paragraph; the traceback only with --verbose).
 """
 
 import os
-import sys
 
-from absl import app
 from absl import flags
+
+import cli
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "The training run's work directory.")
 _OUTPUT_WORKDIR = flags.DEFINE_string('output_workdir', None,
@@ -28,39 +28,25 @@ _NUM = flags.DEFINE_integer('num_checkpoints', 0,
                             'config.checkpoints_to_average).')
 
 
-def _fail(message: str) -> None:
-  print(f'average_checkpoints.py: error: {message}', file=sys.stderr)
-  sys.exit(2)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    _fail(f'invalid flags: {e}. Run with --helpfull for the flags.')
-
-
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    _fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
+  del argv  # Unused.
   if not _WORKDIR.value or not _OUTPUT_WORKDIR.value:
-    _fail('--workdir and --output_workdir are required.')
+    cli.fail('--workdir and --output_workdir are required.')
   if not os.path.isdir(_WORKDIR.value):
-    _fail(f'--workdir={_WORKDIR.value} does not exist.')
+    cli.fail(f'--workdir={_WORKDIR.value} does not exist.')
   if _NUM.value < 0:
-    _fail(f'--num_checkpoints={_NUM.value} must be >= 1 (or 0 for the config default).')
+    cli.fail(f'--num_checkpoints={_NUM.value} must be >= 1 (or 0 for the config default).')
   # pylint: disable=g-import-not-at-top
   from transformer_jax import averaging
   from transformer_jax import checkpointing
   # pylint: enable=g-import-not-at-top
-  try:
-    num = _NUM.value or int(
-        checkpointing.read_meta(_WORKDIR.value)[0]['config']['checkpoints_to_average'])
-    path, steps = averaging.average_checkpoints(_WORKDIR.value, _OUTPUT_WORKDIR.value, num)
-  except (FileNotFoundError, FileExistsError, ValueError) as e:
-    _fail(str(e))
+  num = _NUM.value or int(
+      checkpointing.read_meta(_WORKDIR.value)[0]['config']['checkpoints_to_average'])
+  path, steps = averaging.average_checkpoints(_WORKDIR.value, _OUTPUT_WORKDIR.value, num)
   print(f'Averaged steps {steps} into {path}')
 
 
+flags.adopt_module_key_flags(cli)
+
 if __name__ == '__main__':
-  app.run(main, flags_parser=_parse_flags)
+  cli.run(main)

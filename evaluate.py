@@ -13,17 +13,17 @@ compound splitting (to compare with the paper), sentences/s and tokens/s; writes
 --output_dir). Decoding options default to the run's config.
 
 Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory, checkpoint or data problem
-(explained in one paragraph, no traceback).
+(explained in one paragraph; the traceback only with --verbose).
 """
 
 import os
-import sys
 
-from absl import app
 from absl import flags
 from absl import logging
 
-from transformer_jax import decoding_flags
+import cli
+
+_CHECKPOINT = cli.define_checkpoint_flags()
 
 _SPLIT = flags.DEFINE_string('split', None, "The dataset split (default: the config's "
                              'test_split).')
@@ -46,40 +46,15 @@ _OUTPUT_DIR = flags.DEFINE_string('output_dir', None,
 _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 
 
-def _fail(message: str) -> None:
-  print(f'evaluate.py: error: {message}', file=sys.stderr)
-  sys.exit(2)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    _fail(f'invalid flags: {e}. Run with --helpfull for the flags.')
-
-
-def _read_lines(path: str, flag: str) -> list[str]:
-  """A text file's lines (split on '\\n' only; invalid UTF-8 replaced)."""
-  if not os.path.isfile(path):
-    _fail(f'--{flag}={path} does not exist.')
-  with open(path, 'rb') as f:
-    data = f.read()
-  lines = data.split(b'\n')
-  if lines and lines[-1] == b'':
-    lines.pop()
-  return [line.rstrip(b'\r').decode('utf-8', errors='replace') for line in lines]
-
-
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    _fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
-  decoding_flags.check(_fail)
+  del argv  # Unused.
+  cli.check_checkpoint_flags(_CHECKPOINT)
   if _MAX_SENTENCES.value < 0 or _BOOTSTRAP_SAMPLES.value < 1:
-    _fail('--max_sentences must be >= 0, --bootstrap_samples >= 1.')
+    cli.fail('--max_sentences must be >= 0, --bootstrap_samples >= 1.')
   if bool(_SOURCE_FILE.value) != bool(_REFERENCE_FILE.value):
-    _fail('--source_file and --reference_file go together.')
+    cli.fail('--source_file and --reference_file go together.')
   if _SOURCE_FILE.value and (_SPLIT.value or _TFDS_DATA_DIR.value):
-    _fail('--source_file replaces the dataset; drop --split and --tfds_data_dir.')
+    cli.fail('--source_file replaces the dataset; drop --split and --tfds_data_dir.')
 
   # Imported here so that flag errors are reported without loading JAX and TFDS.
   # pylint: disable=g-import-not-at-top
@@ -87,15 +62,15 @@ def main(argv: list[str]) -> None:
   from transformer_jax import evaluation
   from transformer_jax import input_pipeline
   # pylint: enable=g-import-not-at-top
-  translator, checkpoint, steps = decoding_flags.load_translator(_fail)
-  config = checkpoint.config
+  translator, checkpoint = cli.load_translator(_CHECKPOINT)
+  config, steps = checkpoint.config, checkpoint.steps
 
   if _SOURCE_FILE.value:
     name = os.path.splitext(os.path.basename(_SOURCE_FILE.value))[0]
-    sources = _read_lines(_SOURCE_FILE.value, 'source_file')
-    references = _read_lines(_REFERENCE_FILE.value, 'reference_file')
+    sources = cli.read_lines(_SOURCE_FILE.value, 'source_file')
+    references = cli.read_lines(_REFERENCE_FILE.value, 'reference_file')
     if len(sources) != len(references):
-      _fail(f'{_SOURCE_FILE.value} has {len(sources)} lines but {_REFERENCE_FILE.value} has '
+      cli.fail(f'{_SOURCE_FILE.value} has {len(sources)} lines but {_REFERENCE_FILE.value} has '
             f'{len(references)}.')
   else:
     name = _SPLIT.value or config.test_split
@@ -104,18 +79,18 @@ def main(argv: list[str]) -> None:
     try:
       pairs = input_pipeline.open_split(config, name)
       sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
-    except (input_pipeline.DatasetNotFoundError, ValueError, KeyError) as e:
-      _fail(f'cannot read split {name!r} of {config.dataset}: {e}')
+    except KeyError as e:  # TFDS: no such split.
+      cli.fail(f'cannot read split {name!r} of {config.dataset}: {e}; pass --split.')
   if _MAX_SENTENCES.value:
     sources, references = sources[:_MAX_SENTENCES.value], references[:_MAX_SENTENCES.value]
   baseline = None
   if _COMPARE_TO.value:
-    baseline = _read_lines(_COMPARE_TO.value, 'compare_to')[:len(references)]
+    baseline = cli.read_lines(_COMPARE_TO.value, 'compare_to')[:len(references)]
     if len(baseline) != len(references):
-      _fail(f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
+      cli.fail(f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
             f'{len(references)} sentences.')
 
-  workdir = decoding_flags.WORKDIR.value
+  workdir = _CHECKPOINT.workdir.value
   info = {'workdir': os.path.abspath(workdir), 'step': checkpoint.step,
           'checkpoint_steps': steps, 'split': name, 'dataset': config.dataset,
           'source_lang': config.source_lang, 'target_lang': config.target_lang,
@@ -133,5 +108,7 @@ def main(argv: list[str]) -> None:
     print(f'Wrote {paths[0]} and {paths[1]}')
 
 
+flags.adopt_module_key_flags(cli)
+
 if __name__ == '__main__':
-  app.run(main, flags_parser=_parse_flags)
+  cli.run(main)

@@ -12,17 +12,18 @@ Lines are split on '\n' only. Reading from a terminal translates each line as it
 labelled with its subword pieces ('mean' over heads, 'all' heads, or one head's index).
 
 Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory or checkpoint problem
-(explained in one paragraph, no traceback).
+(explained in one paragraph; the traceback only with --verbose).
 """
 
 import io
 import os
 import sys
 
-from absl import app
 from absl import flags
 
-from transformer_jax import decoding_flags
+import cli
+
+_CHECKPOINT = cli.define_checkpoint_flags()
 
 _INPUT = flags.DEFINE_string('input', '-', "Input file, one sentence a line ('-': stdin).")
 _OUTPUT = flags.DEFINE_string('output', '-', "Output file ('-': stdout).")
@@ -40,43 +41,26 @@ _ATTENTION_HEADS = flags.DEFINE_string('attention_heads', 'mean',
 _QUIET = flags.DEFINE_bool('quiet', False, 'No speed summary on stderr.')
 
 
-def _fail(message: str) -> None:
-  print(f'translate.py: error: {message}', file=sys.stderr)
-  sys.exit(2)
-
-
-def _warn(message: str) -> None:
-  print(f'translate.py: warning: {message}', file=sys.stderr, flush=True)
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  try:
-    return flags.FLAGS(argv)
-  except flags.Error as e:
-    _fail(f'invalid flags: {e}. Run with --helpfull for the flags.')
-
-
 def _check_flags() -> None:
-  decoding_flags.check(_fail)
+  cli.check_checkpoint_flags(_CHECKPOINT)
   if _CHUNK_LINES.value < 0:
-    _fail('--chunk_lines must be >= 0.')
+    cli.fail('--chunk_lines must be >= 0.')
   if _TEXT.value is not None and _INPUT.value != '-':
-    _fail('give --text or --input, not both.')
+    cli.fail('give --text or --input, not both.')
   if _INPUT.value != '-' and not os.path.isfile(_INPUT.value):
-    _fail(f'--input={_INPUT.value} does not exist.')
+    cli.fail(f'--input={_INPUT.value} does not exist.')
   if _ATTENTION_PLOT.value and _TEXT.value is None:
-    _fail('--attention_plot draws one sentence: give it as --text.')
+    cli.fail('--attention_plot draws one sentence: give it as --text.')
   heads = _ATTENTION_HEADS.value
   if heads not in ('mean', 'all') and not heads.isdigit():
-    _fail(f"--attention_heads={heads!r} must be 'mean', 'all' or a head index.")
+    cli.fail(f"--attention_heads={heads!r} must be 'mean', 'all' or a head index.")
 
 
 def main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    _fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
+  del argv  # Unused.
   _check_flags()
-  from transformer_jax import translator as translator_lib  # pylint: disable=g-import-not-at-top
-  translator, _, steps = decoding_flags.load_translator(_fail)
+  translator, checkpoint = cli.load_translator(_CHECKPOINT)
+  steps = checkpoint.steps
 
   if _OUTPUT.value == '-':
     output = io.TextIOWrapper(sys.stdout.buffer, encoding='utf-8', errors='replace',
@@ -99,7 +83,7 @@ def main(argv: list[str]) -> None:
       output.flush()
 
   try:
-    stats = translator_lib.translate_lines(translator, source, write, _warn, chunk_lines)
+    stats = cli.translate_lines(translator, source, write, cli.warn, chunk_lines)
   finally:
     output.flush()
     if _OUTPUT.value == '-':
@@ -125,9 +109,11 @@ def main(argv: list[str]) -> None:
                           layer=_ATTENTION_LAYER.value,
                           heads=int(heads) if heads.isdigit() else heads)
     except ValueError as e:
-      _fail(str(e))
+      cli.fail(str(e))
     print(f'translate.py: wrote {_ATTENTION_PLOT.value}', file=sys.stderr)
 
 
+flags.adopt_module_key_flags(cli)
+
 if __name__ == '__main__':
-  app.run(main, flags_parser=_parse_flags)
+  cli.run(main)

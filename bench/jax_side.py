@@ -1,8 +1,8 @@
 """The JAX side of the benchmark: the real train step, decoding, matmul peak, token budgets.
 
 Run by `bench.run` as a worker process (see `bench/worker.py`); its environment sets the XLA
-thread flags. Everything here uses the project's own code paths: `train_lib.create_train_state`
-and `train_lib.jit_train_step` for training, and the same encode -> init_cache -> search
+thread flags. Everything here uses the project's own code paths: `train_steps.create_train_state`
+and `train_steps.jit_train_step` for training, and the same encode -> init_cache -> search
 function that `translator.search` builds, with one change: the end-of-sequence logit is
 masked, so that every system generates exactly the requested number of tokens.
 """
@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 
 from bench import worker
-from transformer_jax import decode, flops, optimizer, train_lib, translator
+from transformer_jax import decode, flops, models, optimizer, train_steps, translator
 from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig, base_config
 from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner
@@ -56,10 +56,10 @@ def random_batch(rows: int, source_length: int, target_length: int, vocab_size: 
     tokens[:, -1] = EOS_ID
     return (tokens, np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
             np.ones((rows, length), np.int32))
-  inputs, inputs_position, inputs_segmentation = side(source_length)
-  targets, targets_position, targets_segmentation = side(target_length)
-  return dict(inputs=inputs, targets=targets, inputs_position=inputs_position,
-              targets_position=targets_position, inputs_segmentation=inputs_segmentation,
+  inputs, inputs_positions, inputs_segmentation = side(source_length)
+  targets, targets_positions, targets_segmentation = side(target_length)
+  return dict(inputs=inputs, targets=targets, inputs_positions=inputs_positions,
+              targets_positions=targets_positions, inputs_segmentation=inputs_segmentation,
               targets_segmentation=targets_segmentation)
 
 
@@ -92,7 +92,7 @@ def device_memory_stats() -> dict[str, Any]:
 
 
 class _TrainSetup:
-  """The train step of `train_lib` for one model size and batch shape."""
+  """The train step of `train_steps` for one model size and batch shape."""
 
   def __init__(self, model: str, dtype: str, rows: int, source_length: int,
                target_length: int, vocab_size: int, remat: str, seed: int = 0):
@@ -101,12 +101,12 @@ class _TrainSetup:
     self.partitioner = Partitioner.from_config(self.config)
     opt_config = optimizer.OptimizerConfig.from_config(self.config, self.model_config.d_model)
     self.tx, self.schedule = optimizer.create_optimizer(opt_config)
-    self.abstract, self.shardings = train_lib.abstract_state(
+    self.abstract, self.shardings = train_steps.abstract_state(
         self.model_config, self.tx, self.partitioner)
-    self.step_config = train_lib.StepConfig(model=self.model_config, seed=seed,
+    self.step_config = train_steps.StepConfig(model=self.model_config, seed=seed,
                                             dropout_rng_impl=self.config.dropout_rng_impl,
                                             label_smoothing=self.config.label_smoothing)
-    self.step = train_lib.jit_train_step(self.step_config, self.tx, self.schedule,
+    self.step = train_steps.jit_train_step(self.step_config, self.tx, self.schedule,
                                          self.partitioner, self.shardings)
     self.shape = (rows, source_length, target_length)
     self.seed = seed
@@ -116,7 +116,7 @@ class _TrainSetup:
     sharding = self.partitioner.batch_sharding
     return {k: jax.ShapeDtypeStruct((rows, target_length if k.startswith('targets')
                                      else source_length), jnp.int32, sharding=sharding)
-            for k in train_lib.BATCH_KEYS}
+            for k in models.BATCH_KEYS}
 
   def compile(self) -> tuple[Any, float]:
     start = time.perf_counter()
@@ -126,7 +126,7 @@ class _TrainSetup:
 
 
 class TrainTask:
-  """One full training step (forward, backward, Adam update) of `train_lib.train_step`."""
+  """One full training step (forward, backward, Adam update) of `train_steps.train_step`."""
 
   def __init__(self, model: str = 'base', dtype: str = 'float32', rows: int = 8,
                source_length: int = 64, target_length: int = 64, vocab_size: int = 37000,
@@ -138,7 +138,7 @@ class TrainTask:
     t = self.train
     rows, source_length, target_length = t.shape
     start = time.perf_counter()
-    self.state = train_lib.create_train_state(t.seed, t.model_config, t.tx, t.partitioner,
+    self.state = train_steps.create_train_state(t.seed, t.model_config, t.tx, t.partitioner,
                                               t.shardings)
     jax.block_until_ready(self.state)
     init_s = time.perf_counter() - start
@@ -152,7 +152,7 @@ class TrainTask:
         'compile_s': compile_s,
         'init_s': init_s,
         'first_step_s': first_step_s,
-        'params': train_lib.count_params(self.state.params),
+        'params': train_steps.count_params(self.state.params),
         'source_tokens': rows * source_length,
         'target_tokens': rows * target_length,
         'model_flops': flops.batch_flops(t.model_config, [source_length] * rows,

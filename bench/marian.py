@@ -113,7 +113,7 @@ class TorchTrainTask:
     torch = _torch()
     logits = self.model(input_ids=self.inputs, attention_mask=self.mask,
                         decoder_input_ids=self.decoder_inputs).logits
-    # Sum over tokens, divided once by their count, as train_lib does.
+    # Sum over tokens, divided once by their count, as train_steps does.
     loss = torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), self.labels.reshape(-1),
         label_smoothing=0.1, reduction='sum') / self.labels.numel()

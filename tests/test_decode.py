@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 from jax import lax
 
+import train_testlib
+
 from transformer_jax import decode
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
 
@@ -448,10 +450,9 @@ def test_searches_run_with_the_batch_sharded_over_two_devices(tmp_path):
         _search(model.params, cache, jax.random.key(0), search, options))
     expected[name + '_sequences'], expected[name + '_scores'] = sequences, scores
   np.savez(tmp_path / 'expected.npz', **expected)
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=2',
-             JAX_PLATFORMS='cpu')
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env['PYTHONPATH'] = os.pathsep.join([root, os.path.join(root, 'tests')])
+  env = train_testlib.subprocess_env(2, fast_compile=False)
+  env['PYTHONPATH'] = os.pathsep.join([train_testlib.REPO, os.path.join(train_testlib.REPO,
+                                                                         'tests')])
   result = subprocess.run(
       [sys.executable, '-c', _SHARDED_SCRIPT, str(tmp_path / 'expected.npz')], env=env,
       capture_output=True, text=True, timeout=300)

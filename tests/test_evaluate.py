@@ -12,24 +12,22 @@ import numpy as np
 import pytest
 import sacrebleu
 
-from test_translator import TRAIN_STEPS, build_test_run
+import train_testlib
+from test_translator import TRAIN_STEPS
 from transformer_jax import averaging
 from transformer_jax import checkpointing
 from transformer_jax import evaluation
+from transformer_jax import loading
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-@pytest.fixture(scope='module')
-def run_dir(tmp_path_factory) -> str:
-  return build_test_run(str(tmp_path_factory.getbasetemp() / 'translator_test_run'))
 
 
 def _run(*args: str, cache_dir: str | None = None, timeout: int = 300):
   command = [sys.executable, *args]
   if cache_dir:
     command.append(f'--compilation_cache_dir={cache_dir}')
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env = train_testlib.subprocess_env(fast_compile=False)
   return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=timeout)
 
@@ -87,18 +85,18 @@ def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
   out = str(tmp_path / 'avg')
   path, written_steps = averaging.average_checkpoints(run_dir, out, 2)
   assert written_steps == steps and path.endswith(f'checkpoints/{steps[-1]}')
-  loaded = checkpointing.load_for_inference(out)
-  assert loaded.step == steps[-1]
+  loaded = loading.load(out)
+  assert loaded.step == steps[-1] and loaded.steps == steps
   jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7),
                loaded.params, expected)
-  original = checkpointing.load_for_inference(run_dir)
+  original = loading.load(run_dir)
   assert loaded.tokenizer.fingerprint == original.tokenizer.fingerprint
   assert loaded.model_config == original.model_config
   meta, _ = checkpointing.read_meta(out)
   assert meta['averaged_steps'] == steps
   # An in-memory average (evaluate.py --average_last) equals the written one.
-  in_memory, used = averaging.load(run_dir, average_last=2)
-  assert used == steps and in_memory.step == steps[-1]
+  in_memory = loading.load(run_dir, average_last=2)
+  assert in_memory.steps == steps and in_memory.step == steps[-1]
   jax.tree.map(np.testing.assert_array_equal, in_memory.params, loaded.params)
 
   with pytest.raises(FileExistsError):
@@ -108,7 +106,7 @@ def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
   with pytest.raises(ValueError, match='only 3'):
     averaging.last_steps(run_dir, 5)
   with pytest.raises(ValueError, match='not both'):
-    averaging.load(run_dir, step=100, average_last=2)
+    loading.load(run_dir, step=100, average_last=2)
 
 
 def test_average_and_evaluate_commands(run_dir, tmp_path):

@@ -10,6 +10,7 @@ import tensorflow_datasets as tfds
 
 from transformer_jax import config as config_lib
 from transformer_jax import input_pipeline as ip
+from transformer_jax.models import BATCH_KEYS
 from transformer_jax.config import EOS_ID, PAD_ID
 
 WORDS = ('the a house river bird green old new town field red blue small long water '
@@ -62,7 +63,7 @@ def _segments(batch, name):
   out = {}
   ids = batch[name]
   seg = batch[f'{name}_segmentation']
-  pos = batch[f'{name}_position']
+  pos = batch[f'{name}_positions']
   assert ((ids == PAD_ID) == (seg == 0)).all()
   assert (pos[seg == 0] == 0).all()
   for r in range(ids.shape[0]):
@@ -80,7 +81,7 @@ def _examples(batches):
   """Multiset of (source ids, target ids) in `batches`, pairing segments by (row, id)."""
   found = collections.Counter()
   for batch in batches:
-    assert set(batch) == set(ip.BATCH_KEYS)
+    assert set(batch) == set(BATCH_KEYS)
     assert all(v.dtype == np.int32 and v.shape == batch['inputs'].shape
                for v in batch.values())
     sources, targets = _segments(batch, 'inputs'), _segments(batch, 'targets')
@@ -224,9 +225,10 @@ def test_get_datasets_on_text_files(corpus):
   _, _, config, workdir = corpus
   data = ip.get_datasets(config, workdir, process_index=0, process_count=1, row_multiple=1)
   batch = next(data.train)
-  assert set(batch) == set(ip.BATCH_KEYS)
-  assert len(data.test_pairs) == NUM_PAIRS - 3
-  assert all(s.strip() and t.strip() for s, t in data.test_pairs)
+  assert set(batch) == set(BATCH_KEYS)
+  test_pairs = ip.nonblank_pairs(ip.open_split(config, 'test'))
+  assert len(test_pairs) == NUM_PAIRS - 3
+  assert all(s.strip() and t.strip() for s, t in test_pairs)
   assert sum(int((b['inputs_segmentation'] == 1).any(axis=1).sum())
              for b in data.eval_batches()) == NUM_PAIRS - 3
 
@@ -272,4 +274,4 @@ def test_mock_wmt(tmp_path, name, source, target):
     batches = _take(data.train, data.steps_per_epoch)
     assert _examples(batches) == _expected(pairs, data.tokenizer, max_len=64)
     assert len(list(data.eval_batches())) >= 1
-    assert len(data.test_pairs) == 64
+    assert len(ip.open_split(config, 'test')) == 64

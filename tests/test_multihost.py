@@ -8,13 +8,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_testlib  # pylint: disable=wrong-import-position
 
 STEPS = 8

@@ -9,14 +9,12 @@ import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 import jax
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_testlib  # pylint: disable=wrong-import-position
 
 from transformer_jax import checkpointing  # pylint: disable=wrong-import-position

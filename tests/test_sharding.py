@@ -14,8 +14,6 @@ import sys
 import numpy as np
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
 import train_testlib  # pylint: disable=wrong-import-position
 
 MESHES = {
@@ -36,7 +34,7 @@ def _worker(checkpoint_dir: str) -> dict:
   from configs import tiny  # pylint: disable=g-import-not-at-top
   from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
   from transformer_jax import optimizer  # pylint: disable=g-import-not-at-top
-  from transformer_jax import train_lib  # pylint: disable=g-import-not-at-top
+  from transformer_jax import train_steps  # pylint: disable=g-import-not-at-top
   from transformer_jax.config import TransformerConfig  # pylint: disable=g-import-not-at-top
   from transformer_jax.partitioning import Partitioner  # pylint: disable=g-import-not-at-top
 
@@ -58,16 +56,16 @@ def _worker(checkpoint_dir: str) -> dict:
       ids = rng.integers(4, VOCAB, size=(8, 16)).astype(np.int32)
       mask = np.arange(16)[None] < lengths[:, None]
       batch[side] = np.where(mask, ids, 0).astype(np.int32)
-      batch[f'{side}_position'] = np.where(mask, np.arange(16)[None], 0).astype(np.int32)
+      batch[f'{side}_positions'] = np.where(mask, np.arange(16)[None], 0).astype(np.int32)
       batch[f'{side}_segmentation'] = mask.astype(np.int32)
     batches.append(batch)
 
   def setup(mesh, devices, grad_accum_steps=1):
     config.mesh = mesh
     partitioner = Partitioner.from_config(config, devices=devices)
-    _, shardings = train_lib.abstract_state(model_config, tx, partitioner)
-    step = train_lib.jit_train_step(
-        train_lib.StepConfig(model_config, seed=0, grad_accum_steps=grad_accum_steps),
+    _, shardings = train_steps.abstract_state(model_config, tx, partitioner)
+    step = train_steps.jit_train_step(
+        train_steps.StepConfig(model_config, seed=0, grad_accum_steps=grad_accum_steps),
         tx, schedule, partitioner, shardings)
     return partitioner, shardings, step
 
@@ -81,7 +79,7 @@ def _worker(checkpoint_dir: str) -> dict:
 
   report = {'losses': {}, 'max_param_diff': {}, 'shards': {}, 'specs': {}}
   single = setup({'data': 1, 'fsdp': 1, 'tensor': 1}, jax.devices()[:1])
-  initial = train_lib.create_train_state(0, model_config, tx, single[0], single[1])
+  initial = train_steps.create_train_state(0, model_config, tx, single[0], single[1])
   initial = jax.device_get(initial)
   reference, report['losses']['single'] = train(*single, jax.device_put(initial, single[1]))
   reference = jax.device_get(reference.params)
@@ -90,7 +88,7 @@ def _worker(checkpoint_dir: str) -> dict:
     partitioner, shardings, step = setup(mesh, jax.devices(),
                                          )
     if name == 'fsdp':  # Initialized straight into its shardings.
-      state = train_lib.create_train_state(0, model_config, tx, partitioner, shardings)
+      state = train_steps.create_train_state(0, model_config, tx, partitioner, shardings)
     else:
       state = jax.device_put(initial, shardings)
     state, report['losses'][name] = train(partitioner, shardings, step, state)
@@ -119,7 +117,7 @@ def _worker(checkpoint_dir: str) -> dict:
   checkpointer.save(saved_state, data, {'note': 'test'}, force=True)
   checkpointer.wait()
   partitioner, _, _ = setup(MESHES['fsdp'], jax.devices())
-  abstract, _ = train_lib.abstract_state(model_config, tx, partitioner)
+  abstract, _ = train_steps.abstract_state(model_config, tx, partitioner)
   restored = checkpointer.restore(STEPS, abstract, iter(grain.MapDataset.range(4)
                                                          .to_iter_dataset()))
   checkpointer.close()

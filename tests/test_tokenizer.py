@@ -42,7 +42,7 @@ def test_decode_stops_at_eos_and_ignores_pad_and_bos(tok):
   ids = tok.encode('the house is red')
   noisy = [BOS_ID] + ids + [PAD_ID, *tok.encode('green fields')[:-1], PAD_ID]
   assert tok.decode(noisy) == 'the house is red'
-  assert tok.decode_batch(np.array([ids + [PAD_ID] * 3])) == ['the house is red']
+  assert tok.decode(np.array(ids + [PAD_ID] * 3)) == 'the house is red'
 
 
 def test_unknown_characters_map_to_unk(tok):

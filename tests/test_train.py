@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -15,17 +14,18 @@ import numpy as np
 import optax
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_testlib  # pylint: disable=wrong-import-position
+import train_testlib
 
-from configs import tiny  # pylint: disable=wrong-import-position
-from transformer_jax import checkpointing  # pylint: disable=wrong-import-position
-from transformer_jax import multihost  # pylint: disable=wrong-import-position
-from transformer_jax import optimizer  # pylint: disable=wrong-import-position
-from transformer_jax import train_lib  # pylint: disable=wrong-import-position
-from transformer_jax import trainer  # pylint: disable=wrong-import-position
-from transformer_jax.config import TransformerConfig, base_config  # pylint: disable=wrong-import-position
-from transformer_jax.partitioning import Partitioner  # pylint: disable=wrong-import-position
+from configs import tiny
+from transformer_jax import checkpointing
+from transformer_jax import loading
+from transformer_jax import models
+from transformer_jax import multihost
+from transformer_jax import optimizer
+from transformer_jax import train_loop
+from transformer_jax import train_steps
+from transformer_jax.config import TransformerConfig, base_config
+from transformer_jax.partitioning import Partitioner
 
 VOCAB = 64
 
@@ -33,11 +33,11 @@ VOCAB = 64
 def synthetic_batch(seed, rows=4, length=12):
   """Rows with different numbers of real tokens (so microbatches weigh differently)."""
   rng = np.random.default_rng(seed)
-  batch = {k: np.zeros((rows, length), np.int32) for k in train_lib.BATCH_KEYS}
+  batch = {k: np.zeros((rows, length), np.int32) for k in models.BATCH_KEYS}
   for r in range(rows):
     for side, n in (('inputs', 3 + (r * 5) % (length - 3)), ('targets', 2 + (r * 7) % 9)):
       batch[side][r, :n] = rng.integers(4, VOCAB, n)
-      batch[f'{side}_position'][r, :n] = np.arange(n)
+      batch[f'{side}_positions'][r, :n] = np.arange(n)
       batch[f'{side}_segmentation'][r, :n] = 1
   return batch
 
@@ -52,8 +52,8 @@ class StepHarness:
     self.model_config = TransformerConfig.from_config(self.config, vocab_size=VOCAB)
     self.tx, self.schedule = optimizer.create_optimizer(
         optimizer.OptimizerConfig.from_config(self.config, self.model_config.d_model))
-    _, self.shardings = train_lib.abstract_state(self.model_config, self.tx, self.partitioner)
-    self._state = train_lib.create_train_state(0, self.model_config, self.tx,
+    _, self.shardings = train_steps.abstract_state(self.model_config, self.tx, self.partitioner)
+    self._state = train_steps.create_train_state(0, self.model_config, self.tx,
                                                self.partitioner, self.shardings)
 
   def state(self, tx=None):
@@ -67,9 +67,9 @@ class StepHarness:
     tx = tx or self.tx
     schedule = self.schedule if tx is self.tx else optax.constant_schedule(1.0)
     model_config = dataclasses.replace(self.model_config, dropout_rate=dropout_rate)
-    _, shardings = train_lib.abstract_state(model_config, tx, self.partitioner)
-    step = train_lib.jit_train_step(
-        train_lib.StepConfig(model_config, seed=0, grad_accum_steps=grad_accum_steps,
+    _, shardings = train_steps.abstract_state(model_config, tx, self.partitioner)
+    step = train_steps.jit_train_step(
+        train_steps.StepConfig(model_config, seed=0, grad_accum_steps=grad_accum_steps,
                              dropout_rng_impl=dropout_rng_impl),
         tx, schedule, self.partitioner, shardings)
 
@@ -116,7 +116,7 @@ def test_nonfinite_loss_skips_the_update_and_counts_it(harness):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.params), before.params)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.opt_state),
                before.opt_state)
-  assert not bool(train_lib.all_finite(after.params))
+  assert not bool(train_steps.all_finite(after.params))
   # A healthy state takes the update.
   healthy, metrics = step(harness.state(), batch)
   assert float(metrics['finite']) == 1.0 and int(healthy.skipped_steps) == 0
@@ -149,7 +149,7 @@ def finished_run(data_files, tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp('run'))
   config = train_testlib.small_config(data_files, eval_every_steps=3, keep_checkpoints=1,
                                       keep_checkpoint_period=4)
-  result = trainer.train_and_evaluate(config, workdir)
+  result = train_loop.train_and_evaluate(config, workdir)
   return config, workdir, result
 
 
@@ -181,9 +181,9 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(finished_run):
   assert checkpointing.list_steps(workdir) == [4, 6]
 
 
-def test_load_for_inference_needs_only_the_workdir(finished_run, tmp_path):
+def test_loading_for_inference_needs_only_the_workdir(finished_run, tmp_path):
   config, workdir, result = finished_run
-  loaded = checkpointing.load_for_inference(workdir)
+  loaded = loading.load(workdir)
   assert loaded.step == 6
   assert loaded.model_config.deterministic and loaded.model_config.num_encoder_layers == 1
   assert loaded.config.d_model == config.d_model
@@ -213,7 +213,7 @@ def test_resuming_with_a_different_config_lists_the_fields(finished_run):
       {k: config.text_files[k] for k in config.text_files}, eval_every_steps=3,
       d_model=64, label_smoothing=0.2, num_train_steps=8)
   with pytest.raises(checkpointing.ConfigMismatchError) as error:
-    trainer.train_and_evaluate(changed, workdir)
+    train_loop.train_and_evaluate(changed, workdir)
   message = str(error.value)
   assert 'd_model: checkpoint=32 now=64' in message
   assert 'label_smoothing: checkpoint=0.1 now=0.2' in message
@@ -248,14 +248,14 @@ def test_sigterm_saves_that_step_and_stops(finished_run, tmp_path):
   workdir = str(tmp_path)
   stop = SigtermAt(3)
   try:
-    stopped = trainer.train_and_evaluate(config, workdir, stop_signal=stop)
+    stopped = train_loop.train_and_evaluate(config, workdir, stop_signal=stop)
   finally:
     stop.close()
   assert stopped.stopped_early and int(stopped.state.step) == 3
   # Step 3 is not a regular save step (every 2), and it is complete on return.
   assert checkpointing.list_steps(workdir) == [3]
-  steps = [m['step'] for m in read_metrics(workdir) if m['split'] == 'train']
-  assert steps == [1, 2, 3]
+  logged = [m['step'] for m in read_metrics(workdir) if m['split'] == 'train']
+  assert logged == [1, 2, 3]
 
 
 # --- train.py's answers to bad setups: exit code 2, one paragraph, before compiling. ---

@@ -10,7 +10,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from test_translator import MAX_LEN, build_test_run
+import cli
+import train_testlib
+from test_translator import MAX_LEN
 from transformer_jax import attention_plot
 from transformer_jax import translator as translator_lib
 
@@ -31,14 +33,10 @@ MIXED_LINES = [
 ]
 
 
-@pytest.fixture(scope='module')
-def run_dir(tmp_path_factory) -> str:
-  return build_test_run(str(tmp_path_factory.getbasetemp() / 'translator_test_run'))
-
 
 @pytest.fixture(scope='module')
 def loaded(run_dir):
-  translator, checkpoint, _ = translator_lib.load_translator(run_dir)
+  translator, checkpoint = translator_lib.load_translator(run_dir)
   return translator, checkpoint
 
 
@@ -51,9 +49,7 @@ def mixed_file(tmp_path_factory) -> str:
 
 def _translate(*flags: str, run_dir: str, stdin: bytes | None = None,
                devices: int = 1) -> subprocess.CompletedProcess:
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  if devices > 1:
-    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  env = train_testlib.subprocess_env(devices, fast_compile=False)
   cache = os.path.join(os.path.dirname(run_dir), 'jax_cache')
   return subprocess.run(
       [sys.executable, 'translate.py', f'--workdir={run_dir}',
@@ -78,7 +74,7 @@ def test_every_input_line_gives_one_output_line_in_order(loaded, file_run):
   assert len(lines) == len(MIXED_LINES)
   assert lines[1] == '' and lines[5] == ''
   # Each line is what the model gives for that line, so nothing shifted.
-  texts = [translator_lib.decode_line(raw)[0] for raw in MIXED_LINES]
+  texts = [cli.decode_line(raw)[0] for raw in MIXED_LINES]
   expected, stats = translator.translate(texts)
   assert lines == expected
   assert stats.truncated == (2,)
@@ -142,7 +138,7 @@ def test_cross_attention_weights_and_labels(loaded, tmp_path):
     (['--input=/nonexistent/input.txt'], 'does not exist'),
 ])
 def test_bad_requests_exit_with_code_2(run_dir, flags, message):
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  env = train_testlib.subprocess_env(fast_compile=False)
   if not any(f.startswith('--workdir') for f in flags):
     flags = [f'--workdir={run_dir}'] + flags
   result = subprocess.run([sys.executable, 'translate.py', *flags], cwd=REPO, env=env,

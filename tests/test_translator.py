@@ -122,16 +122,12 @@ def build_test_run(root: str) -> str:
   return workdir
 
 
-@pytest.fixture(scope='module')
-def run_dir(tmp_path_factory) -> str:
-  return build_test_run(str(tmp_path_factory.getbasetemp() / 'translator_test_run'))
-
 
 @pytest.fixture(scope='module')
 def loaded(run_dir):
-  translator, checkpoint, steps = translator_lib.load_translator(run_dir, batch_size=4,
-                                                                 buckets=(8, 16))
-  assert steps == [TRAIN_STEPS[-1]]
+  translator, checkpoint = translator_lib.load_translator(run_dir, batch_size=4,
+                                                          buckets=(8, 16))
+  assert checkpoint.steps == [TRAIN_STEPS[-1]]
   return translator, checkpoint
 
 
@@ -306,7 +302,7 @@ def test_batches_keep_input_order_and_do_not_change_translations(loaded, run_dir
   assert compiled <= 2  # Buckets 8 and 16: one compiled shape each, not one per sentence.
   # Mostly right: the fixture model has learned the word substitution. Exact sentence hits
   # are no measure for this: the same training gave 7 to 11 of these 12 on one CPU under
-  # different XLA code paths (--xla_cpu_max_isa). chrF was 86.5-97.3 over 4 trainings
+  # different XLA code paths (--xla_cpu_max_isa). chrF measured 86.5-97.3 over 4 trainings
   # (3 seeds, 2 code paths); 70 leaves a margin of 16 points.
   translated = [outputs[0]] + outputs[2:13]
   chrf = sacrebleu.corpus_chrf(translated, [references[:12]]).score

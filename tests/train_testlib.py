@@ -63,14 +63,19 @@ def write_config_file(path: str, files: dict[str, str], **overrides) -> str:
   return path
 
 
-def subprocess_env(devices: int = 1) -> dict[str, str]:
-  """The environment for a training subprocess with `devices` simulated CPU devices."""
+def subprocess_env(devices: int = 1, *, fast_compile: bool = True) -> dict[str, str]:
+  """The environment for a command run as a subprocess, on `devices` simulated CPU devices.
+
+  `fast_compile` turns LLVM's optimization off, which compiles 2-3x faster on a small CPU;
+  leave it off where the subprocess's numbers are compared with this process's (another
+  code path may differ in the last bits). The caller's XLA_FLAGS are kept.
+  """
   env = dict(os.environ)
+  xla_flags = [env.get('XLA_FLAGS', ''), f'--xla_force_host_platform_device_count={devices}']
+  if fast_compile:
+    xla_flags.append('--xla_backend_optimization_level=0')
   env.update({
-      # LLVM optimization off compiles 2-3x faster on a small CPU; every comparison in
-      # the tests is between runs compiled with the same flags.
-      'XLA_FLAGS': (f'--xla_force_host_platform_device_count={devices} '
-                    '--xla_backend_optimization_level=0'),
+      'XLA_FLAGS': ' '.join(f for f in xla_flags if f),
       'JAX_PLATFORMS': 'cpu',
       'JAX_COMPILATION_CACHE_DIR': JAX_CACHE,
       'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',

@@ -1,9 +1,10 @@
-"""Checkpoint averaging, and loading a checkpoint (or an average) for inference.
+"""Checkpoint averaging.
 
 The paper evaluates the average of the parameters of the last checkpoints: 5 for the base
-model, 20 for the big one (written every 10 minutes). `load` averages in memory for one
-evaluation; `average_checkpoints` writes the average as a checkpoint of its own, in a new
-work directory, in the layout `checkpointing` reads: `OUT/checkpoints/<step>/` with the
+model, 20 for the big one (written every 10 minutes). `average_params` averages in memory
+(`loading.load(..., average_last=N)` uses it for one evaluation); `average_checkpoints`
+writes the average as a checkpoint of its own, in a new work directory, in the layout
+`checkpointing` reads: `OUT/checkpoints/<step>/` with the
 items `params` and `meta` (the last averaged checkpoint's meta, plus `averaged_steps`). It
 has no optimizer or data state, so it is for evaluation and translation, not for resuming;
 hence it never goes into the training run's own directory.
@@ -13,36 +14,33 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 
 from transformer_jax import checkpointing
-from transformer_jax.config import TransformerConfig
+from transformer_jax.errors import CheckpointNotFoundError, ConfigError, OutputExistsError
 
 PyTree = Any
-# (run config, model config) -> the parameters' shardings (None: the first local device).
-ShardingsFn = Callable[[ml_collections.ConfigDict, TransformerConfig], PyTree]
 
 
 def last_steps(workdir: str, num: int) -> list[int]:
   """The last `num` checkpoint steps of `workdir`, ascending.
 
   Raises:
-    FileNotFoundError: `workdir` has no checkpoints.
-    ValueError: it has fewer than `num`, or `num` < 1.
+    CheckpointNotFoundError: `workdir` has no checkpoints.
+    ConfigError: it has fewer than `num`, or `num` < 1.
   """
   if num < 1:
-    raise ValueError(f'Cannot average {num} checkpoints; ask for 1 or more.')
+    raise ConfigError(f'Cannot average {num} checkpoints; ask for 1 or more.')
   steps = checkpointing.list_steps(workdir)
   if not steps:
-    raise FileNotFoundError(f'{workdir} has no complete checkpoint.')
+    raise CheckpointNotFoundError(f'{workdir} has no complete checkpoint.')
   if len(steps) < num:
-    raise ValueError(f'Asked to average the last {num} checkpoints, but {workdir} has only '
+    raise ConfigError(f'Asked to average the last {num} checkpoints, but {workdir} has only '
                      f'{len(steps)} ({steps}); ask for at most {len(steps)}, or keep more '
                      'with --config.keep_checkpoints / keep_checkpoint_period.')
   return steps[-num:]
@@ -80,63 +78,20 @@ def average_params(workdir: str, steps: Sequence[int], *, shardings: PyTree = No
   return jax.jit(lambda t: jax.tree.map(lambda x, d: (x * scale).astype(d), t, dtypes))(total)
 
 
-def _model_config(meta: dict[str, Any]) -> tuple[ml_collections.ConfigDict, TransformerConfig]:
-  config = ml_collections.ConfigDict(meta['config'])
-  config.lock()
-  model_config = TransformerConfig.from_config(config, vocab_size=meta['vocab_size'],
-                                               deterministic=True)
-  return config, model_config
-
-
-def load(workdir: str, *, step: int | None = None, average_last: int = 0,
-         shardings_fn: ShardingsFn | None = None
-         ) -> tuple[checkpointing.InferenceCheckpoint, list[int]]:
-  """One checkpoint, or the average of the last `average_last`, ready for inference.
-
-  Args:
-    workdir: a training run's (or `average_checkpoints`') work directory.
-    step: a checkpoint step; None for the latest. Not allowed with `average_last`.
-    average_last: average the last this many checkpoints (0: no averaging).
-    shardings_fn: gives the parameters' shardings from the run and model configs.
-
-  Returns:
-    The checkpoint (config, model config, params, tokenizer, step: the last one averaged)
-    and the steps whose parameters it holds.
-
-  Raises:
-    FileNotFoundError: no such work directory, checkpoint or step.
-    ValueError: both `step` and `average_last`, or too few checkpoints to average.
-  """
-  if average_last and step is not None:
-    raise ValueError('Give a step or a number of checkpoints to average, not both.')
-  steps = last_steps(workdir, average_last) if average_last else None
-  meta, last = checkpointing.read_meta(workdir, steps[-1] if steps else step)
-  config, model_config = _model_config(meta)
-  shardings = shardings_fn(config, model_config) if shardings_fn else None
-  if steps:
-    params = average_params(workdir, steps, shardings=shardings)
-  else:
-    params, _ = checkpointing.restore_params(workdir, last, shardings=shardings)
-    steps = meta.get('averaged_steps') or [last]
-  tokenizer = checkpointing.tokenizer_from_meta(meta)
-  checkpoint = checkpointing.InferenceCheckpoint(config, model_config, params, tokenizer, last)
-  return checkpoint, list(steps)
-
-
 def write_checkpoint(workdir: str, step: int, params: PyTree, meta: dict[str, Any]) -> str:
   """Writes `params` and `meta` as `workdir/checkpoints/<step>` (readable by
-  `checkpointing.load_for_inference`).
+  `loading.load`).
 
   Returns:
     The step directory.
 
   Raises:
-    FileExistsError: that step already exists there.
+    OutputExistsError: that step already exists there.
   """
   directory = os.path.join(os.path.abspath(workdir), checkpointing.CHECKPOINT_DIR)
   if os.path.exists(os.path.join(directory, str(step))):
-    raise FileExistsError(f'{directory}/{step} already exists; choose another output '
-                          'directory or remove it.')
+    raise OutputExistsError(f'{directory}/{step} already exists; choose another output '
+                            'directory or remove it.')
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
   with ocp.CheckpointManager(directory, options=options) as manager:
     manager.save(step, args=ocp.args.Composite(
@@ -161,14 +116,14 @@ def average_checkpoints(workdir: str, output_workdir: str, num: int) -> tuple[st
     The written step directory and the steps averaged.
 
   Raises:
-    ValueError: `output_workdir` is `workdir` (a training run must not find a checkpoint
+    ConfigError: `output_workdir` is `workdir` (a training run must not find a checkpoint
       it cannot resume from), or too few checkpoints.
-    FileNotFoundError: no checkpoints in `workdir`.
-    FileExistsError: `output_workdir` already has that step.
+    CheckpointNotFoundError: no checkpoints in `workdir`.
+    OutputExistsError: `output_workdir` already has that step.
   """
   if os.path.realpath(workdir) == os.path.realpath(output_workdir):
-    raise ValueError('The output directory must differ from the training work directory: '
-                     'an averaged checkpoint has no optimizer state to resume from.')
+    raise ConfigError('The output directory must differ from the training work directory: '
+                      'an averaged checkpoint has no optimizer state to resume from.')
   steps = last_steps(workdir, num)
   meta, last = checkpointing.read_meta(workdir, steps[-1])
   params = average_params(workdir, steps)

@@ -48,6 +48,8 @@ from collections.abc import Iterator, Mapping
 from absl import logging
 import tensorflow_datasets as tfds
 
+from transformer_jax.errors import DatasetNotFoundError
+
 ENGLISH_MODULE = 'engKJV2006eb'
 SPANISH_MODULE = 'spaRV1909eb'
 SETUP_COMMAND = 'sudo apt-get install -y sword-text-kjv sword-text-sparv'
@@ -165,7 +167,7 @@ _SHIFT_MARGIN = 0.03  # A chapter is shifted when a +-1 verse offset fits this m
 Ref = tuple[str, int, int]  # (OSIS book id, chapter, verse)
 
 
-class SwordModuleNotFoundError(FileNotFoundError):
+class SwordModuleNotFoundError(DatasetNotFoundError):
   """A SWORD module is not installed; the message says how to install it."""
 
 

@@ -10,19 +10,19 @@ atomically: it appears under its final name only once complete) and holds four i
                  model (its original path, fingerprint and bytes), so that evaluation needs
                  nothing but the step directory.
 
-Evaluation and checkpoint averaging read checkpoints through `list_steps`, `restore_params`
-and `load_for_inference`, never through the training flags.
+Evaluation and checkpoint averaging read checkpoints through `list_steps`, `read_meta` and
+`restore_params` (`loading.load` puts them together), never through the training flags.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grain
@@ -31,33 +31,12 @@ import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
 
-from transformer_jax.config import ConfigError, TransformerConfig
+from transformer_jax.config import LEGACY_VALUES, RESUMABLE_FIELDS, ConfigError
+from transformer_jax.errors import CheckpointError, CheckpointNotFoundError, UserError
 from transformer_jax.tokenizer import Tokenizer
 
 CHECKPOINT_DIR = 'checkpoints'
 META_FORMAT = 1
-
-# Config fields a resumed run may change: they do not alter the math of the steps or the
-# data stream (the schedule of logging and saving, the device layout, where files live, how
-# to decode). Any other difference stops the resume.
-RESUMABLE_FIELDS = frozenset({
-    'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_batches',
-    'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
-    'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy',
-    'attention_implementation', 'nonfinite', 'tfds_data_dir', 'text_files', 'vocab_path',
-    'data_threads', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
-    'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
-})
-
-
-# Fields added after checkpoints were already being written, with the value that reproduces
-# what a run did before the field existed. A checkpoint without the field counts as having
-# this value, so an older run resumes when the config asks for the old behaviour.
-LEGACY_VALUES = {
-    'dropout_rng_impl': 'threefry2x32',
-    'lr_cooldown_steps': 0,
-}
-
 
 class ConfigMismatchError(ConfigError):
   """The config differs from the one of the checkpoint it would resume."""
@@ -169,9 +148,6 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
-  def all_steps(self) -> list[int]:
-    return sorted(self._manager.all_steps())
-
   def should_save(self, step: int) -> bool:
     """Whether the policy wants `step` saved (every `save_every` steps, and the last)."""
     return self._manager.should_save(step)
@@ -201,8 +177,9 @@ class Checkpointer:
         force=force)
 
   def restore_meta(self, step: int) -> dict[str, Any]:
-    return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-        'meta']
+    with _damaged(self._manager, self.directory, step, 'meta', resuming=True):
+      return self._manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore()))['meta']
 
   def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
     """Restores the state onto the shardings carried by `abstract_state` and the iterator.
@@ -216,13 +193,15 @@ class Checkpointer:
     Returns:
       The restored `TrainState`.
     """
-    restored = self._manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract_state.params),
-        optimizer=ocp.args.StandardRestore(
-            {'opt_state': abstract_state.opt_state, 'step': abstract_state.step,
-             'skipped_steps': abstract_state.skipped_steps}),
-        data=grain.checkpoint.CheckpointRestore(data_iterator),
-    ))
+    with _damaged(self._manager, self.directory, step, 'state (params, optimizer or data)',
+                  resuming=True):
+      restored = self._manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(abstract_state.params),
+          optimizer=ocp.args.StandardRestore(
+              {'opt_state': abstract_state.opt_state, 'step': abstract_state.step,
+               'skipped_steps': abstract_state.skipped_steps}),
+          data=grain.checkpoint.CheckpointRestore(data_iterator),
+      ))
     optimizer = restored['optimizer']
     return abstract_state.replace(
         step=optimizer['step'], params=restored['params'],
@@ -242,8 +221,8 @@ class Checkpointer:
 def _reader(workdir: str) -> ocp.CheckpointManager:
   directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
   if not os.path.isdir(directory):
-    raise FileNotFoundError(f'{directory} does not exist: {workdir} holds no checkpoints; '
-                            'pass the --workdir of a training run.')
+    raise CheckpointNotFoundError(f'{directory} does not exist: {workdir} holds no '
+                                  'checkpoints; pass the --workdir of a training run.')
   return ocp.CheckpointManager(directory, options=_options(
       save_every=1, final_step=0, keep=0, keep_period=0, read_only=True))
 
@@ -257,12 +236,36 @@ def list_steps(workdir: str) -> list[int]:
 def _resolve_step(manager: ocp.CheckpointManager, workdir: str, step: int | None) -> int:
   steps = sorted(manager.all_steps())
   if not steps:
-    raise FileNotFoundError(f'{workdir} has no complete checkpoint.')
+    raise CheckpointNotFoundError(f'{workdir} has no complete checkpoint; train first, or '
+                                  'pass the --workdir of a training run.')
   if step is None:
     return steps[-1]
   if step not in steps:
-    raise FileNotFoundError(f'{workdir} has no checkpoint for step {step}; it has {steps}.')
+    raise CheckpointNotFoundError(f'{workdir} has no checkpoint for step {step}; it has '
+                                  f'{steps}.')
   return step
+
+
+@contextlib.contextmanager
+def _damaged(manager: ocp.CheckpointManager, directory: str, step: int, item: str, *,
+             resuming: bool = False) -> Iterator[None]:
+  """Turns any failure to read `item` of checkpoint `step` into a `CheckpointError`."""
+  try:
+    yield
+  except UserError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # Orbax and TensorStore raise many.
+    others = [s for s in sorted(manager.all_steps()) if s != step]
+    detail = ' '.join(f'{type(e).__name__}: {e}'.split())[:300]
+    if resuming:
+      advice = (f'To resume from an older checkpoint ({others or "none left"}), move this one '
+                f'aside (mv {directory}/{step} {directory}/{step}.damaged) and rerun')
+    else:
+      advice = (f'Pick another checkpoint with --step (this run has {others or "no other"})'
+                ', or restore the files from a copy')
+    raise CheckpointError(
+        f'Checkpoint {step} in {directory} cannot be read: its {item} is damaged or '
+        f'incomplete ({detail}). {advice}.') from e
 
 
 def restore_params(workdir: str, step: int | None = None, *,
@@ -280,18 +283,20 @@ def restore_params(workdir: str, step: int | None = None, *,
   """
   with _reader(workdir) as manager:
     step = _resolve_step(manager, workdir, step)
-    metadata = manager.item_metadata(step)['params']
-    if metadata is None:  # Older orbax versions need the handler named first.
-      metadata = manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore()))['params']
-    if shardings is None:
-      shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    if isinstance(shardings, jax.sharding.Sharding):
-      shardings = jax.tree.map(lambda _: shardings, metadata)
-    abstract = jax.tree.map(
-        lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), metadata, shardings)
-    params = manager.restore(step, args=ocp.args.Composite(
-        params=ocp.args.StandardRestore(abstract)))['params']
+    with _damaged(manager, manager.directory, step, 'params'):
+      metadata = manager.item_metadata(step)['params']
+      if metadata is None:  # Older orbax versions need the handler named first.
+        metadata = manager.restore(step, args=ocp.args.Composite(
+            params=ocp.args.StandardRestore()))['params']
+      if shardings is None:
+        shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      if isinstance(shardings, jax.sharding.Sharding):
+        shardings = jax.tree.map(lambda _: shardings, metadata)
+      abstract = jax.tree.map(
+          lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), metadata,
+          shardings)
+      params = manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(abstract)))['params']
   return params, step
 
 
@@ -299,7 +304,11 @@ def read_meta(workdir: str, step: int | None = None) -> tuple[dict[str, Any], in
   """The `meta` item of a checkpoint (config, vocabulary) and its step."""
   with _reader(workdir) as manager:
     step = _resolve_step(manager, workdir, step)
-    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+    with _damaged(manager, manager.directory, step, 'meta'):
+      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+          'meta']
+      if not isinstance(meta, dict) or not {'config', 'vocab_size', 'tokenizer'} <= set(meta):
+        raise ValueError('the meta item lacks config, vocab_size or tokenizer')
   return meta, step
 
 
@@ -320,46 +329,6 @@ def tokenizer_from_meta(meta: Mapping[str, Any]) -> Tokenizer:
       f.write(base64.b64decode(info['model_base64']))
     os.replace(tmp, path)
   return Tokenizer(path)
-
-
-@dataclasses.dataclass
-class InferenceCheckpoint:
-  """What evaluation needs from a checkpoint.
-
-  Attributes:
-    config: the training run's full config (a locked `ConfigDict`).
-    model_config: the model config, with dropout off (`deterministic=True`).
-    params: the parameters.
-    tokenizer: the run's vocabulary.
-    step: the checkpoint's step.
-  """
-
-  config: ml_collections.ConfigDict
-  model_config: TransformerConfig
-  params: Any
-  tokenizer: Tokenizer
-  step: int
-
-
-def load_for_inference(workdir: str, step: int | None = None, *,
-                       shardings: Any = None) -> InferenceCheckpoint:
-  """Loads a checkpoint for evaluation, with no training flags needed.
-
-  Args:
-    workdir: a training run's work directory.
-    step: which checkpoint; None for the latest.
-    shardings: where to put the parameters (see `restore_params`).
-
-  Returns:
-    The config, model config, parameters, tokenizer and step.
-  """
-  meta, step = read_meta(workdir, step)
-  config = ml_collections.ConfigDict(meta['config'])
-  config.lock()
-  model_config = TransformerConfig.from_config(config, vocab_size=meta['vocab_size'],
-                                               deterministic=True)
-  params, _ = restore_params(workdir, step, shardings=shardings)
-  return InferenceCheckpoint(config, model_config, params, tokenizer_from_meta(meta), step)
 
 
 def is_writable(path: str) -> bool:

@@ -1,7 +1,11 @@
-"""Configuration: the shared `ml_collections` defaults and the frozen model config.
+"""Configuration: every field, its allowed values, its checks, and the frozen model config.
 
-Every config file in `configs/` starts from `base_config()` and overrides fields. The
-`ConfigDict` is turned into a `TransformerConfig` once, at the boundary
+Every config file in `configs/` starts from `base_config()` and overrides fields. This module
+owns what is known about the fields: their defaults (`base_config`), the allowed values of
+each choice (the tuples below), which fields a resumed run may change (`RESUMABLE_FIELDS`),
+what a checkpoint written before a field existed means by its absence (`LEGACY_VALUES`,
+applied by `from_saved`), and one `validate(config)` that every command runs before anything
+compiles. The `ConfigDict` is turned into a `TransformerConfig` once, at the boundary
 (`TransformerConfig.from_config`); modules only ever see the frozen dataclass. Other modes
 (decoding, a different dtype) derive with `dataclasses.replace`.
 """
@@ -14,6 +18,8 @@ from typing import Any
 import jax.numpy as jnp
 import ml_collections
 
+from transformer_jax.errors import ConfigError  # pylint: disable=unused-import  # Re-exported.
+
 # Fixed special ids, shared by the tokenizer, the input pipeline, the model and the decoder.
 # Padding has its own id and never doubles as <unk> (the Flax WMT example's mistake).
 PAD_ID = 0
@@ -25,10 +31,32 @@ POSITIONAL_ENCODINGS = ('sinusoidal', 'learned', 'rope', 'alibi')
 NORM_POSITIONS = ('post', 'pre')
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_with_no_batch_dims')
+ATTENTION_IMPLEMENTATIONS = ('', 'xla', 'cudnn')  # '': JAX chooses.
+NONFINITE_MODES = ('skip', 'stop')
+DROPOUT_RNG_IMPLS = ('rbg', 'unsafe_rbg', 'threefry2x32')
+LENGTH_PENALTY_FORMS = ('gnmt', 'power')
+VOCAB_MODEL_TYPES = ('bpe', 'unigram')
 
+# Config fields a resumed run may change: they do not alter the math of the steps or the
+# data stream (the schedule of logging and saving, the device layout, where files live, how
+# to decode). Any other difference stops the resume. ('shuffle_buffer' is a removed field
+# that older checkpoints still hold.)
+RESUMABLE_FIELDS = frozenset({
+    'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_batches',
+    'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
+    'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy',
+    'attention_implementation', 'nonfinite', 'tfds_data_dir', 'text_files', 'vocab_path',
+    'data_threads', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
+    'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
+})
 
-class ConfigError(ValueError):
-  """A config value that cannot work; the message names the field and the fix."""
+# Fields added after checkpoints were already being written, with the value that reproduces
+# what a run did before the field existed. A saved config without the field means this value
+# (`from_saved`), so an older run resumes when the config asks for the old behaviour.
+LEGACY_VALUES = {
+    'dropout_rng_impl': 'threefry2x32',
+    'lr_cooldown_steps': 0,
+}
 
 
 def base_config() -> ml_collections.ConfigDict:
@@ -79,7 +107,6 @@ def base_config() -> ml_collections.ConfigDict:
   c.bucket_boundaries = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
   c.packing = False  # Pack several examples per row instead of length buckets.
   c.data_seed = 0
-  c.shuffle_buffer = 0  # Unused with grain's global shuffle; kept for tf.data users.
   c.data_threads = 2  # grain threads that read and tokenize training batches.
 
   # --- Training. ---
@@ -130,6 +157,77 @@ def base_config() -> ml_collections.ConfigDict:
 def _require(condition: bool, message: str) -> None:
   if not condition:
     raise ConfigError(message)
+
+
+def _int_at_least(config: ml_collections.ConfigDict, name: str, low: int, hint: str) -> None:
+  value = config[name]
+  _require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+           f'{name}={value!r} must be an int >= {low}{hint}; set --config.{name}.')
+
+
+def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None) -> None:
+  """Checks every field of a run config; cheap, so every command runs it before compiling.
+
+  Args:
+    config: a run config (see `base_config`).
+    vocab_size: the tokenizer's size, when known; otherwise `vocab_size_target` stands in.
+
+  Raises:
+    ConfigError: the first field that cannot work, with what to set instead.
+  """
+  for name in ('num_train_steps', 'log_every_steps', 'checkpoint_every_steps',
+               'grad_accum_steps', 'tokens_per_batch', 'max_source_length',
+               'max_target_length', 'decode_batch_size', 'checkpoints_to_average',
+               'data_threads'):
+    _int_at_least(config, name, 1, '')
+  for name in ('eval_every_steps', 'eval_batches', 'keep_checkpoints',
+               'keep_checkpoint_period'):
+    _int_at_least(config, name, 0, ' (0 turns it off)')
+  _int_at_least(config, 'vocab_size_target', 8,
+                ' (4 ids are taken by pad, bos, eos, unk; the paper: 37000)')
+  _require(config.vocab_model_type in VOCAB_MODEL_TYPES,
+           f'vocab_model_type={config.vocab_model_type!r} must be one of {VOCAB_MODEL_TYPES}.')
+  _require(config.nonfinite in NONFINITE_MODES,
+           f'nonfinite={config.nonfinite!r} must be one of {NONFINITE_MODES}: '
+           "'skip' drops the update and counts it, 'stop' ends the run.")
+  _require(config.dropout_rng_impl in DROPOUT_RNG_IMPLS,
+           f'dropout_rng_impl={config.dropout_rng_impl!r} must be one of {DROPOUT_RNG_IMPLS}; '
+           "'rbg' is fast, 'threefry2x32' the same on every mesh.")
+  _require(isinstance(config.label_smoothing, (int, float))
+           and 0.0 <= config.label_smoothing < 1.0,
+           f'label_smoothing={config.label_smoothing!r} must be in [0, 1) (the paper: 0.1).')
+  _require(config.attention_implementation in ATTENTION_IMPLEMENTATIONS,
+           f'attention_implementation={config.attention_implementation!r} must be one of '
+           f"{ATTENTION_IMPLEMENTATIONS} ('' lets JAX choose).")
+  boundaries = tuple(config.bucket_boundaries)
+  _require(all(isinstance(b, int) and b > 0 for b in boundaries)
+           and list(boundaries) == sorted(set(boundaries)),
+           f'bucket_boundaries={boundaries!r} must be positive ints in increasing order, '
+           'e.g. (8, 16, 32, 64, 128, 256).')
+  if config.positional_encoding == 'learned':
+    longest = max(config.max_source_length, config.max_target_length)
+    _require(config.max_len >= longest,
+             f'max_len={config.max_len} is shorter than max_source_length='
+             f'{config.max_source_length}/max_target_length={config.max_target_length}, but '
+             'learned positions have no embedding past max_len (every step would be NaN); '
+             f'set --config.max_len={longest} or lower the lengths.')
+  TransformerConfig.from_config(config, vocab_size=vocab_size or config.vocab_size_target)
+  # Imported here: both modules import this one.
+  from transformer_jax import optimizer  # pylint: disable=g-import-not-at-top
+  from transformer_jax import translator  # pylint: disable=g-import-not-at-top
+  optimizer.OptimizerConfig.from_config(config, config.d_model)
+  translator.DecodeOptions.from_config(config)
+
+
+def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
+  """The locked run config of a checkpoint's `meta['config']`.
+
+  Fields the checkpoint predates take their `LEGACY_VALUES`, so older checkpoints load with
+  the behaviour they were trained with.
+  """
+  config = ml_collections.ConfigDict({**LEGACY_VALUES, **saved})
+  config.lock()
+  return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +284,7 @@ class TransformerConfig:
              f'{POSITIONAL_ENCODINGS}; set --config.positional_encoding to one of them.')
     _require(self.layer_norm_epsilon > 0,
              f'layer_norm_epsilon={self.layer_norm_epsilon!r} must be > 0.')
-    _require(self.attention_implementation in (None, 'xla', 'cudnn'),
+    _require(self.attention_implementation in (None,) + ATTENTION_IMPLEMENTATIONS[1:],
              f'attention_implementation={self.attention_implementation!r} must be '
              "'' (automatic), 'xla' or 'cudnn'.")
     _require(self.remat_policy in REMAT_POLICIES,
@@ -212,11 +310,11 @@ class TransformerConfig:
     Raises:
       ConfigError: a field cannot work; the message says which and how to fix it.
     """
-    dtype_name = config.get('dtype', 'float32')
+    dtype_name = config.dtype
     _require(dtype_name in DTYPES,
              f"dtype={dtype_name!r} is not one of {tuple(DTYPES)}; use 'bfloat16' on "
              "GPU/TPU, 'float32' on CPU.")
-    size = config.get('vocab_size', 0) or vocab_size
+    size = config.vocab_size or vocab_size
     _require(size is not None and size > 0,
              'vocab_size is 0 and no tokenizer size was given; set --config.vocab_size.')
     fields = dict(
@@ -235,8 +333,8 @@ class TransformerConfig:
         positional_encoding=config.positional_encoding,
         max_len=config.max_len,
         dtype=DTYPES[dtype_name],
-        attention_implementation=config.get('attention_implementation') or None,
-        remat_policy=config.get('remat_policy', 'none'),
+        attention_implementation=config.attention_implementation or None,
+        remat_policy=config.remat_policy,
     )
     fields.update(overrides)
     return cls(**fields)

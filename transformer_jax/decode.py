@@ -44,13 +44,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.config import BOS_ID, EOS_ID, LENGTH_PENALTY_FORMS, PAD_ID
 
 PyTree = Any
 # tokens [batch, 1] int32, cache -> logits [batch, vocab], new cache.
 TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
 
-LENGTH_PENALTY_FORMS = ('gnmt', 'power')
 NEG_INF = float('-inf')
 
 

@@ -86,6 +86,28 @@ def batch_flops(cfg: TransformerConfig, source_lengths: Sequence[int],
   return sum(example_flops(cfg, s, t, passes) for s, t in zip(source_lengths, target_lengths))
 
 
+# Dense bf16 peak FLOP/s of one device by `jax.Device.device_kind`: the datasheets' figures,
+# which training's MFU is divided by (bench/ divides by the matmul rate it measures).
+PEAK_FLOPS = {
+    'TPU v4': 275e12,
+    'TPU v5 lite': 197e12,
+    'TPU v5e': 197e12,
+    'TPU v5p': 459e12,
+    'TPU v5': 459e12,
+    'TPU v6 lite': 918e12,
+    'TPU v6e': 918e12,
+    'NVIDIA A100-SXM4-40GB': 312e12,
+    'NVIDIA A100-SXM4-80GB': 312e12,
+    'NVIDIA H100 80GB HBM3': 989e12,
+    'NVIDIA H200': 989e12,
+}
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """The datasheet's dense bf16 FLOP/s of one device of this kind; None if unknown."""
+  return PEAK_FLOPS.get(device_kind)
+
+
 def mfu(flops: float, seconds: float, peak_flops_per_second: float) -> float:
   """Model FLOPs utilization: achieved model FLOPs per second over the device's peak."""
   return flops / seconds / peak_flops_per_second

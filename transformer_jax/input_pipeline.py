@@ -12,7 +12,7 @@ Sources (`config.dataset`):
 TFDS data is read through its array_record data sources.
 
 Batches are dicts of int32 arrays, all [rows, length]: `inputs` and `targets` (ids ending with
-EOS, no BOS, PAD after), `inputs_position`/`targets_position` (0-based, restarting at each
+EOS, no BOS, PAD after), `inputs_positions`/`targets_positions` (0-based, restarting at each
 packed segment, 0 on padding) and `inputs_segmentation`/`targets_segmentation` (1, 2, ... per
 example in a row, 0 on padding). Rows are a multiple of `row_multiple` (this host's data-parallel
 shards); `tokens_per_batch` counts source (and, separately, target) token slots over all hosts.
@@ -57,11 +57,11 @@ import tensorflow_datasets as tfds
 
 from transformer_jax import bible_en_es
 from transformer_jax.config import PAD_ID
+from transformer_jax.errors import ConfigError, DataError, DatasetNotFoundError
+from transformer_jax.models import BATCH_KEYS
 from transformer_jax.tokenizer import Tokenizer, load_or_train_tokenizer
 
 Batch = dict[str, np.ndarray]
-BATCH_KEYS = ('inputs', 'targets', 'inputs_position', 'targets_position',
-              'inputs_segmentation', 'targets_segmentation')
 
 # TFDS registers the WMT builders only when their modules are imported (tfds does not import
 # them without TensorFlow); registering lets `tfds.data_source` and `mock_data` find them.
@@ -69,10 +69,6 @@ _TFDS_BUILDER_MODULES = {
     'wmt14_translate': 'tensorflow_datasets.translate.wmt14',
     'wmt17_translate': 'tensorflow_datasets.translate.wmt17',
 }
-
-
-class DatasetNotFoundError(FileNotFoundError):
-  """A dataset is not prepared; the message names it, where it looked and how to prepare it."""
 
 
 # ----------------------------------------------------------------------------- sources
@@ -141,15 +137,38 @@ def _text_file_records(config: ml_collections.ConfigDict, split: str) -> list[di
     if not os.path.exists(path):
       raise DatasetNotFoundError(f'Text file {path} (split {split!r}) does not exist; fix '
                                  f'--config.text_files.{split}.')
-    with open(path, encoding='utf-8') as f:
-      sides.append(f.read().split('\n'))
-  for side in sides:  # A final newline leaves one empty string behind.
-    if side and side[-1] == '':
-      side.pop()
+    sides.append(_read_text_lines(path, split))
   if len(sides[0]) != len(sides[1]):
-    raise ValueError(f'{paths[0]} has {len(sides[0])} lines but {paths[1]} has '
-                     f'{len(sides[1])}; parallel files need one sentence per line each.')
+    raise DataError(f'{paths[0]} has {len(sides[0])} lines but {paths[1]} has '
+                    f'{len(sides[1])}; parallel files need one sentence per line each, line i '
+                    f'of one translating line i of the other (--config.text_files.{split}).')
   return [{'source': s, 'target': t} for s, t in zip(*sides)]
+
+
+def _read_text_lines(path: str, split: str) -> list[str]:
+  """The lines of a UTF-8 text file of `split`, split on '\\n' only.
+
+  Raises:
+    DataError: the file is empty, binary (has NUL bytes) or not UTF-8.
+  """
+  with open(path, 'rb') as f:
+    data = f.read()
+  fix = f'fix --config.text_files.{split}'
+  if not data.strip():
+    raise DataError(f'Text file {path} (split {split!r}) is empty; {fix}.')
+  if b'\0' in data:
+    raise DataError(f'Text file {path} (split {split!r}) holds NUL bytes, so it is binary, not '
+                    f'text; {fix} to name plain text files, one sentence a line.')
+  try:
+    text = data.decode('utf-8')
+  except UnicodeDecodeError as e:
+    line = data[:e.start].count(b'\n') + 1
+    raise DataError(f'Text file {path} (split {split!r}) is not UTF-8 (line {line}: {e.reason}); '
+                    f'convert it, e.g. `iconv -f LATIN1 -t UTF-8`, or {fix}.') from None
+  lines = text.split('\n')
+  if lines[-1] == '':  # A final newline leaves one empty string behind.
+    lines.pop()
+  return [line.removesuffix('\r') for line in lines]
 
 
 def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
@@ -171,8 +190,8 @@ def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
     fields = set(records[0])
     for lang in (config.source_lang, config.target_lang):
       if lang not in fields:
-        raise ValueError(f'{config.dataset} has no language {lang!r} (fields: '
-                         f'{sorted(fields)}); fix --config.source_lang/target_lang.')
+        raise ConfigError(f'{config.dataset} has no language {lang!r} (fields: '
+                          f'{sorted(fields)}); fix --config.source_lang/target_lang.')
   return ParallelText(records, config.source_lang, config.target_lang, name)
 
 
@@ -239,7 +258,7 @@ def make_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], rows: in
   for row, (source, target) in enumerate(examples):
     for name, ids in (('inputs', source), ('targets', target)):
       batch[name][row, :len(ids)] = ids
-      batch[f'{name}_position'][row, :len(ids)] = np.arange(len(ids))
+      batch[f'{name}_positions'][row, :len(ids)] = np.arange(len(ids))
       batch[f'{name}_segmentation'][row, :len(ids)] = 1
   return batch
 
@@ -359,12 +378,9 @@ def pack_examples(examples: grain.IterDataset, length: int, rows: int,
 
 
 def _rename_packed(batch: Batch) -> Batch:
-  out = {}
-  for name in ('inputs', 'targets'):
-    out[name] = batch[name].astype(np.int32)
-    out[f'{name}_position'] = batch[f'{name}_positions'].astype(np.int32)
-    out[f'{name}_segmentation'] = batch[f'{name}_segment_ids'].astype(np.int32)
-  return out
+  """grain's packed batch under `BATCH_KEYS` (its '_segment_ids' are our '_segmentation')."""
+  renamed = {key.replace('_segmentation', '_segment_ids'): key for key in BATCH_KEYS}
+  return {key: batch[theirs].astype(np.int32) for theirs, key in renamed.items()}
 
 
 def _tokenized_example(pairs, tokenizer, index) -> dict[str, np.ndarray]:
@@ -423,11 +439,11 @@ def train_dataset(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer,
                int(keep.sum()), skipped_empty, dropped, config.max_source_length,
                config.max_target_length)
   if not keep.any():
-    raise ValueError('No training example is left after filtering; check the data and '
-                     '--config.max_source_length/max_target_length.')
+    raise DataError('No training example is left after filtering; check the data and '
+                    '--config.max_source_length/max_target_length.')
   max_length = max(config.max_source_length, config.max_target_length)
   shards = row_multiple * process_count
-  options = grain.ReadOptions(num_threads=config.get('data_threads', 2),
+  options = grain.ReadOptions(num_threads=config.data_threads,
                               prefetch_buffer_size=8)
   if config.packing:
     rows = rows_for(max_length, config.tokens_per_batch, shards) // process_count
@@ -500,15 +516,12 @@ class Datasets:
       store `train.get_state()` (JSON-serializable) and call `train.set_state(state)`.
     steps_per_epoch: training steps in one pass over the data (for logging the epoch).
     eval_batches: returns a fresh finite iterator over this host's validation batches.
-    test_pairs: all (source, reference) strings of the test split, for BLEU; the same on
-      every host.
     tokenizer: the shared vocabulary.
     train_info: the `TrainData` (counts of kept, dropped and skipped examples).
   """
   train: Any
   steps_per_epoch: int
   eval_batches: Callable[[], Iterator[Batch]]
-  test_pairs: list[tuple[str, str]]
   tokenizer: Tokenizer
   train_info: TrainData
 
@@ -516,7 +529,7 @@ class Datasets:
 def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
                  process_index: int | None = None, process_count: int | None = None,
                  row_multiple: int = 1) -> Datasets:
-  """Everything the trainer reads: batches, the vocabulary and the test sentences.
+  """Everything training reads: batches and the vocabulary (the test split is left alone).
 
   Args:
     config: the run's config (see `config.base_config`, Data section).
@@ -537,7 +550,6 @@ def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
                     config.tokens_per_batch // process_count)
   train_pairs = open_split(config, config.train_split)
   eval_pairs = open_split(config, config.eval_split)
-  test_pairs = open_split(config, config.test_split)
   tokenizer = tokenizer_for(config, workdir, train_pairs)
   key = hashlib.sha256(f'{train_pairs.name}|{len(train_pairs)}|{tokenizer.fingerprint}|'
                        f'{dict(config.text_files) if config.text_files else ""}'
@@ -557,5 +569,5 @@ def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
                         lengths=eval_lengths[0])
 
   return Datasets(train=iter(info.dataset), steps_per_epoch=info.steps_per_epoch,
-                  eval_batches=make_eval_batches, test_pairs=nonblank_pairs(test_pairs),
+                  eval_batches=make_eval_batches,
                   tokenizer=tokenizer, train_info=info)

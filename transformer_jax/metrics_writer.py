@@ -20,25 +20,11 @@ import tqdm
 from absl import logging
 from tensorboardX import SummaryWriter
 
+from transformer_jax import flops as model_flops
+
 
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
-
-# Dense bf16 peak FLOP/s of one device, by `jax.Device.device_kind`, for the MFU estimate.
-PEAK_FLOPS = {
-    'TPU v4': 275e12,
-    'TPU v5 lite': 197e12,
-    'TPU v5e': 197e12,
-    'TPU v5p': 459e12,
-    'TPU v5': 459e12,
-    'TPU v6 lite': 918e12,
-    'TPU v6e': 918e12,
-    'NVIDIA A100-SXM4-40GB': 312e12,
-    'NVIDIA A100-SXM4-80GB': 312e12,
-    'NVIDIA H100 80GB HBM3': 989e12,
-    'NVIDIA H200': 989e12,
-}
-
 
 def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str, float],
                     skipped_total: int, timed: Mapping[str, float] | None = None,
@@ -47,7 +33,7 @@ def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str,
   """Means and rates of one logging interval of training.
 
   Args:
-    sums: the interval's summed step metrics (see `train_lib.train_step`).
+    sums: the interval's summed step metrics (see `train_steps.train_step`).
     steps: steps in the interval.
     last: the last step's metrics (learning rate).
     skipped_total: updates skipped so far in the run.
@@ -71,7 +57,7 @@ def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str,
     out['tokens_per_second'] = (timed['tokens'] + timed['source_tokens']) / seconds
     out['target_tokens_per_second'] = timed['tokens'] / seconds
     if peak_flops:
-      out['mfu'] = flops / seconds / peak_flops
+      out['mfu'] = model_flops.mfu(flops, seconds, peak_flops)
   return out
 
 

@@ -18,6 +18,11 @@ from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
 
 Array = jax.Array
 
+# The keys of a training batch: `Transformer.__call__`'s arguments, so a batch is applied as
+# `model.apply(variables, **batch)`. Every array is int32 [rows, length].
+BATCH_KEYS = ('inputs', 'targets', 'inputs_positions', 'targets_positions',
+              'inputs_segmentation', 'targets_segmentation')
+
 _REMAT_POLICIES = {
     'full': None,  # Save nothing: recompute the whole layer in the backward pass.
     'dots': jax.checkpoint_policies.checkpoint_dots,

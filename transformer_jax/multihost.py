@@ -66,10 +66,6 @@ class StopSignal:
                     'stopping.', signum)
     self._requested.set()
 
-  def request(self) -> None:
-    """Asks for a stop as SIGTERM would (single-process runs)."""
-    self._requested.set()
-
   def should_stop(self, step: int) -> bool:
     """True at the step where every process must save and stop."""
     if self._multiprocess:

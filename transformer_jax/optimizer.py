@@ -8,7 +8,7 @@ a linear rise for `warmup_steps` steps, then inverse-square-root decay. Optional
 runs that want them: a linear cooldown to zero over the last `lr_cooldown_steps` steps, gradient clipping by global norm and decoupled weight decay
 (AdamW).
 Gradient accumulation is not an optax wrapper here; the train step sums microbatch gradients
-itself (see `train_lib.py` for why).
+itself (see `train_steps.py` for why).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+from absl import logging
 import flax.linen as nn
 import jax
 import ml_collections
@@ -126,6 +127,20 @@ class Partitioner:
     except (AssertionError, NotImplementedError, ValueError):
       device_array = np.asarray(devices).reshape(shape)
     return cls(Mesh(device_array, MESH_AXES), rules)
+
+  @classmethod
+  def for_inference(cls, config: ml_collections.ConfigDict) -> 'Partitioner':
+    """The training mesh of `config`, or, when it does not fit these devices, pure data
+    parallelism over all of them (decoding needs no particular layout)."""
+    try:
+      return cls.from_config(config)
+    except ConfigError as e:
+      logging.warning('The training mesh does not fit here (%s); decoding with the batch '
+                      'split over all %d devices instead.', e, jax.device_count())
+      data_parallel = ml_collections.ConfigDict({
+          'mesh': {'data': -1, 'fsdp': 1, 'tensor': 1},
+          'logical_axis_rules': config.logical_axis_rules})
+      return cls.from_config(data_parallel)
 
   # --- Shardings. ---
 

@@ -16,6 +16,7 @@ from absl import logging
 import sentencepiece as spm
 
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.errors import ConfigError, DataError
 
 
 class Tokenizer:
@@ -26,7 +27,7 @@ class Tokenizer:
     self._sp = spm.SentencePieceProcessor(model_file=model_path)
     ids = (self._sp.pad_id(), self._sp.bos_id(), self._sp.eos_id(), self._sp.unk_id())
     if ids != (PAD_ID, BOS_ID, EOS_ID, UNK_ID):
-      raise ValueError(
+      raise ConfigError(
           f'{model_path} has special ids (pad, bos, eos, unk) = {ids}, the project needs '
           f'{(PAD_ID, BOS_ID, EOS_ID, UNK_ID)}; delete it (or clear --config.vocab_path) '
           'to train a matching one.')
@@ -56,9 +57,6 @@ class Tokenizer:
         pieces.append(i)
     return self._sp.decode(pieces)
 
-  def decode_batch(self, rows: Iterable[Iterable[int]]) -> list[str]:
-    return [self.decode(row) for row in rows]
-
 
 def train_tokenizer(sentences: Iterable[str], model_path: str, *, vocab_size: int,
                     model_type: str = 'bpe') -> Tokenizer:
@@ -74,27 +72,33 @@ def train_tokenizer(sentences: Iterable[str], model_path: str, *, vocab_size: in
     The trained tokenizer.
   """
   if model_type not in ('bpe', 'unigram'):
-    raise ValueError(f"vocab_model_type={model_type!r} must be 'bpe' or 'unigram'.")
+    raise ConfigError(f"vocab_model_type={model_type!r} must be 'bpe' or 'unigram'.")
   sentences = [s for s in (s.strip() for s in sentences) if s]
   if not sentences:
-    raise ValueError(f'No non-empty sentence to train the vocabulary {model_path} on.')
+    raise DataError(f'No non-empty sentence to train the vocabulary {model_path} on; the '
+                    'training split is empty or blank.')
   directory = os.path.dirname(os.path.abspath(model_path))
   os.makedirs(directory, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=directory) as tmp:
     prefix = os.path.join(tmp, 'spm')
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
-        model_prefix=prefix,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
-        character_coverage=1.0,
-        # Small corpora cannot fill a large vocabulary; take what they give.
-        hard_vocab_limit=False,
-        input_sentence_size=len(sentences),
-        num_threads=os.cpu_count() or 1,
-        minloglevel=2,
-    )
+    try:
+      spm.SentencePieceTrainer.train(
+          sentence_iterator=iter(sentences),
+          model_prefix=prefix,
+          vocab_size=vocab_size,
+          model_type=model_type,
+          pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+          character_coverage=1.0,
+          # Small corpora cannot fill a large vocabulary; take what they give.
+          hard_vocab_limit=False,
+          input_sentence_size=len(sentences),
+          num_threads=os.cpu_count() or 1,
+          minloglevel=2,
+      )
+    except RuntimeError as e:  # SentencePiece reports a bad size or corpus this way.
+      raise ConfigError(f'SentencePiece cannot train a {vocab_size}-piece {model_type} '
+                        f'vocabulary on this data ({e}); set --config.vocab_size_target to a '
+                        'size the corpus supports (the paper: 37000 for WMT14 En-De).') from None
     os.replace(prefix + '.model', model_path)  # Atomic: readers never see half a file.
   tokenizer = Tokenizer(model_path)
   logging.info('Trained a %s vocabulary of %d pieces on %d sentences: %s', model_type,

@@ -31,19 +31,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from absl import logging
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import averaging
-from transformer_jax import checkpointing
+from transformer_jax import loading
 from transformer_jax import decode
-from transformer_jax.config import EOS_ID, PAD_ID, ConfigError, TransformerConfig
+from transformer_jax.config import (EOS_ID, LENGTH_PENALTY_FORMS, PAD_ID, ConfigError,
+                                    TransformerConfig)
 from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner
 from transformer_jax.tokenizer import Tokenizer
@@ -85,11 +84,12 @@ class DecodeOptions:
     if self.length_penalty < 0:
       raise ConfigError(f'length_penalty={self.length_penalty!r} must be >= 0 (the paper: '
                         '0.6; 0 turns it off).')
-    if self.length_penalty_form not in decode.LENGTH_PENALTY_FORMS:
+    if self.length_penalty_form not in LENGTH_PENALTY_FORMS:
       raise ConfigError(f'length_penalty_form={self.length_penalty_form!r} is not one of '
-                        f'{decode.LENGTH_PENALTY_FORMS}.')
-    if not self.buckets or any(not isinstance(b, int) or b < 1 for b in self.buckets):
-      raise ConfigError(f'buckets={self.buckets!r} must be positive ints.')
+                        f'{LENGTH_PENALTY_FORMS}.')
+    if any(not isinstance(b, int) or b < 1 for b in self.buckets):
+      raise ConfigError(f'buckets={self.buckets!r} must be positive ints (max_len is always '
+                        'a bucket too).')
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, **overrides: Any) -> 'DecodeOptions':
@@ -153,14 +153,6 @@ class DecodeStats:
   def tokens_per_second(self) -> float:
     """Output tokens a second."""
     return self.output_tokens / max(self.decode_seconds, 1e-9)
-
-
-def param_shardings(model_config: TransformerConfig, partitioner: Partitioner) -> PyTree:
-  """The parameters' shardings under `partitioner`'s rules (nothing is allocated)."""
-  def init():
-    tokens = jnp.ones((1, 8), jnp.int32)
-    return Transformer(model_config).init(jax.random.key(0), tokens, tokens)['params']
-  return partitioner.tree_shardings(jax.eval_shape(init))
 
 
 def start_decoding(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
@@ -252,7 +244,7 @@ class Translator:
 
     Args:
       model_config: the model's config.
-      params: its parameters, placed as `param_shardings` says when `partitioner` is given.
+      params: its parameters, placed as `loading.param_shardings` says when `partitioner` is given.
       tokenizer: the model's vocabulary.
       options: the search; defaults to the paper's.
       partitioner: splits the batch rows over its batch mesh axes; None: one device.
@@ -432,25 +424,12 @@ class Translator:
 # --- Building a translator from a work directory. ---
 
 
-def partitioner_for(config: ml_collections.ConfigDict) -> Partitioner:
-  """The training mesh, or, when it does not fit these devices, pure data parallelism."""
-  try:
-    return Partitioner.from_config(config)
-  except ConfigError as e:
-    logging.warning('The training mesh does not fit here (%s); decoding with the batch split '
-                    'over all %d devices instead.', e, jax.device_count())
-    return Partitioner.from_config(ml_collections.ConfigDict({
-        'mesh': {'data': -1, 'fsdp': 1, 'tensor': 1},
-        'logical_axis_rules': config.logical_axis_rules}))
-
-
 def load_translator(workdir: str, *, step: int | None = None, average_last: int = 0,
-                    **overrides: Any
-                    ) -> tuple[Translator, checkpointing.InferenceCheckpoint, list[int]]:
+                    **overrides: Any) -> tuple['Translator', loading.InferenceCheckpoint]:
   """A `Translator` for a checkpoint (or the average of the last ones) of `workdir`.
 
-  Parameters are placed, and batches split, by the run's mesh and rules (see
-  `partitioner_for`). Decoding options come from the run's config unless overridden.
+  Parameters are placed, and batches split, as `loading.load` chooses. Decoding options
+  come from the run's config unless overridden.
 
   Args:
     workdir: a training run's work directory (or one written by `average_checkpoints`).
@@ -459,95 +438,16 @@ def load_translator(workdir: str, *, step: int | None = None, average_last: int 
     **overrides: `DecodeOptions` fields; None values are ignored.
 
   Returns:
-    The translator, the loaded checkpoint and the steps its parameters come from.
+    The translator and the loaded checkpoint (`checkpoint.steps`: where its parameters
+    come from).
 
   Raises:
-    FileNotFoundError: no such work directory, checkpoint or step.
-    ValueError: `step` with `average_last`, or too few checkpoints.
-    ConfigError: a decoding option cannot work.
+    errors.UserError: no such checkpoint, a damaged one, or a decoding option that cannot
+      work (checked before anything is read).
   """
   DecodeOptions(**{k: v for k, v in overrides.items() if v is not None})  # Check early.
-  partitioners: list[Partitioner] = []
-
-  def shardings_fn(config: ml_collections.ConfigDict,
-                   model_config: TransformerConfig) -> PyTree:
-    partitioners.append(partitioner_for(config))
-    return param_shardings(model_config, partitioners[-1])
-
-  checkpoint, steps = averaging.load(workdir, step=step, average_last=average_last,
-                                     shardings_fn=shardings_fn)
+  checkpoint = loading.load(workdir, step=step, average_last=average_last)
   options = DecodeOptions.from_config(checkpoint.config, **overrides)
   translator = Translator(checkpoint.model_config, checkpoint.params, checkpoint.tokenizer,
-                          options, partitioners[-1])
-  return translator, checkpoint, steps
-
-
-# --- Translating a stream of lines. ---
-
-
-def decode_line(raw: bytes) -> tuple[str, bool]:
-  """One input line as text, without its line ending; and whether invalid UTF-8 was replaced
-  (by U+FFFD)."""
-  if raw.endswith(b'\n'):
-    raw = raw[:-1]
-  if raw.endswith(b'\r'):
-    raw = raw[:-1]
-  try:
-    return raw.decode('utf-8'), False
-  except UnicodeDecodeError:
-    return raw.decode('utf-8', errors='replace'), True
-
-
-def translate_lines(translator: Translator, lines: Iterable[bytes],
-                    write: Callable[[str], None], warn: Callable[[str], None],
-                    chunk_lines: int = 512) -> DecodeStats:
-  """Translates raw input lines, writing exactly one output line for each, in order.
-
-  Lines are split on b'\\n' only (iterate a binary file), so no other character (form feed,
-  U+2028, ...) ever splits or shifts a line. A blank line gives an empty line; invalid UTF-8
-  is replaced and warned about; a line longer than `max_len` tokens is cut and warned about;
-  a line that cannot be encoded at all gives an empty line and a warning.
-
-  Args:
-    translator: the model.
-    lines: raw lines, e.g. a file opened in binary mode; read `chunk_lines` at a time.
-    write: receives each output line, newline included.
-    warn: receives one message per problem, starting with 'line N: ' (1-based).
-    chunk_lines: lines translated together (sorted by length within the chunk); 1 for
-      interactive use.
-
-  Returns:
-    Totals over all lines (`truncated` holds 0-based line indices).
-  """
-  total = DecodeStats()
-  truncated: list[int] = []
-
-  def flush(first: int, texts: list[str]) -> None:
-    outputs, stats = translator.translate(texts)
-    for index in stats.truncated:
-      warn(f'line {first + index + 1}: longer than max_len={translator.max_source_length} '
-           f'tokens; translating its first {translator.max_source_length - 1} tokens only.')
-      truncated.append(first + index)
-    for index, error in stats.failed:
-      warn(f'line {first + index + 1}: could not be tokenized ({error}); writing an empty '
-           'line.')
-    for output in outputs:
-      write(output + '\n')
-    for name in ('sentences', 'source_tokens', 'output_tokens', 'batches', 'compile_seconds',
-                 'decode_seconds'):
-      setattr(total, name, getattr(total, name) + getattr(stats, name))
-
-  chunk: list[str] = []
-  first = 0
-  for number, raw in enumerate(lines, 1):
-    text, replaced = decode_line(raw)
-    if replaced:
-      warn(f'line {number}: invalid UTF-8, replaced by U+FFFD.')
-    chunk.append(text)
-    if len(chunk) >= max(chunk_lines, 1):
-      flush(first, chunk)
-      first, chunk = number, []
-  if chunk:
-    flush(first, chunk)
-  total.truncated = tuple(truncated)
-  return total
+                          options, checkpoint.partitioner)
+  return translator, checkpoint

@@ -20,18 +20,15 @@ import numpy as np
 from absl import logging
 
 from transformer_jax import checkpointing
+from transformer_jax import config as config_lib
 from transformer_jax import flops as model_flops
 from transformer_jax import input_pipeline
 from transformer_jax import metrics_writer
 from transformer_jax import multihost
 from transformer_jax import optimizer
-from transformer_jax import train_lib
+from transformer_jax import train_steps
 from transformer_jax.config import ConfigError, TransformerConfig
 from transformer_jax.partitioning import Partitioner
-
-NONFINITE_MODES = ('skip', 'stop')
-DROPOUT_RNG_IMPLS = ('rbg', 'unsafe_rbg', 'threefry2x32')
-
 
 class NonFiniteError(RuntimeError):
   """Training met a non-finite loss or gradient with `nonfinite='stop'`, or a checkpoint
@@ -48,38 +45,9 @@ class TrainResult:
     eval_metrics: the last validation metrics, if any were computed.
   """
 
-  state: train_lib.TrainState
+  state: train_steps.TrainState
   stopped_early: bool
   eval_metrics: dict[str, float] | None
-
-
-def check_training_fields(config: ml_collections.ConfigDict) -> None:
-  """Validates the loop's own fields (the model and optimizer validate theirs).
-
-  Raises:
-    ConfigError: the message names the field and says what to set.
-  """
-  positive = ('num_train_steps', 'log_every_steps', 'checkpoint_every_steps',
-              'grad_accum_steps', 'tokens_per_batch')
-  for name in positive:
-    value = config[name]
-    if not isinstance(value, int) or value < 1:
-      raise ConfigError(f'{name}={value!r} must be an int >= 1; set --config.{name}.')
-  for name in ('eval_every_steps', 'eval_batches', 'keep_checkpoints',
-               'keep_checkpoint_period'):
-    value = config[name]
-    if not isinstance(value, int) or value < 0:
-      raise ConfigError(f'{name}={value!r} must be an int >= 0 (0 turns it off); set '
-                        f'--config.{name}.')
-  if config.nonfinite not in NONFINITE_MODES:
-    raise ConfigError(f'nonfinite={config.nonfinite!r} must be one of {NONFINITE_MODES}: '
-                      "'skip' drops the update and counts it, 'stop' ends the run.")
-  if config.dropout_rng_impl not in DROPOUT_RNG_IMPLS:
-    raise ConfigError(f'dropout_rng_impl={config.dropout_rng_impl!r} must be one of '
-                      f"{DROPOUT_RNG_IMPLS}; 'rbg' is fast, 'threefry2x32' the same on every "
-                      'mesh.')
-  if not 0.0 <= config.label_smoothing < 1.0:
-    raise ConfigError(f'label_smoothing={config.label_smoothing!r} must be in [0, 1).')
 
 
 def _check_workdir(workdir: str) -> None:
@@ -100,7 +68,7 @@ def evaluate(eval_step: Callable, params: Any, batches: Iterable[Mapping[str, np
 
 
 def _peak_flops(partitioner: Partitioner) -> float | None:
-  peak = metrics_writer.PEAK_FLOPS.get(jax.devices()[0].device_kind)
+  peak = model_flops.peak_flops(jax.devices()[0].device_kind)
   return peak * partitioner.mesh.size if peak else None
 
 
@@ -124,10 +92,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     NonFiniteError: see the class.
   """
   workdir = os.path.abspath(workdir)
-  check_training_fields(config)
-  # The model's fields, checked now with a stand-in vocabulary size: building the real
-  # vocabulary can take minutes.
-  TransformerConfig.from_config(config, vocab_size=max(config.vocab_size_target, 4))
+  # Every field, checked now with a stand-in vocabulary size: building the real vocabulary
+  # can take minutes.
+  config_lib.validate(config)
   _check_workdir(workdir)
   partitioner = Partitioner.from_config(config)
   rows_multiple = partitioner.rows_multiple(config.grad_accum_steps)
@@ -150,18 +117,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     state = _restore_or_initialize(config, checkpointer, datasets, model_config,
                                    optimizer_config, partitioner)
     tx, schedule = optimizer.create_optimizer(optimizer_config)
-    _, shardings = train_lib.abstract_state(model_config, tx, partitioner)
-    step_config = train_lib.StepConfig(model_config, seed=config.seed,
+    _, shardings = train_steps.abstract_state(model_config, tx, partitioner)
+    step_config = train_steps.StepConfig(model_config, seed=config.seed,
                                        dropout_rng_impl=config.dropout_rng_impl,
                                        label_smoothing=config.label_smoothing,
                                        grad_accum_steps=config.grad_accum_steps)
-    train_step = train_lib.jit_train_step(step_config, tx, schedule, partitioner, shardings)
-    eval_step = train_lib.jit_eval_step(model_config, config.label_smoothing, partitioner,
+    train_step = train_steps.jit_train_step(step_config, tx, schedule, partitioner, shardings)
+    eval_step = train_steps.jit_eval_step(model_config, config.label_smoothing, partitioner,
                                         shardings.params)
     start = int(state.step)
     writer = metrics_writer.MetricsWriter(workdir, total_steps=config.num_train_steps,
                                           start_step=start, enabled=jax.process_index() == 0)
-    writer.log(f'{train_lib.count_params(state.params):,} parameters; '
+    writer.log(f'{train_steps.count_params(state.params):,} parameters; '
                f'{datasets.steps_per_epoch} steps an epoch; training steps {start} to '
                f'{config.num_train_steps}.')
     meta = checkpointing.make_meta(config, datasets.tokenizer)
@@ -181,13 +148,13 @@ def _restore_or_initialize(config: ml_collections.ConfigDict,
                            checkpointer: checkpointing.Checkpointer,
                            datasets: input_pipeline.Datasets, model_config: TransformerConfig,
                            optimizer_config: optimizer.OptimizerConfig,
-                           partitioner: Partitioner) -> train_lib.TrainState:
+                           partitioner: Partitioner) -> train_steps.TrainState:
   """The latest checkpoint's state (after checking its config), or a fresh one."""
   tx, _ = optimizer.create_optimizer(optimizer_config)
-  abstract, shardings = train_lib.abstract_state(model_config, tx, partitioner)
+  abstract, shardings = train_steps.abstract_state(model_config, tx, partitioner)
   latest = checkpointer.latest_step()
   if latest is None:
-    return train_lib.create_train_state(config.seed, model_config, tx, partitioner,
+    return train_steps.create_train_state(config.seed, model_config, tx, partitioner,
                                         shardings)
   saved = checkpointer.restore_meta(latest)
   checkpointing.check_config_matches(saved['config'], config, checkpointer.directory)
@@ -202,7 +169,7 @@ def _restore_or_initialize(config: ml_collections.ConfigDict,
   return state
 
 
-def _train_loop(config: ml_collections.ConfigDict, state: train_lib.TrainState,
+def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState,
                 datasets: input_pipeline.Datasets, partitioner: Partitioner,
                 train_step: Callable, eval_step: Callable,
                 checkpointer: checkpointing.Checkpointer, meta: Mapping[str, Any],
@@ -268,14 +235,14 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_lib.TrainState,
   return TrainResult(state=state, stopped_early=stopped, eval_metrics=eval_metrics)
 
 
-def _save(checkpointer: checkpointing.Checkpointer, state: train_lib.TrainState,
+def _save(checkpointer: checkpointing.Checkpointer, state: train_steps.TrainState,
           data_iterator: Any, meta: Mapping[str, Any],
           writer: metrics_writer.MetricsWriter) -> None:
   """Saves `state` unless it holds a non-finite value (then raises)."""
   step = int(state.step)
   if checkpointer.latest_step() == step:
     return
-  if not bool(train_lib.all_finite((state.params, state.opt_state))):
+  if not bool(train_steps.all_finite((state.params, state.opt_state))):
     raise NonFiniteError(
         f'The parameters or optimizer state at step {step} are not finite; no checkpoint '
         f'was written (latest checkpoint: {checkpointer.latest_step() or "none"}). Lower '

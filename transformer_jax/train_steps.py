@@ -33,15 +33,13 @@ import optax
 
 from transformer_jax import losses
 from transformer_jax.config import PAD_ID, TransformerConfig
-from transformer_jax.models import Transformer
+from transformer_jax.models import BATCH_KEYS, Transformer
 from transformer_jax.partitioning import Partitioner
 
 Array = jax.Array
 Batch = Mapping[str, Array]
 Metrics = dict[str, Array]
 
-BATCH_KEYS = ('inputs', 'targets', 'inputs_position', 'targets_position',
-              'inputs_segmentation', 'targets_segmentation')
 
 
 @flax.struct.dataclass
@@ -95,13 +93,8 @@ def batch_metrics(model: Transformer, params: Any, batch: Batch, label_smoothing
     Sums over the non-padding target tokens, see `losses.compute_metrics`.
   """
   rngs = {} if dropout_key is None else {'dropout': dropout_key}
-  logits = model.apply(
-      {'params': params}, batch['inputs'], batch['targets'],
-      inputs_positions=batch['inputs_position'],
-      targets_positions=batch['targets_position'],
-      inputs_segmentation=batch['inputs_segmentation'],
-      targets_segmentation=batch['targets_segmentation'],
-      rngs=rngs)  # [rows, length, vocab]
+  logits = model.apply({'params': params}, **{k: batch[k] for k in BATCH_KEYS},
+                       rngs=rngs)  # [rows, length, vocab]
   weights = batch['targets'] != PAD_ID
   return losses.compute_metrics(logits, batch['targets'], weights, label_smoothing)
 

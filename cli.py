@@ -1,0 +1,287 @@
+"""What the commands (train.py, evaluate.py, translate.py, average_checkpoints.py) share.
+
+* `run(main)`: absl's `app.run` with one error policy for every command. A bad flag, config,
+  dataset, checkpoint or a full disk (anything that is or wraps an `errors.UserError`) prints
+  one paragraph, `PROGRAM: error: ...`, and exits with code 2; the traceback only with
+  `--verbose`. Anything else is a bug: traceback, exit code 1.
+* `fail(message)`: the same exit, for the commands' own checks.
+* `define_checkpoint_flags()`: the flags of evaluate.py and translate.py that pick a
+  checkpoint and the search, defined once so the two commands agree.
+* Line input: `decode_line`, `read_lines` and `translate_lines`, so that evaluation and
+  translation read text the same way (split on '\\n' only, invalid UTF-8 replaced).
+
+Importing this module defines `--verbose` and nothing else; JAX is imported only when a
+command needs it, so flag errors come back at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging as std_logging
+import os
+import re
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
+from absl import app
+from absl import flags
+from absl import logging
+
+from transformer_jax import errors
+from transformer_jax.config import LENGTH_PENALTY_FORMS
+
+VERBOSE = flags.DEFINE_bool('verbose', False,
+                            'On an error, print the traceback as well as the message.')
+
+
+def program() -> str:
+  return os.path.basename(sys.argv[0]) or 'transformer_jax'
+
+
+def fail(message: str) -> NoReturn:
+  """Prints `PROGRAM: error: message` and exits with code 2."""
+  print(f'{program()}: error: {message.strip()}', file=sys.stderr, flush=True)
+  sys.exit(2)
+
+
+def warn(message: str) -> None:
+  print(f'{program()}: warning: {message}', file=sys.stderr, flush=True)
+
+
+def _config_file_error(argv: list[str], error: BaseException) -> str | None:
+  """The message for a --config file that does not load, or None if `error` is not that."""
+  path = next((a.split('=', 1)[1] for a in argv if a.startswith('--config=')), None)
+  if path is None:
+    return None
+  if isinstance(error, SyntaxError) or isinstance(error.__cause__, SyntaxError):
+    syntax = error if isinstance(error, SyntaxError) else error.__cause__
+    return (f'--config={path} is not valid Python: {syntax.msg} at line {syntax.lineno}; '
+            'fix the file (configs/*.py are examples).')
+  text = str(error)
+  if 'get_config' in text:
+    return (f'--config={path} has no get_config() function; a config file defines '
+            '`def get_config():` returning an ml_collections.ConfigDict (see configs/tiny.py).')
+  if isinstance(error, (FileNotFoundError, IOError)) and not os.path.exists(path):
+    return f'--config={path} does not exist; pass a file such as configs/tiny.py.'
+  return None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's parsing, with every problem reported by `fail` (exit code 2)."""
+  try:
+    remaining = flags.FLAGS(argv)
+    if 'config' in flags.FLAGS and flags.FLAGS.config is not None:
+      flags.FLAGS.config.keys()  # A config file that failed to load raises here.
+    return remaining
+  except Exception as e:  # pylint: disable=broad-except  # Any failure here is the user's.
+    message = _config_file_error(argv, e)
+    if message:
+      fail(message)
+    text = ' '.join(str(e).replace('\\n', '\n').split())
+    if isinstance(e, (AttributeError, KeyError)) and any(a.startswith('--config.')
+                                                         for a in argv):
+      bad = [a.split('=')[0] for a in argv if a.startswith('--config.')
+             and a.split('=')[0].rsplit('.', 1)[-1] in text]
+      suggestion = re.search(r'Did you mean "([\w.]+)"', text)
+      fail(f'{bad[0] if bad else "a --config flag"} is not a field of the config'
+           + (f' (did you mean {bad[0].rsplit(".", 1)[0] if bad else "--config"}.'
+              f'{suggestion.group(1)}?)' if suggestion else '')
+           + '; the fields and their defaults are in transformer_jax/config.py '
+           '(base_config).')
+    fail(f'invalid flags: {text[:600]}. Run with --help for the flags.')
+
+
+def run(main: Callable[[list[str]], Any]) -> None:
+  """Runs `main` as a command under the project's error policy (see the module doc)."""
+
+  def guarded(argv: list[str]) -> None:
+    if len(argv) > 1:
+      fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
+    logging.get_absl_handler().addFilter(_quiet_orbax)
+    try:
+      main(argv)
+    except (SystemExit, KeyboardInterrupt):
+      raise
+    except BaseException as e:  # pylint: disable=broad-except
+      user_error = errors.find_user_error(e)
+      if user_error is None:
+        raise
+      if VERBOSE.value:
+        traceback.print_exc()
+      fail(str(user_error))
+
+  app.run(guarded, flags_parser=parse_flags)
+
+
+def _quiet_orbax(record: std_logging.LogRecord) -> bool:
+  """Drops orbax's INFO lines (dozens a save); its warnings and errors still show."""
+  return record.levelno >= std_logging.WARNING or '/orbax/' not in record.pathname
+
+
+# --- The checkpoint and search flags of evaluate.py and translate.py. ---
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFlags:
+  workdir: Any
+  step: Any
+  average_last: Any
+  beam_size: Any
+  length_penalty: Any
+  length_penalty_form: Any
+  max_decode_extra_length: Any
+  batch_size: Any
+  compilation_cache_dir: Any
+
+
+def define_checkpoint_flags() -> CheckpointFlags:
+  """Defines the flags that pick a checkpoint and the search (once per command).
+
+  The calling command should also call `flags.adopt_module_key_flags(cli)` so that its
+  `--help` lists them. Decoding options left unset fall back to the training run's config.
+  """
+  return CheckpointFlags(
+      workdir=flags.DEFINE_string('workdir', None, "A training run's work directory."),
+      step=flags.DEFINE_integer('step', None, 'The checkpoint step (default: the latest).'),
+      average_last=flags.DEFINE_integer(
+          'average_last', 0, 'Average the parameters of the last N checkpoints (the paper: 5 '
+          'for base, 20 for big); 0: no averaging.'),
+      beam_size=flags.DEFINE_integer('beam_size', None, 'Beam size; 1 is greedy search.'),
+      length_penalty=flags.DEFINE_float('length_penalty', None, 'Length penalty alpha.'),
+      length_penalty_form=flags.DEFINE_enum('length_penalty_form', None,
+                                            list(LENGTH_PENALTY_FORMS),
+                                            'gnmt: ((5+|Y|)/6)^alpha; power: |Y|^alpha.'),
+      max_decode_extra_length=flags.DEFINE_integer('max_decode_extra_length', None,
+                                                   'Output limit = source length + this.'),
+      batch_size=flags.DEFINE_integer('batch_size', None, 'Sentences decoded together.'),
+      compilation_cache_dir=flags.DEFINE_string(
+          'compilation_cache_dir', None,
+          'A persistent JAX compilation cache (reused across runs).'),
+  )
+
+
+def check_checkpoint_flags(f: CheckpointFlags) -> None:
+  """Checks the checkpoint flags before anything heavy is imported.
+
+  Unless --verbosity is given, logging is quiet (errors only) until `load_translator` has
+  restored the checkpoint: orbax logs every restore at INFO and WARNING.
+  """
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.ERROR)
+  if not f.workdir.value:
+    fail('--workdir is required: the directory of a training run.')
+  if not os.path.isdir(f.workdir.value):
+    fail(f'--workdir={f.workdir.value} does not exist.')
+  if f.step.value is not None and f.average_last.value:
+    fail('give --step or --average_last, not both.')
+  if f.average_last.value < 0:
+    fail(f'--average_last={f.average_last.value} must be >= 0.')
+
+
+def load_translator(f: CheckpointFlags) -> tuple[Any, Any]:
+  """The translator of the chosen checkpoint (or average), with the flags' search options.
+
+  Returns:
+    (translator, checkpoint), as `translator.load_translator`.
+  """
+  # Imported here so that flag errors are reported without loading JAX and TFDS.
+  import jax  # pylint: disable=g-import-not-at-top
+  from transformer_jax import translator  # pylint: disable=g-import-not-at-top
+
+  if f.compilation_cache_dir.value:
+    jax.config.update('jax_compilation_cache_dir', f.compilation_cache_dir.value)
+    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  loaded = translator.load_translator(
+      f.workdir.value, step=f.step.value, average_last=f.average_last.value,
+      beam_size=f.beam_size.value, length_penalty=f.length_penalty.value,
+      length_penalty_form=f.length_penalty_form.value,
+      max_decode_extra_length=f.max_decode_extra_length.value, batch_size=f.batch_size.value)
+  if not flags.FLAGS['verbosity'].present:
+    logging.set_verbosity(logging.WARNING)
+  return loaded
+
+
+# --- Reading and translating lines. ---
+
+
+def decode_line(raw: bytes) -> tuple[str, bool]:
+  """One input line as text, without its line ending; and whether invalid UTF-8 was replaced
+  (by U+FFFD)."""
+  if raw.endswith(b'\n'):
+    raw = raw[:-1]
+  if raw.endswith(b'\r'):
+    raw = raw[:-1]
+  try:
+    return raw.decode('utf-8'), False
+  except UnicodeDecodeError:
+    return raw.decode('utf-8', errors='replace'), True
+
+
+def read_lines(path: str, flag: str) -> list[str]:
+  """A text file's lines, as `decode_line` reads them; a missing file is a `fail`."""
+  if not os.path.isfile(path):
+    fail(f'--{flag}={path} does not exist.')
+  with open(path, 'rb') as f:
+    lines = f.read().split(b'\n')
+  if lines and lines[-1] == b'':
+    lines.pop()
+  return [decode_line(line)[0] for line in lines]
+
+
+def translate_lines(translator: Any, lines: Iterable[bytes],
+                    write: Callable[[str], None], warn: Callable[[str], None],
+                    chunk_lines: int = 512) -> Any:
+  """Translates raw input lines, writing exactly one output line for each, in order.
+
+  Lines are split on b'\\n' only (iterate a binary file), so no other character (form feed,
+  U+2028, ...) ever splits or shifts a line. A blank line gives an empty line; invalid UTF-8
+  is replaced and warned about; a line longer than `max_len` tokens is cut and warned about;
+  a line that cannot be encoded at all gives an empty line and a warning.
+
+  Args:
+    translator: a `translator.Translator`.
+    lines: raw lines, e.g. a file opened in binary mode; read `chunk_lines` at a time.
+    write: receives each output line, newline included.
+    warn: receives one message per problem, starting with 'line N: ' (1-based).
+    chunk_lines: lines translated together (sorted by length within the chunk); 1 for
+      interactive use.
+
+  Returns:
+    A `translator.DecodeStats` of totals over all lines (`truncated` holds 0-based line
+    indices).
+  """
+  from transformer_jax.translator import DecodeStats  # pylint: disable=g-import-not-at-top
+  total = DecodeStats()
+  truncated: list[int] = []
+
+  def flush(first: int, texts: list[str]) -> None:
+    outputs, stats = translator.translate(texts)
+    for index in stats.truncated:
+      warn(f'line {first + index + 1}: longer than max_len={translator.max_source_length} '
+           f'tokens; translating its first {translator.max_source_length - 1} tokens only.')
+      truncated.append(first + index)
+    for index, error in stats.failed:
+      warn(f'line {first + index + 1}: could not be tokenized ({error}); writing an empty '
+           'line.')
+    for output in outputs:
+      write(output + '\n')
+    for name in ('sentences', 'source_tokens', 'output_tokens', 'batches', 'compile_seconds',
+                 'decode_seconds'):
+      setattr(total, name, getattr(total, name) + getattr(stats, name))
+
+  chunk: list[str] = []
+  first = 0
+  for number, raw in enumerate(lines, 1):
+    text, replaced = decode_line(raw)
+    if replaced:
+      warn(f'line {number}: invalid UTF-8, replaced by U+FFFD.')
+    chunk.append(text)
+    if len(chunk) >= max(chunk_lines, 1):
+      flush(first, chunk)
+      first, chunk = number, []
+  if chunk:
+    flush(first, chunk)
+  total.truncated = tuple(truncated)
+  return total

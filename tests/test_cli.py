@@ -1,0 +1,178 @@
+"""Bad input to the commands: exit code 2, one paragraph that names the problem and the fix,
+no traceback (unless --verbose). One test per kind of bad input; `cli.py` is the one handler."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import train_testlib
+from transformer_jax import errors
+
+REPO = train_testlib.REPO
+
+
+def _command(script: str, *flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, os.path.join(REPO, script), *flags], cwd=REPO,
+                        env=train_testlib.subprocess_env(), capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def _assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> None:
+  """Exit code 2, and stderr's last line is the one-paragraph error with every phrase."""
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+  message = result.stderr.strip().splitlines()[-1]
+  assert message.startswith(f'{os.path.basename(result.args[1])}: error: '), message
+  for phrase in phrases:
+    assert phrase in message, (phrase, message)
+
+
+@pytest.fixture(scope='module')
+def data_files(tmp_path_factory):
+  return train_testlib.write_parallel_text(str(tmp_path_factory.mktemp('data')))
+
+
+def _train(tmp_path, files, *flags, **overrides):
+  config = train_testlib.write_config_file(str(tmp_path / 'config.py'), files, **overrides)
+  return _command('train.py', f'--config={config}', f'--workdir={tmp_path / "run"}', *flags)
+
+
+def test_config_file_with_a_syntax_error(tmp_path):
+  path = tmp_path / 'broken.py'
+  path.write_text('def get_config(:\n  pass\n')
+  _assert_user_error(_command('train.py', f'--config={path}', f'--workdir={tmp_path}/w'),
+                     str(path), 'not valid Python', 'line 1')
+
+
+def test_config_file_without_get_config(tmp_path):
+  path = tmp_path / 'empty.py'
+  path.write_text('x = 1\n')
+  _assert_user_error(_command('train.py', f'--config={path}', f'--workdir={tmp_path}/w'),
+                     str(path), 'no get_config()')
+
+
+def _write(path, data: bytes) -> str:
+  path.write_bytes(data)
+  return str(path)
+
+
+@pytest.mark.parametrize('target,phrases', [
+    (b'ONE\nTWO\nTHREE\n', ('2 lines', '3')),  # Unequal line counts.
+    (b'', ('is empty',)),
+    (b'\x00\x01\x02binary\x00\n\x00\n', ('NUL bytes', 'binary')),
+    (b'ok\n\xff\xfe latin-1 \xe9\n', ('not UTF-8', 'line 2', 'iconv')),
+])
+def test_unusable_text_files(tmp_path, data_files, target, phrases):
+  source = _write(tmp_path / 'train.src', b'one\ntwo\n')
+  files = dict(data_files, train=f'{source},{_write(tmp_path / "train.tgt", target)}')
+  _assert_user_error(_train(tmp_path, files), *phrases)
+
+
+@pytest.mark.parametrize('overrides,phrases', [
+    ({'vocab_size_target': 2}, ('vocab_size_target=2', 'must be an int >= 8')),
+    ({'positional_encoding': 'learned', 'max_len': 16},
+     ('max_len=16', 'learned positions', '--config.max_len=32')),
+    ({'bucket_boundaries': (16, 8)}, ('bucket_boundaries', 'increasing order')),
+    ({'bucket_boundaries': (0, 8)}, ('bucket_boundaries', 'positive')),
+    ({'max_source_length': 0}, ('max_source_length=0', 'must be an int >= 1')),
+])
+def test_config_values_that_cannot_work_fail_before_anything_runs(tmp_path, data_files,
+                                                                  overrides, phrases):
+  result = _train(tmp_path, data_files, **overrides)
+  _assert_user_error(result, *phrases)
+  assert not os.path.exists(tmp_path / 'run' / 'vocab')  # Stopped before the data.
+
+
+def test_verbose_adds_the_traceback(tmp_path, data_files):
+  result = _train(tmp_path, data_files, '--verbose', vocab_size_target=2)
+  assert result.returncode == 2
+  assert 'Traceback' in result.stderr and 'vocab_size_target=2' in result.stderr
+
+
+def _damage(directory: str, item: str, how: str) -> None:
+  """Truncates (or empties) every file of a checkpoint item."""
+  for root, _, names in os.walk(os.path.join(directory, item)):
+    for name in names:
+      path = os.path.join(root, name)
+      size = os.path.getsize(path)
+      with open(path, 'r+b') as f:
+        f.truncate(size // 2 if how == 'truncate' else 0)
+
+
+@pytest.mark.parametrize('item,how', [('params', 'truncate'), ('meta', 'empty')])
+def test_damaged_checkpoint_names_the_step_and_suggests_another(run_dir, tmp_path, item, how):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(run_dir, workdir)
+  steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))
+                 if s.isdigit())
+  _damage(os.path.join(workdir, 'checkpoints', str(steps[-1])), item, how)
+  result = _command('evaluate.py', f'--workdir={workdir}', '--max_sentences=2')
+  _assert_user_error(result, f'Checkpoint {steps[-1]}', 'damaged', '--step', str(steps[0]))
+
+
+def test_damaged_checkpoint_stops_a_resume_with_the_way_out(tmp_path, data_files):
+  assert _train(tmp_path, data_files, num_train_steps=2).returncode == 0
+  checkpoints = tmp_path / 'run' / 'checkpoints'
+  _damage(str(checkpoints / '2'), 'params', 'truncate')
+  result = _train(tmp_path, data_files, num_train_steps=4)
+  _assert_user_error(result, 'Checkpoint 2', 'damaged', f'mv {checkpoints}/2')
+  assert os.path.isdir(checkpoints / '2')  # Never deleted.
+
+
+def test_full_disk_is_one_line_naming_the_file(tmp_path):
+  """A full disk as orbax reports it: an OSError wrapped in another exception."""
+  script = tmp_path / 'full_disk.py'
+  script.write_text(textwrap.dedent(f'''
+      import errno, sys
+      sys.path.insert(0, {REPO!r})
+      import cli
+
+      def main(argv):
+        try:
+          raise OSError(errno.ENOSPC, 'No space left on device', '/work/run/checkpoints/7')
+        except OSError as e:
+          raise ValueError('Checkpoint save failed') from e
+
+      cli.run(main)
+  '''))
+  result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr
+  assert result.stderr.count('\n') == 1
+  assert 'No space left' in result.stderr and '/work/run/checkpoints/7' in result.stderr
+
+
+def test_user_errors_are_found_through_wrapping_exceptions():
+  full = OSError(errno.ENOSPC, 'No space left on device', 'f')
+  try:
+    try:
+      raise full
+    except OSError as e:
+      raise RuntimeError('save failed') from e
+  except RuntimeError as wrapped:
+    assert isinstance(errors.find_user_error(wrapped), errors.DiskFullError)
+  assert errors.find_user_error(RuntimeError('a bug')) is None
+  config_error = errors.ConfigError('x')
+  assert errors.find_user_error(config_error) is config_error
+  assert isinstance(config_error, ValueError)  # Callers catching ValueError still work.
+
+
+@pytest.mark.parametrize('script,own_flags', [
+    ('evaluate.py', ('--workdir', '--step', '--average_last', '--beam_size', '--split',
+                     '--verbose')),
+    ('translate.py', ('--workdir', '--beam_size', '--length_penalty', '--input', '--verbose')),
+    ('train.py', ('--config', '--workdir', '--verbose')),
+    ('average_checkpoints.py', ('--workdir', '--output_workdir', '--verbose')),
+])
+def test_help_lists_each_commands_own_flags(script, own_flags):
+  result = _command(script, '--help', timeout=120)
+  assert 'Traceback' not in result.stderr, result.stderr[-2000:]  # absl's --help exits 1.
+  for flag in own_flags:
+    assert flag in result.stdout, (flag, result.stdout[-2000:])

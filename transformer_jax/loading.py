@@ -1,0 +1,93 @@
+"""Loading a checkpoint for inference: `load(workdir, step=..., average_last=...)`.
+
+The one way evaluation, translation and the tests get a model out of a work directory: it
+reads the checkpoint's `meta` (the run's config and vocabulary), builds the model config,
+chooses the device layout (`Partitioner.for_inference`: the training mesh if it fits these
+devices, else data parallelism), and restores the parameters straight onto it, averaging the
+last N checkpoints in memory when asked (the paper's evaluation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from transformer_jax import averaging
+from transformer_jax import checkpointing
+from transformer_jax import config as config_lib
+from transformer_jax.config import ConfigError, TransformerConfig
+from transformer_jax.models import Transformer
+from transformer_jax.partitioning import Partitioner
+from transformer_jax.tokenizer import Tokenizer
+
+PyTree = Any
+
+
+@dataclasses.dataclass
+class InferenceCheckpoint:
+  """A checkpoint ready for inference.
+
+  Attributes:
+    config: the training run's full config (a locked `ConfigDict`).
+    model_config: the model config, with dropout off (`deterministic=True`).
+    params: the parameters, placed by `partitioner`.
+    tokenizer: the run's vocabulary.
+    step: the checkpoint's step (of an average: the last averaged step).
+    steps: the steps whose parameters `params` holds (one, or those averaged).
+    partitioner: the device mesh and rules the parameters are placed with.
+  """
+
+  config: ml_collections.ConfigDict
+  model_config: TransformerConfig
+  params: PyTree
+  tokenizer: Tokenizer
+  step: int
+  steps: list[int]
+  partitioner: Partitioner
+
+
+def param_shardings(model_config: TransformerConfig, partitioner: Partitioner) -> PyTree:
+  """The parameters' shardings under `partitioner`'s rules (nothing is allocated)."""
+  def init():
+    tokens = jnp.ones((1, 8), jnp.int32)
+    return Transformer(model_config).init(jax.random.key(0), tokens, tokens)['params']
+  return partitioner.tree_shardings(jax.eval_shape(init))
+
+
+def load(workdir: str, *, step: int | None = None, average_last: int = 0) -> InferenceCheckpoint:
+  """One checkpoint of `workdir`, or the average of its last `average_last`.
+
+  Args:
+    workdir: a training run's (or `average_checkpoints`') work directory.
+    step: a checkpoint step; None for the latest. Not allowed with `average_last`.
+    average_last: average the last this many checkpoints (0: no averaging).
+
+  Returns:
+    The checkpoint, its parameters on the devices.
+
+  Raises:
+    errors.CheckpointNotFoundError: no such work directory, checkpoint or step.
+    errors.CheckpointError: the checkpoint is damaged.
+    ConfigError: both `step` and `average_last`, or too few checkpoints to average.
+  """
+  if average_last and step is not None:
+    raise ConfigError('Give --step or --average_last, not both.')
+  steps = averaging.last_steps(workdir, average_last) if average_last else None
+  meta, last = checkpointing.read_meta(workdir, steps[-1] if steps else step)
+  config = config_lib.from_saved(meta['config'])
+  model_config = TransformerConfig.from_config(config, vocab_size=meta['vocab_size'],
+                                               deterministic=True)
+  partitioner = Partitioner.for_inference(config)
+  shardings = param_shardings(model_config, partitioner)
+  if steps:
+    params = averaging.average_params(workdir, steps, shardings=shardings)
+  else:
+    params, _ = checkpointing.restore_params(workdir, last, shardings=shardings)
+    steps = meta.get('averaged_steps') or [last]
+  return InferenceCheckpoint(config, model_config, params,
+                             checkpointing.tokenizer_from_meta(meta), last, list(steps),
+                             partitioner)
