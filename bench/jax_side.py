@@ -36,14 +36,15 @@ MODEL_SIZES = {
 FIRST_ORDINARY_ID = 4  # Ids 0-3 are pad, bos, eos, unk.
 
 
-def run_config(model: str, vocab_size: int, dtype: str = 'float32',
-               remat: str = 'none') -> ml_collections.ConfigDict:
+def run_config(model: str, vocab_size: int, dtype: str = 'float32', remat: str = 'none',
+               attention: str = '') -> ml_collections.ConfigDict:
   """The run config of a benchmark model: `base_config()` with the size's fields."""
   config = base_config()
   config.update(MODEL_SIZES[model])
   config.vocab_size = vocab_size
   config.dtype = dtype
   config.remat_policy = remat
+  config.attention_implementation = attention
   return config
 
 
@@ -86,17 +87,26 @@ def xla_flops(compiled: Any) -> float | None:
   return float(cost['flops']) if cost and 'flops' in cost else None
 
 
+def fused_attention_calls(compiled: Any) -> int | None:
+  """How many cuDNN fused-attention calls the compiled program makes (0 off GPU)."""
+  try:
+    return compiled.as_text().count('__cudnn$fmha')
+  except Exception:  # pylint: disable=broad-except  # Not every backend gives its HLO.
+    return None
+
+
 def device_memory_stats() -> dict[str, Any]:
   stats = jax.local_devices()[0].memory_stats() or {}
   return {k: stats[k] for k in ('peak_bytes_in_use', 'bytes_limit') if k in stats}
 
 
 class _TrainSetup:
-  """The train step of `train_steps` for one model size and batch shape."""
+  """The train step of `steps` for one model size and batch shape."""
 
   def __init__(self, model: str, dtype: str, rows: int, source_length: int,
-               target_length: int, vocab_size: int, remat: str, seed: int = 0):
-    self.config = run_config(model, vocab_size, dtype, remat)
+               target_length: int, vocab_size: int, remat: str, seed: int = 0,
+               attention: str = ''):
+    self.config = run_config(model, vocab_size, dtype, remat, attention)
     self.model_config = TransformerConfig.from_config(self.config)
     self.partitioner = Partitioner.from_config(self.config)
     opt_config = optimizer.OptimizerConfig.from_config(self.config, self.model_config.d_model)
@@ -130,9 +140,9 @@ class TrainTask:
 
   def __init__(self, model: str = 'base', dtype: str = 'float32', rows: int = 8,
                source_length: int = 64, target_length: int = 64, vocab_size: int = 37000,
-               remat: str = 'none'):
+               remat: str = 'none', attention: str = ''):
     self.train = _TrainSetup(model, dtype, rows, source_length, target_length, vocab_size,
-                             remat)
+                             remat, attention=attention)
 
   def setup(self) -> dict[str, Any]:
     t = self.train
@@ -159,6 +169,8 @@ class TrainTask:
                                          [target_length] * rows),
         'xla_flops': xla_flops(self.compiled),
         'compiled_memory_bytes': memory_bytes(self.compiled),
+        'attention_implementation': t.config.attention_implementation or '(JAX chooses)',
+        'fused_attention_calls': fused_attention_calls(self.compiled),
         'device_memory': device_memory_stats(),
         'device': jax.devices()[0].device_kind,
         'loss_per_token': float(self.metrics['loss'] / self.metrics['tokens']),
@@ -201,8 +213,8 @@ class DecodeTask:
 
   def __init__(self, model: str = 'base', dtype: str = 'float32', batch: int = 32,
                source_length: int = 32, output_length: int = 32, beam_size: int = 1,
-               vocab_size: int = 37000):
-    config = run_config(model, vocab_size, dtype)
+               vocab_size: int = 37000, attention: str = ''):
+    config = run_config(model, vocab_size, dtype, attention=attention)
     self.model_config = TransformerConfig.from_config(config, deterministic=True)
     self.shape = (batch, source_length, output_length)
     self.beam_size = beam_size
@@ -228,6 +240,7 @@ class DecodeTask:
       raise AssertionError(f'outputs are not all {output_length} tokens: {lengths}')
     return {'compile_s': compile_s, 'first_s': first_s,
             'generated_tokens': int(lengths.sum()),
+            'fused_attention_calls': fused_attention_calls(self.compiled),
             'device_memory': device_memory_stats(),
             'device': jax.devices()[0].device_kind}
 
@@ -266,22 +279,32 @@ class MatmulTask:
 class BudgetTask:
   """The largest token budget whose train step fits the device's memory.
 
-  Rows of `length` tokens (source and target alike) are added until XLA's memory analysis
-  of the compiled step exceeds the device's limit; the largest size found is then run once
-  to confirm it. Reports tokens per side (the paper's 25,000 is per side).
+  Each probe compiles the step for some rows of `length` tokens (source and target alike) and
+  reads XLA's memory analysis. A step's memory grows about linearly with its rows, so after
+  two probes that fit, the next is where the line through them meets the device's limit, and
+  then just past it; interpolation between the closest probes that fit and do not fit takes
+  over when the line is off, until they are within 3%. The largest size found is then run
+  once to confirm it. A probe is a full compile (40-50 s for the big model on an H200), so
+  this needs about 4-6 of them where doubling and bisection need 10 or more; `time_budget_s`
+  caps the search, which then reports the bracket it has. Reports tokens per side (the
+  paper's 25,000 is per side).
   """
 
   def __init__(self, model: str = 'base', dtype: str = 'bfloat16', remat: str = 'none',
                length: int = 64, vocab_size: int = 37000, limit_bytes: int | None = None,
-               start_tokens: int = 25000, max_doublings: int = 6, row_multiple: int = 8):
+               start_tokens: int = 25000, max_doublings: int = 6, row_multiple: int = 8,
+               attention: str = '', time_budget_s: float = 400.0):
     self.args = (model, dtype, remat, length, vocab_size)
+    self.attention = attention
     self.limit_bytes = limit_bytes
     self.start_tokens, self.max_doublings = start_tokens, max_doublings
     self.multiple = row_multiple
+    self.time_budget_s = time_budget_s
 
   def _fits(self, rows: int) -> tuple[bool, int | None]:
     model, dtype, remat, length, vocab_size = self.args
-    setup = _TrainSetup(model, dtype, rows, length, length, vocab_size, remat)
+    setup = _TrainSetup(model, dtype, rows, length, length, vocab_size, remat,
+                        attention=self.attention)
     try:
       compiled, _ = setup.compile()
     except Exception as e:  # XLA may refuse at compile time.
@@ -293,7 +316,7 @@ class BudgetTask:
 
   def _runs(self, rows: int) -> bool:
     model, dtype, remat, length, vocab_size = self.args
-    task = TrainTask(model, dtype, rows, length, length, vocab_size, remat)
+    task = TrainTask(model, dtype, rows, length, length, vocab_size, remat, self.attention)
     try:
       task.setup()
       return True
@@ -312,21 +335,40 @@ class BudgetTask:
       raise RuntimeError('the device reports no memory limit; pass limit_bytes.')
     length, m = self.args[3], self.multiple
     round_rows = lambda r: max(m, int(r) // m * m)
-    probes = {}
-    lo, hi = 0, round_rows(math.ceil(self.start_tokens / length / m) * m)
-    for _ in range(self.max_doublings + 1):  # Find a size that does not fit.
-      ok, probes[hi] = self._fits(hi)
+    start = time.perf_counter()
+    probes: dict[int, int | None] = {}  # rows -> bytes the compiled step needs
+    limit = self.limit_bytes
+
+    def at_limit(a: int, b: int) -> int | None:
+      """Rows where the line through probes a and b reaches the limit."""
+      if probes.get(a) is None or probes.get(b) is None or probes[b] == probes[a]:
+        return None
+      slope = (probes[b] - probes[a]) / (b - a)
+      return round_rows(b + (limit - probes[b]) / slope) if slope > 0 else None
+
+    lo, hi = 0, None
+    rows = round_rows(math.ceil(self.start_tokens / length / m) * m)
+    for _ in range(self.max_doublings + 1):  # Grow until a size does not fit.
+      ok, probes[rows] = self._fits(rows)
       if not ok:
+        hi = rows
         break
-      lo, hi = hi, hi * 2
-    else:
-      hi = None  # Everything tried fits; report the largest as a lower bound.
-    while hi is not None and hi - lo > max(m, lo // 32):  # Within 3%.
-      mid = round_rows((lo + hi) // 2)
-      if mid in (lo, hi):
+      fitting = sorted(r for r in probes if r <= rows and probes[r] is not None)
+      guess = at_limit(fitting[-2], fitting[-1]) if len(fitting) >= 2 else None
+      lo, rows = rows, rows * 2 if guess is None else max(guess, rows + max(m, rows // 32))
+      if time.perf_counter() - start > self.time_budget_s:
+        break
+    while (hi is not None and hi - lo > max(m, lo // 32)  # Within 3%.
+           and time.perf_counter() - start <= self.time_budget_s):
+      guess = at_limit(lo, hi)
+      step = max(m, lo // 32)
+      mid = round_rows((lo + hi) // 2 if guess is None else guess)
+      mid = min(max(mid, round_rows(lo + step)), hi - m)  # Inside the bracket, 3% past lo.
+      if mid <= lo or mid >= hi:
         break
       ok, probes[mid] = self._fits(mid)
       lo, hi = (mid, hi) if ok else (lo, mid)
+    search_s = time.perf_counter() - start
     confirmed = False
     while lo > 0 and not confirmed:
       confirmed = self._runs(lo)
@@ -334,6 +376,7 @@ class BudgetTask:
         lo = round_rows(lo * 0.95) if lo > m else 0
     return {'rows': lo, 'length': length, 'tokens_per_side': lo * length,
             'upper_bound_found': hi is not None, 'confirmed_by_running': confirmed,
+            'smallest_not_fitting_rows': hi, 'search_s': search_s, 'compiles': len(probes),
             'limit_bytes': self.limit_bytes,
             'probes': {str(k): v for k, v in sorted(probes.items())},
             'device': jax.devices()[0].device_kind}

@@ -301,8 +301,20 @@ def gpu_sizes(quick: bool) -> dict[str, Any]:
               decode_output=32, rounds=3, iters=3, budget_doublings=6)
 
 
+GPU_PARTS = ('train', 'budget', 'decode')
+
+
 def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
+  """The GPU plan; `--only`, `--models`, `--attention` and `--remat` pick a part of it, so
+  that each command fits a 10-minute slot (bench/README.md lists the commands)."""
   g = gpu_sizes(args.quick)
+  parts = args.only.split(',') if args.only else list(GPU_PARTS)
+  unknown = set(parts) - set(GPU_PARTS)
+  if unknown:
+    raise SystemExit(f'--only: unknown GPU parts {sorted(unknown)}; choose from {GPU_PARTS}')
+  models = args.models.split(',') if args.models else g['models']
+  attentions = args.attention.split(',')
+  remats = args.remat.split(',')
   env = jax_env(args.threads, 'gpu', args.xla_flags)
   results['sizes'] = g
   results['references'] = 'skipped on GPU: the reference systems would run on the host CPU'
@@ -328,44 +340,49 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
 
   rows = -(-g['tokens'] // g['length'])
   rows = -(-rows // 8) * 8
+  label = lambda name, attention: name + (f' [{attention}]' if attention else '')
   train, budgets = {}, {}
-  for model in g['models']:
+  for model in models:
     cfg = model_config(model, g['vocab'])
     step_flops = flops.batch_flops(cfg, [g['length']] * rows, [g['length']] * rows)
-    ready, times, exit_info = solo(f'train_{model}', [dict(
-        name='train', kind='train', model=model, dtype=dtype, rows=rows,
-        source_length=g['length'], target_length=g['length'], vocab_size=g['vocab'])],
-                                   g['rounds'], g['iters'])
-    entry = {'setup': ready['train'], 'times': times.get('train'), 'exit': exit_info,
-             'model_flops_per_step': step_flops, 'tokens_per_step': 2 * rows * g['length'],
-             'batch': f'{rows} x {g["length"]} source + {g["length"]} target, bf16'}
-    if entry['times']:
-      entry['tokens_per_s'] = entry['tokens_per_step'] / entry['times']['median_s']
-      entry['mfu'] = flops.mfu(step_flops, entry['times']['median_s'], peak['bf16'])
-    train[model] = entry
-    for remat in ('none', 'full'):
+    for attention in attentions if 'train' in parts else ():
+      ready, times, exit_info = solo(f'train_{model}_{attention or "auto"}', [dict(
+          name='train', kind='train', model=model, dtype=dtype, rows=rows,
+          source_length=g['length'], target_length=g['length'], vocab_size=g['vocab'],
+          attention=attention)], g['rounds'], g['iters'])
+      entry = {'setup': ready['train'], 'times': times.get('train'), 'exit': exit_info,
+               'model_flops_per_step': step_flops, 'tokens_per_step': 2 * rows * g['length'],
+               'batch': f'{rows} x {g["length"]} source + {g["length"]} target, bf16'}
+      if entry['times']:
+        entry['tokens_per_s'] = entry['tokens_per_step'] / entry['times']['median_s']
+        entry['mfu'] = flops.mfu(step_flops, entry['times']['median_s'], peak['bf16'])
+      train[label(model, attention)] = entry
+    for remat in remats if 'budget' in parts else ():
       spec = dict(name='budget', kind='budget', model=model, dtype=dtype, remat=remat,
                   length=g['length'], vocab_size=g['vocab'], start_tokens=g['tokens'],
-                  max_doublings=g['budget_doublings'])
+                  max_doublings=g['budget_doublings'], attention=attentions[0])
       if args.memory_limit_gib:
         spec['limit_bytes'] = int(args.memory_limit_gib * GIB)
       ready, _, _ = solo(f'budget_{model}_{remat}', [spec], 0, 0)
-      budgets[f'{model}/{remat}'] = ready['budget']
+      budgets[label(f'{model}/{remat}', attentions[0])] = ready['budget']
   results['train'] = train
   results['token_budget'] = budgets
 
   decoding = {}
-  for batch in g['decode_batches']:
-    specs = [dict(name=f'{k}_b{batch}', kind='decode', model=g['models'][0], dtype=dtype,
-                  batch=batch, source_length=g['decode_source'],
-                  output_length=g['decode_output'], beam_size=b, vocab_size=g['vocab'])
-             for k, b in (('greedy', 1), ('beam4', 4))]
-    ready, times, exit_info = solo(f'decode_b{batch}', specs, g['rounds'], g['iters'])
-    for spec in specs:
-      t = times.get(spec['name'])
-      decoding[spec['name']] = {
-          'setup': ready[spec['name']], 'times': t,
-          'tokens_per_s': batch * g['decode_output'] / t['median_s'] if t else None}
+  for batch in g['decode_batches'] if 'decode' in parts else ():
+    for attention in attentions:
+      specs = [dict(name=label(f'{k}_b{batch}', attention), kind='decode', model=models[0],
+                    dtype=dtype, batch=batch, source_length=g['decode_source'],
+                    output_length=g['decode_output'], beam_size=b, vocab_size=g['vocab'],
+                    attention=attention)
+               for k, b in (('greedy', 1), ('beam4', 4))]
+      ready, times, exit_info = solo(f'decode_b{batch}_{attention or "auto"}', specs,
+                                     g['rounds'], g['iters'])
+      for spec in specs:
+        t = times.get(spec['name'])
+        decoding[spec['name']] = {
+            'setup': ready[spec['name']], 'times': t, 'exit': exit_info,
+            'tokens_per_s': batch * g['decode_output'] / t['median_s'] if t else None}
   results['decode'] = decoding
 
 
@@ -442,6 +459,10 @@ def table(results: dict[str, Any]) -> str:
   if env['plan'] == 'gpu':
     add(row.format('Training step, bf16', 'tokens/s', 'MFU', 'compile s', 'peak GiB'))
     for model, e in results['train'].items():
+      fused = e['setup'].get('fused_attention_calls')
+      if fused:
+        model = f'{model} ({fused} cuDNN attention calls)'
+
       mem = e['exit'].get('device_memory', {}).get('peak_bytes_in_use')
       add(row.format(f"{model}: {e['batch']}", _fmt(e.get('tokens_per_s'), '.0f'),
                      _fmt(e.get('mfu'), '.1%'), _fmt(e['setup'].get('compile_s')),
@@ -455,7 +476,8 @@ def table(results: dict[str, Any]) -> str:
         add(f'  {key}: {b["error"]}')
         continue
       add(row.format(f'{key} (model/remat)', b['tokens_per_side'],
-                     f"{b['rows']} x {b['length']}", str(b['confirmed_by_running']), ''))
+                     f"{b['rows']} x {b['length']}", str(b['confirmed_by_running']),
+                     f"{b.get('compiles', '?')} compiles, {_fmt(b.get('search_s'), '.0f')} s"))
     add('')
     add(row.format('Decoding, bf16', 'tokens/s', 'compile s', '', ''))
     for name, e in results['decode'].items():
@@ -474,7 +496,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument('--xla_flags', '--xla-flags', default='',
                       help='extra XLA_FLAGS for the JAX workers (experiments)')
   parser.add_argument('--only', default='',
-                      help='comma-separated subset of train,decode (CPU plan; the peak always runs)')
+                      help='comma-separated parts: train,decode on the CPU plan; '
+                      'train,budget,decode on the GPU plan (the matmul peak always runs)')
+  parser.add_argument('--models', default='',
+                      help="GPU plan: comma-separated model sizes (default 'base,big')")
+  parser.add_argument('--attention', default='',
+                      help="GPU plan: comma-separated attention_implementation values to "
+                      "compare, e.g. 'xla,cudnn' ('' lets JAX choose; the default)")
+  parser.add_argument('--remat', default='none,full',
+                      help='GPU plan: remat policies of the token-budget search')
   parser.add_argument('--memory_limit_gib', '--memory-limit-gib', type=float, default=0,
                       help='token-budget limit when the device reports none (CPU)')
   args = parser.parse_args(argv)
