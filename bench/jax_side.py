@@ -10,6 +10,7 @@ masked, so that every system generates exactly the requested number of tokens.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from typing import Any
 
@@ -312,7 +313,10 @@ class BudgetTask:
         return False, None
       raise
     need = memory_bytes(compiled)
-    return (need is not None and need <= self.limit_bytes), need
+    fits = need is not None and need <= self.limit_bytes
+    print(f'budget probe: {rows} rows x {length}: needs {need} bytes of {self.limit_bytes}: '
+          f'{"fits" if fits else "does not fit"}', file=sys.stderr, flush=True)
+    return fits, need
 
   def _runs(self, rows: int) -> bool:
     model, dtype, remat, length, vocab_size = self.args

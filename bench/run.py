@@ -56,6 +56,8 @@ class Worker:
         stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1)
     self.ready = self._receive()['ready']
     self.startup_s = time.perf_counter() - start
+    print(f'[bench] {label}: set up in {self.startup_s:.0f} s (log: {self.log_path})',
+          file=sys.stderr, flush=True)
     self.exit_info: dict[str, Any] = {}
 
   def _receive(self) -> dict[str, Any]:
@@ -503,6 +505,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument('--attention', default='',
                       help="GPU plan: comma-separated attention_implementation values to "
                       "compare, e.g. 'xla,cudnn' ('' lets JAX choose; the default)")
+  parser.add_argument('--log_dir', '--log-dir', default='',
+                      help="keep the workers' logs here (default: a temporary directory)")
   parser.add_argument('--remat', default='none,full',
                       help='GPU plan: remat policies of the token-budget search')
   parser.add_argument('--memory_limit_gib', '--memory-limit-gib', type=float, default=0,
@@ -524,8 +528,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   except OSError:
     pass
   start = time.perf_counter()
-  with tempfile.TemporaryDirectory(prefix='bench_logs_') as log_dir:
-    (run_cpu if plan == 'cpu' else run_gpu)(args, results, log_dir)
+  if args.log_dir:  # Kept: each worker's log, written as it goes (budget probes too).
+    os.makedirs(args.log_dir, exist_ok=True)
+    (run_cpu if plan == 'cpu' else run_gpu)(args, results, args.log_dir)
+  else:
+    with tempfile.TemporaryDirectory(prefix='bench_logs_') as log_dir:
+      (run_cpu if plan == 'cpu' else run_gpu)(args, results, log_dir)
   results['environment']['load_after'] = os.getloadavg()
   results['environment']['wall_s'] = time.perf_counter() - start
   results['environment']['parent_peak_rss_bytes'] = (
