@@ -102,8 +102,11 @@ def run(main: Callable[[list[str]], Any]) -> None:
     logging.get_absl_handler().addFilter(_quiet_orbax)
     try:
       main(argv)
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit:
       raise
+    except KeyboardInterrupt:
+      print(f'{program()}: interrupted.', file=sys.stderr, flush=True)
+      sys.exit(130)
     except BaseException as e:  # pylint: disable=broad-except
       user_error = errors.find_user_error(e)
       if user_error is None:

@@ -11,12 +11,16 @@ Lines are split on '\n' only. Reading from a terminal translates each line as it
 --attention_plot draws the encoder-decoder attention of the --text sentence as a heatmap
 labelled with its subword pieces ('mean' over heads, 'all' heads, or one head's index).
 
+A closed standard input is no input (no output); when the reader of standard output goes
+away (`translate.py | head -1`) it ends quietly, as a Unix filter does.
+
 Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory or checkpoint problem
-(explained in one paragraph; the traceback only with --verbose).
+(explained in one paragraph; the traceback only with --verbose); 141 the output pipe closed.
 """
 
 import io
 import os
+import signal
 import sys
 
 from absl import flags
@@ -56,9 +60,19 @@ def _check_flags() -> None:
     cli.fail(f"--attention_heads={heads!r} must be 'mean', 'all' or a head index.")
 
 
+def _end_on_closed_pipe() -> None:
+  """The reader of our stdout went away (`translate.py | head -1`): end quietly, as a Unix
+  filter killed by SIGPIPE does (exit status 141)."""
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, sys.stdout.fileno())  # Python's final flush must not fail again.
+  sys.exit(128 + signal.SIGPIPE)
+
+
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   _check_flags()
+  if _OUTPUT.value == '-' and sys.stdout is None:
+    cli.fail('standard output is closed; give --output=FILE.')
   translator, checkpoint = cli.load_translator(_CHECKPOINT)
   steps = checkpoint.steps
 
@@ -70,10 +84,12 @@ def main(argv: list[str]) -> None:
   if _TEXT.value is not None:
     source = io.BytesIO((_TEXT.value + '\n').encode('utf-8', errors='replace'))
   elif _INPUT.value == '-':
-    source = sys.stdin.buffer
+    # A closed stdin (`translate.py <&-`) is no input: no output.
+    source = sys.stdin.buffer if sys.stdin is not None else io.BytesIO(b'')
   else:
     source = open(_INPUT.value, 'rb')
-  interactive = _TEXT.value is None and _INPUT.value == '-' and sys.stdin.isatty()
+  interactive = (_TEXT.value is None and _INPUT.value == '-' and sys.stdin is not None
+                 and sys.stdin.isatty())
   chunk_lines = 1 if interactive else (
       _CHUNK_LINES.value or 16 * translator.options.batch_size)
 
@@ -84,13 +100,15 @@ def main(argv: list[str]) -> None:
 
   try:
     stats = cli.translate_lines(translator, source, write, cli.warn, chunk_lines)
-  finally:
     output.flush()
+  except BrokenPipeError:
+    _end_on_closed_pipe()
+  finally:
     if _OUTPUT.value == '-':
       output.detach()  # Leave sys.stdout open.
     else:
       output.close()
-    if source is not sys.stdin.buffer:
+    if sys.stdin is None or source is not sys.stdin.buffer:
       source.close()
   if not _QUIET.value:
     print(f'translate.py: {stats.sentences} lines (checkpoint steps {steps}) in '

@@ -230,23 +230,37 @@ def test_a_checkpoint_older_than_a_field_counts_as_its_legacy_value():
   assert checkpointing.config_differences(saved, config) == []
 
 
-class SigtermAt(multihost.StopSignal):
-  """Sends this process a real SIGTERM when the loop reports step `at`."""
+def test_a_run_that_skips_every_update_stops_with_an_error(data_files, tmp_path):
+  # A learning rate of 1e9 sends the parameters to infinity after the first update; from
+  # then on every update is skipped and the parameters stay as they were.
+  config = train_testlib.small_config(data_files, learning_rate_scale=1e9, num_train_steps=12,
+                                      checkpoint_every_steps=1, max_skipped_steps_in_a_row=3)
+  with pytest.raises(train_loop.NonFiniteError, match='last 3 updates .* all skipped'):
+    train_loop.train_and_evaluate(config, str(tmp_path))
+  steps = checkpointing.list_steps(str(tmp_path))
+  assert steps and max(steps) < 12
+  params, _ = checkpointing.restore_params(str(tmp_path), max(steps))
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(params)))
 
-  def __init__(self, at):
+
+class SignalAt(multihost.StopSignal):
+  """Sends this process a real signal when the loop reports step `at`."""
+
+  def __init__(self, at, signum):
     super().__init__()
-    self.at = at
+    self.at, self.signum = at, signum
 
   def should_stop(self, step):
     if step == self.at:
-      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), self.signum)
     return super().should_stop(step)
 
 
-def test_sigterm_saves_that_step_and_stops(finished_run, tmp_path):
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_ctrl_c_save_that_step_and_stop(finished_run, tmp_path, signum):
   config, _, _ = finished_run
   workdir = str(tmp_path)
-  stop = SigtermAt(3)
+  stop = SignalAt(3, signum)
   try:
     stopped = train_loop.train_and_evaluate(config, workdir, stop_signal=stop)
   finally:
@@ -256,6 +270,20 @@ def test_sigterm_saves_that_step_and_stops(finished_run, tmp_path):
   assert checkpointing.list_steps(workdir) == [3]
   logged = [m['step'] for m in read_metrics(workdir) if m['split'] == 'train']
   assert logged == [1, 2, 3]
+  assert signal.getsignal(signum) is not stop._on_signal  # pylint: disable=protected-access
+
+
+def test_a_second_ctrl_c_interrupts_at_once():
+  before = signal.getsignal(signal.SIGINT)
+  stop = multihost.StopSignal()
+  try:
+    os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler before the next line.
+    assert stop.should_stop(1)
+    with pytest.raises(KeyboardInterrupt):
+      os.kill(os.getpid(), signal.SIGINT)
+  finally:
+    stop.close()
+  assert signal.getsignal(signal.SIGINT) is before
 
 
 # --- train.py's answers to bad setups: exit code 2, one paragraph, before compiling. ---

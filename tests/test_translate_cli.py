@@ -145,3 +145,28 @@ def test_bad_requests_exit_with_code_2(run_dir, flags, message):
                           capture_output=True, text=True, timeout=120)
   assert result.returncode == 2, result.stderr[-3000:]
   assert message in result.stderr and 'Traceback' not in result.stderr
+
+
+def _shell(command: str, run_dir: str) -> subprocess.CompletedProcess:
+  cache = os.path.join(os.path.dirname(run_dir), 'jax_cache')
+  translate = (f'{sys.executable} translate.py --workdir={run_dir} '
+               f'--compilation_cache_dir={cache}')
+  return subprocess.run(['bash', '-c', 'set -o pipefail; ' + command.format(translate=translate)],
+                        cwd=REPO, env=train_testlib.subprocess_env(fast_compile=False),
+                        capture_output=True, text=True, timeout=300)
+
+
+def test_closed_stdin_is_no_input(run_dir):
+  result = _shell('{translate} <&-', run_dir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout == '' and 'Traceback' not in result.stderr
+
+
+def test_a_closed_output_pipe_ends_quietly(run_dir, tmp_path):
+  lines = tmp_path / 'many.txt'
+  lines.write_text('the cat sees a dog\nsmall child\n' * 20)
+  # One line a chunk, so the reader is gone long before the last line is written.
+  result = _shell(f'{{translate}} --input={lines} --chunk_lines=1 | head -1', run_dir)
+  assert result.stdout.count('\n') == 1 and result.stdout.strip(), result.stdout
+  assert 'Traceback' not in result.stderr and 'Error' not in result.stderr, result.stderr
+  assert result.returncode in (0, 141), result.stderr[-3000:]  # 141: like SIGPIPE's death.

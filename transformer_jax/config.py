@@ -45,7 +45,7 @@ RESUMABLE_FIELDS = frozenset({
     'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_batches',
     'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
     'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy',
-    'attention_implementation', 'nonfinite', 'tfds_data_dir', 'text_files', 'vocab_path',
+    'attention_implementation', 'nonfinite', 'max_skipped_steps_in_a_row', 'tfds_data_dir', 'text_files', 'vocab_path',
     'data_threads', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
     'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
 })
@@ -127,6 +127,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.grad_clip_norm = 0.0  # 0: no clipping.
   c.grad_accum_steps = 1  # Microbatches a step; the token budget is split among them.
   c.nonfinite = 'skip'  # What a non-finite loss/gradient does: 'skip' the update | 'stop'.
+  # With 'skip': a run whose updates are skipped this many steps in a row has diverged, and
+  # stops with an error (checked at each log line; 0: never).
+  c.max_skipped_steps_in_a_row = 20
   c.log_every_steps = 100
   c.eval_every_steps = 1000
   c.eval_batches = 0  # 0: the whole validation split.
@@ -181,7 +184,7 @@ def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None
                'data_threads'):
     _int_at_least(config, name, 1, '')
   for name in ('eval_every_steps', 'eval_batches', 'keep_checkpoints',
-               'keep_checkpoint_period'):
+               'keep_checkpoint_period', 'max_skipped_steps_in_a_row'):
     _int_at_least(config, name, 0, ' (0 turns it off)')
   _int_at_least(config, 'vocab_size_target', 8,
                 ' (4 ids are taken by pad, bos, eos, unk; the paper: 37000)')

@@ -7,7 +7,7 @@ process exit when one dies, instead of waiting forever in a collective.
 
 Stopping (preemptible VMs get SIGTERM and a short grace period): every process must save the
 *same* step. With one process a Python signal handler sets a flag that the loop reads after
-each step. With several, JAX's preemption service catches SIGTERM on whichever process got
+each step; Ctrl-C (SIGINT) does the same, and a second Ctrl-C interrupts at once. With several, JAX's preemption service catches SIGTERM on whichever process got
 it, tells the others through the coordinator and names a step that all of them reach;
 `multihost_utils.reached_preemption_sync_point` returns True there, on every process.
 """
@@ -15,6 +15,7 @@ it, tells the others through the coordinator and names a step that all of them r
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 import jax
@@ -54,14 +55,20 @@ class StopSignal:
   def __init__(self):
     self._requested = threading.Event()
     self._multiprocess = jax.process_count() > 1
-    self._previous_handler = None
-    if not self._multiprocess:
+    self._previous_handlers = {}
+    if not self._multiprocess and threading.current_thread() is threading.main_thread():
       # With several processes JAX's preemption notifier owns SIGTERM; a Python handler
       # here would replace it.
-      self._previous_handler = signal.signal(signal.SIGTERM, self._on_signal)
+      for signum in (signal.SIGTERM, signal.SIGINT):
+        self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
 
   def _on_signal(self, signum, frame) -> None:
     del frame
+    if signum == signal.SIGINT:
+      if self._requested.is_set():
+        raise KeyboardInterrupt  # The second Ctrl-C: stop now, without saving.
+      print('Ctrl-C: saving a checkpoint after this step, then stopping (press Ctrl-C again '
+            'to stop at once, without saving).', file=sys.stderr, flush=True)
     logging.warning('Received signal %d: saving a checkpoint after this step, then '
                     'stopping.', signum)
     self._requested.set()
@@ -73,7 +80,7 @@ class StopSignal:
     return self._requested.is_set()
 
   def close(self) -> None:
-    """Restores the previous SIGTERM handler."""
-    if self._previous_handler is not None:
-      signal.signal(signal.SIGTERM, self._previous_handler)
-      self._previous_handler = None
+    """Restores the previous SIGTERM and SIGINT handlers."""
+    for signum, handler in self._previous_handlers.items():
+      signal.signal(signum, handler)
+    self._previous_handlers = {}

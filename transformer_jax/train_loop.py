@@ -31,7 +31,8 @@ from transformer_jax.config import ConfigError, TransformerConfig
 from transformer_jax.partitioning import Partitioner
 
 class NonFiniteError(RuntimeError):
-  """Training met a non-finite loss or gradient with `nonfinite='stop'`, or a checkpoint
+  """Training met a non-finite loss or gradient with `nonfinite='stop'`, skipped
+  `max_skipped_steps_in_a_row` updates in a row with `nonfinite='skip'`, or a checkpoint
   about to be written held non-finite values."""
 
 
@@ -184,6 +185,7 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
   interval_start = time.time()
   eval_metrics = None
   stopped = False
+  skipped_in_a_row = 0  # Up to the last step fetched.
   for step in range(start, config.num_train_steps):
     batch = next(datasets.train)
     state, metrics = train_step(state, partitioner.shard_batch(batch))
@@ -216,6 +218,17 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
           seconds=time.time() - interval_start, flops=flops, peak_flops=peak)
       writer.write(done, 'train', summary)
       pending, untimed, flops, interval_start = [], 0, 0.0, time.time()
+      for m in fetched:
+        skipped_in_a_row = 0 if m['finite'] else skipped_in_a_row + 1
+      limit = config.max_skipped_steps_in_a_row
+      if limit and skipped_in_a_row >= limit:
+        raise NonFiniteError(
+            f'The last {skipped_in_a_row} updates (to step {done}) were all skipped for a '
+            'non-finite loss or gradient: the run has diverged. Nothing non-finite was '
+            f'saved (latest checkpoint: {checkpointer.latest_step() or "none"}). Start a new '
+            'run (another --workdir) with a lower --config.learning_rate_scale or a '
+            '--config.grad_clip_norm, or raise --config.max_skipped_steps_in_a_row to '
+            'resume this one as it is.')
 
     if config.eval_every_steps and (done % config.eval_every_steps == 0
                                     or done == config.num_train_steps):
