@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib
+import json
 import pathlib
 
 import jax
@@ -9,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax import config as config_lib
 from transformer_jax.config import ConfigError, TransformerConfig, base_config
 from transformer_jax.models import Transformer
 
@@ -88,3 +90,33 @@ def test_config_is_frozen_and_modes_derive_by_replace():
   assert decoding.decode and not model_config.decode
   with pytest.raises(ConfigError):
     dataclasses.replace(model_config, num_heads=5)
+
+
+def test_a_saved_config_gets_legacy_values_and_todays_defaults_for_missing_fields():
+  saved = json.loads(base_config().to_json())
+  del saved['dropout_rng_impl'], saved['max_skipped_steps_in_a_row']
+  saved['shuffle_buffer'] = 0  # A field that no longer exists stays readable.
+  saved['mesh'] = {'data': 2}
+  config = config_lib.from_saved(saved)
+  assert config.dropout_rng_impl == config_lib.LEGACY_VALUES['dropout_rng_impl']
+  assert config.max_skipped_steps_in_a_row == base_config().max_skipped_steps_in_a_row
+  assert config.shuffle_buffer == 0 and dict(config.mesh) == {'data': 2, 'fsdp': 1,
+                                                               'tensor': 1}
+  config_lib.validate(config, vocab_size=100)
+  with pytest.raises(AttributeError):
+    config.new_field = 1  # Locked.
+
+
+@pytest.mark.parametrize('field,value,message', [
+    ('bucket_boundaries', (32, 16), 'increasing order'),
+    ('vocab_size_target', 4, 'vocab_size_target=4'),
+    ('nonfinite', 'ignore', 'nonfinite'),
+    ('max_skipped_steps_in_a_row', -1, 'max_skipped_steps_in_a_row'),
+    ('beam_size', 0, 'beam_size'),
+    ('warmup_steps', 0, 'warmup_steps'),
+])
+def test_validate_names_the_field(field, value, message):
+  config = base_config()
+  config[field] = value
+  with pytest.raises(ConfigError, match=message):
+    config_lib.validate(config)

@@ -222,13 +222,24 @@ def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None
   translator.DecodeOptions.from_config(config)
 
 
-def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
-  """The locked run config of a checkpoint's `meta['config']`.
+def _merged(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+  merged = dict(base)
+  for key, value in update.items():
+    if isinstance(value, dict) and isinstance(merged.get(key), dict) and value:
+      merged[key] = _merged(merged[key], value)
+    else:
+      merged[key] = value
+  return merged
 
-  Fields the checkpoint predates take their `LEGACY_VALUES`, so older checkpoints load with
-  the behaviour they were trained with.
+
+def from_saved(saved: dict[str, Any]) -> ml_collections.ConfigDict:
+  """The locked run config of a checkpoint's `meta['config']`, with every field.
+
+  Fields the checkpoint predates take their `LEGACY_VALUES` (the behaviour it was trained
+  with) or, if none is listed, today's default; fields that no longer exist are kept.
   """
-  config = ml_collections.ConfigDict({**LEGACY_VALUES, **saved})
+  defaults = _merged(base_config().to_dict(), LEGACY_VALUES)
+  config = ml_collections.ConfigDict(_merged(defaults, saved))
   config.lock()
   return config
 

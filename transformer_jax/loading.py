@@ -72,13 +72,15 @@ def load(workdir: str, *, step: int | None = None, average_last: int = 0) -> Inf
   Raises:
     errors.CheckpointNotFoundError: no such work directory, checkpoint or step.
     errors.CheckpointError: the checkpoint is damaged.
-    ConfigError: both `step` and `average_last`, or too few checkpoints to average.
+    ConfigError: both `step` and `average_last`, too few checkpoints to average, or a
+      saved config that cannot work.
   """
   if average_last and step is not None:
     raise ConfigError('Give --step or --average_last, not both.')
   steps = averaging.last_steps(workdir, average_last) if average_last else None
   meta, last = checkpointing.read_meta(workdir, steps[-1] if steps else step)
   config = config_lib.from_saved(meta['config'])
+  config_lib.validate(config, vocab_size=meta['vocab_size'])
   model_config = TransformerConfig.from_config(config, vocab_size=meta['vocab_size'],
                                                deterministic=True)
   partitioner = Partitioner.for_inference(config)
