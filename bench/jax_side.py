@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from bench import worker
-from transformer_jax import decode, flops, models, optimizer, train_steps, translator
+from transformer_jax import aot, decode, flops, models, optimizer, train_steps, translator
 from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig, base_config
 from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner
@@ -63,37 +63,6 @@ def random_batch(rows: int, source_length: int, target_length: int, vocab_size: 
   return dict(inputs=inputs, targets=targets, inputs_positions=inputs_positions,
               targets_positions=targets_positions, inputs_segmentation=inputs_segmentation,
               targets_segmentation=targets_segmentation)
-
-
-def memory_bytes(compiled: Any) -> int | None:
-  """Device memory a compiled step needs: arguments + outputs - donated + temporaries."""
-  try:
-    m = compiled.memory_analysis()
-  except Exception:  # Not every backend implements it.
-    return None
-  if m is None:
-    return None
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-             + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
-
-
-def xla_flops(compiled: Any) -> float | None:
-  """XLA's own FLOP count of a compiled function (all ops, rematerialization included)."""
-  try:
-    cost = compiled.cost_analysis()
-  except Exception:
-    return None
-  if isinstance(cost, (list, tuple)):
-    cost = cost[0] if cost else None
-  return float(cost['flops']) if cost and 'flops' in cost else None
-
-
-def fused_attention_calls(compiled: Any) -> int | None:
-  """How many cuDNN fused-attention calls the compiled program makes (0 off GPU)."""
-  try:
-    return compiled.as_text().count('__cudnn$fmha')
-  except Exception:  # pylint: disable=broad-except  # Not every backend gives its HLO.
-    return None
 
 
 def device_memory_stats() -> dict[str, Any]:
@@ -168,10 +137,10 @@ class TrainTask:
         'target_tokens': rows * target_length,
         'model_flops': flops.batch_flops(t.model_config, [source_length] * rows,
                                          [target_length] * rows),
-        'xla_flops': xla_flops(self.compiled),
-        'compiled_memory_bytes': memory_bytes(self.compiled),
+        'xla_flops': aot.compiled_flops(self.compiled),
+        'compiled_memory_bytes': aot.memory_bytes(self.compiled),
         'attention_implementation': t.config.attention_implementation or '(JAX chooses)',
-        'fused_attention_calls': fused_attention_calls(self.compiled),
+        'fused_attention_calls': aot.fused_attention_calls(self.compiled.as_text()),
         'device_memory': device_memory_stats(),
         'device': jax.devices()[0].device_kind,
         'loss_per_token': float(self.metrics['loss'] / self.metrics['tokens']),
@@ -241,7 +210,7 @@ class DecodeTask:
       raise AssertionError(f'outputs are not all {output_length} tokens: {lengths}')
     return {'compile_s': compile_s, 'first_s': first_s,
             'generated_tokens': int(lengths.sum()),
-            'fused_attention_calls': fused_attention_calls(self.compiled),
+            'fused_attention_calls': aot.fused_attention_calls(self.compiled.as_text()),
             'device_memory': device_memory_stats(),
             'device': jax.devices()[0].device_kind}
 
@@ -278,17 +247,12 @@ class MatmulTask:
 
 
 class BudgetTask:
-  """The largest token budget whose train step fits the device's memory.
+  """The largest token budget whose train step fits the device's memory, and runs.
 
   Each probe compiles the step for some rows of `length` tokens (source and target alike) and
-  reads XLA's memory analysis. A step's memory grows about linearly with its rows, so after
-  two probes that fit, the next is where the line through them meets the device's limit, and
-  then just past it; interpolation between the closest probes that fit and do not fit takes
-  over when the line is off, until they are within 3%. The largest size found is then run
-  once to confirm it. A probe is a full compile (40-50 s for the big model on an H200), so
-  this needs about 4-6 of them where doubling and bisection need 10 or more; `time_budget_s`
-  caps the search, which then reports the bracket it has. Reports tokens per side (the
-  paper's 25,000 is per side).
+  reads XLA's memory analysis; `aot.largest_fitting` chooses the probes (about 4-6 compiles,
+  40-50 s each for the big model on an H200) within `time_budget_s`. The largest size found
+  is then run once to confirm it. Reports tokens per side (the paper's 25,000 is per side).
   """
 
   def __init__(self, model: str = 'base', dtype: str = 'bfloat16', remat: str = 'none',
@@ -308,15 +272,12 @@ class BudgetTask:
                         attention=self.attention)
     try:
       compiled, _ = setup.compile()
-    except Exception as e:  # XLA may refuse at compile time.
-      if 'RESOURCE_EXHAUSTED' in str(e) or 'memory' in str(e).lower():
+    except Exception as e:  # pylint: disable=broad-except  # XLA may refuse to compile.
+      if aot.is_out_of_memory(e):
         return False, None
       raise
-    need = memory_bytes(compiled)
-    fits = need is not None and need <= self.limit_bytes
-    print(f'budget probe: {rows} rows x {length}: needs {need} bytes of {self.limit_bytes}: '
-          f'{"fits" if fits else "does not fit"}', file=sys.stderr, flush=True)
-    return fits, need
+    need = aot.memory_bytes(compiled)
+    return need is not None and need <= self.limit_bytes, need
 
   def _runs(self, rows: int) -> bool:
     model, dtype, remat, length, vocab_size = self.args
@@ -324,8 +285,8 @@ class BudgetTask:
     try:
       task.setup()
       return True
-    except Exception as e:
-      if 'RESOURCE_EXHAUSTED' in str(e) or 'out of memory' in str(e).lower():
+    except Exception as e:  # pylint: disable=broad-except
+      if aot.is_out_of_memory(e):
         return False
       raise
     finally:
@@ -338,51 +299,22 @@ class BudgetTask:
     if self.limit_bytes is None:
       raise RuntimeError('the device reports no memory limit; pass limit_bytes.')
     length, m = self.args[3], self.multiple
-    round_rows = lambda r: max(m, int(r) // m * m)
-    start = time.perf_counter()
-    probes: dict[int, int | None] = {}  # rows -> bytes the compiled step needs
-    limit = self.limit_bytes
-
-    def at_limit(a: int, b: int) -> int | None:
-      """Rows where the line through probes a and b reaches the limit."""
-      if probes.get(a) is None or probes.get(b) is None or probes[b] == probes[a]:
-        return None
-      slope = (probes[b] - probes[a]) / (b - a)
-      return round_rows(b + (limit - probes[b]) / slope) if slope > 0 else None
-
-    lo, hi = 0, None
-    rows = round_rows(math.ceil(self.start_tokens / length / m) * m)
-    for _ in range(self.max_doublings + 1):  # Grow until a size does not fit.
-      ok, probes[rows] = self._fits(rows)
-      if not ok:
-        hi = rows
-        break
-      fitting = sorted(r for r in probes if r <= rows and probes[r] is not None)
-      guess = at_limit(fitting[-2], fitting[-1]) if len(fitting) >= 2 else None
-      lo, rows = rows, rows * 2 if guess is None else max(guess, rows + max(m, rows // 32))
-      if time.perf_counter() - start > self.time_budget_s:
-        break
-    while (hi is not None and hi - lo > max(m, lo // 32)  # Within 3%.
-           and time.perf_counter() - start <= self.time_budget_s):
-      guess = at_limit(lo, hi)
-      step = max(m, lo // 32)
-      mid = round_rows((lo + hi) // 2 if guess is None else guess)
-      mid = min(max(mid, round_rows(lo + step)), hi - m)  # Inside the bracket, 3% past lo.
-      if mid <= lo or mid >= hi:
-        break
-      ok, probes[mid] = self._fits(mid)
-      lo, hi = (mid, hi) if ok else (lo, mid)
-    search_s = time.perf_counter() - start
-    confirmed = False
+    found = aot.largest_fitting(
+        self._fits, start=math.ceil(self.start_tokens / length / m) * m, multiple=m,
+        limit_bytes=self.limit_bytes, time_budget_s=self.time_budget_s,
+        max_doublings=self.max_doublings,
+        log=lambda line: print(f'budget probe: rows {line}', file=sys.stderr, flush=True))
+    lo, confirmed = found['largest'], False
     while lo > 0 and not confirmed:
       confirmed = self._runs(lo)
       if not confirmed:
-        lo = round_rows(lo * 0.95) if lo > m else 0
+        lo = max(m, int(lo * 0.95) // m * m) if lo > m else 0
     return {'rows': lo, 'length': length, 'tokens_per_side': lo * length,
-            'upper_bound_found': hi is not None, 'confirmed_by_running': confirmed,
-            'smallest_not_fitting_rows': hi, 'search_s': search_s, 'compiles': len(probes),
-            'limit_bytes': self.limit_bytes,
-            'probes': {str(k): v for k, v in sorted(probes.items())},
+            'upper_bound_found': found['smallest_not_fitting'] is not None,
+            'confirmed_by_running': confirmed,
+            'smallest_not_fitting_rows': found['smallest_not_fitting'],
+            'search_s': found['search_s'], 'compiles': len(found['probes']),
+            'limit_bytes': self.limit_bytes, 'probes': found['probes'],
             'device': jax.devices()[0].device_kind}
 
   def run(self) -> None:

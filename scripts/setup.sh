@@ -1,12 +1,27 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine: the Debian packages of the offline Bible corpus and the Python
-# packages. `--test` also installs the test-only dependencies (a CPU build of PyTorch).
+# packages. `--test` also installs the test-only dependencies (a CPU build of PyTorch) and
+# does what `--aot` does. `--aot` makes .venv-aot, an environment that sees the installed
+# packages plus the compile-only wheels of compile.py (libtpu, the CUDA PJRT plugin): kept
+# apart because with libtpu installed every JAX program probes for a TPU when it starts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-bash scripts/setup_bible.sh
-requirements=requirements.txt
-if [ "${1:-}" = "--test" ]; then
-  requirements=requirements-test.txt
+mode="${1:-}"
+if [ "$mode" != "--aot" ]; then
+  bash scripts/setup_bible.sh
+  requirements=requirements.txt
+  if [ "$mode" = "--test" ]; then
+    requirements=requirements-test.txt
+  fi
+  python -m pip install -q --disable-pip-version-check -r "$requirements"
 fi
-python -m pip install -q --disable-pip-version-check -r "$requirements"
+if [ "$mode" = "--aot" ] || [ "$mode" = "--test" ]; then
+  # The wheels must be of the installed jax's exact version.
+  jax_version="$(python -c 'import jax; print(jax.__version__)')"
+  if [ ! -x .venv-aot/bin/python ]; then
+    python -m venv --system-site-packages .venv-aot
+  fi
+  .venv-aot/bin/python -m pip install -q --disable-pip-version-check \
+    "jax[tpu]==$jax_version" "jax-cuda12-plugin==$jax_version" "jax-cuda12-pjrt==$jax_version"
+fi

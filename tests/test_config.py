@@ -69,6 +69,7 @@ def test_untied_embeddings_add_the_expected_matrices():
     ('attention_dropout_rate', 1.5, 'attention_dropout_rate=1.5'),
     ('norm_position', 'sandwich', 'norm_position'),
     ('dtype', 'float8', 'dtype='),
+    ('dtype', 'float16', 'needs loss scaling'),
     ('num_encoder_layers', 0, 'num_encoder_layers=0'),
     ('layer_norm_epsilon', 0.0, 'layer_norm_epsilon'),
 ])
@@ -79,6 +80,20 @@ def test_bad_config_fails_when_built_with_a_clear_message(field, value, message)
   with pytest.raises(ConfigError) as error:
     TransformerConfig.from_config(config)
   assert message in str(error.value)
+
+
+@pytest.mark.parametrize('platform,dtype', [
+    ('cpu', jnp.float32), ('gpu', jnp.bfloat16), ('tpu', jnp.bfloat16),
+])
+def test_auto_dtype_is_bfloat16_on_accelerators_and_float32_on_cpu(platform, dtype):
+  """Every paper config leaves dtype at 'auto'; parameters stay float32 everywhere."""
+  for name in ('wmt14_ende_base', 'wmt14_ende_big', 'wmt14_enfr_big'):
+    config = importlib.import_module(f'configs.{name}').get_config()
+    assert config.dtype == 'auto'
+    model_config = TransformerConfig.from_config(config, vocab_size=1000, platform=platform)
+    assert model_config.dtype == dtype and model_config.param_dtype == jnp.float32
+  assert TransformerConfig.from_config(base_config(), vocab_size=100).dtype == (
+      jnp.bfloat16 if jax.default_backend() != 'cpu' else jnp.float32)
 
 
 def test_config_is_frozen_and_modes_derive_by_replace():

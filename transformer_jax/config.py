@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 
@@ -29,7 +30,12 @@ UNK_ID = 3
 
 POSITIONAL_ENCODINGS = ('sinusoidal', 'learned', 'rope', 'alibi')
 NORM_POSITIONS = ('post', 'pre')
-DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+# Computation dtypes. 'auto': bfloat16 on GPU and TPU, float32 on CPU (where bfloat16 is
+# emulated and slower). float16 is refused: without loss scaling its 5-bit exponent
+# underflows small gradients to zero.
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
+DTYPE_CHOICES = ('auto',) + tuple(DTYPES)
+ACCELERATOR_PLATFORMS = ('gpu', 'cuda', 'rocm', 'tpu')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_with_no_batch_dims')
 ATTENTION_IMPLEMENTATIONS = ('', 'xla', 'cudnn')  # '': JAX chooses.
 NONFINITE_MODES = ('skip', 'stop')
@@ -38,13 +44,13 @@ LENGTH_PENALTY_FORMS = ('gnmt', 'power')
 VOCAB_MODEL_TYPES = ('bpe', 'unigram')
 
 # Config fields a resumed run may change: they do not alter the math of the steps or the
-# data stream (the schedule of logging and saving, the device layout, where files live, how
-# to decode). Any other difference stops the resume. ('shuffle_buffer' is a removed field
+# data stream (the schedule of logging and saving, the device layout, the computation dtype,
+# where files live, how to decode). Any other difference stops the resume. ('shuffle_buffer' is a removed field
 # that older checkpoints still hold.)
 RESUMABLE_FIELDS = frozenset({
     'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_batches',
     'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
-    'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy',
+    'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy', 'dtype',
     'attention_implementation', 'nonfinite', 'max_skipped_steps_in_a_row', 'tfds_data_dir', 'text_files', 'vocab_path',
     'data_threads', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
     'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
@@ -83,7 +89,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.tie_output_embedding = True  # Pre-softmax projection = the target embedding.
   c.positional_encoding = 'sinusoidal'  # 'sinusoidal' | 'learned' | 'rope' | 'alibi'.
   c.max_len = 256  # Longest sequence (in tokens) the position tables cover.
-  c.dtype = 'float32'  # Computation dtype; parameters, softmax and loss stay float32.
+  # Computation dtype: 'auto' (bfloat16 on GPU/TPU, float32 on CPU) | 'bfloat16' | 'float32'.
+  # Parameters, optimizer state, softmax and loss stay float32.
+  c.dtype = 'auto'
   c.attention_implementation = ''  # '' (let JAX choose) | 'xla' | 'cudnn'.
   c.remat_policy = 'none'  # 'none' | 'full' | 'dots' | 'dots_with_no_batch_dims'.
 
@@ -310,12 +318,15 @@ class TransformerConfig:
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict,
-                  vocab_size: int | None = None, **overrides: Any) -> 'TransformerConfig':
+                  vocab_size: int | None = None, *, platform: str | None = None,
+                  **overrides: Any) -> 'TransformerConfig':
     """Validates and freezes the model fields of `config`.
 
     Args:
       config: the run's `ConfigDict` (see `base_config`).
       vocab_size: the tokenizer's size; used when `config.vocab_size` is 0.
+      platform: where the model runs ('cpu', 'gpu', 'tpu'), for `dtype='auto'`; default
+        JAX's default backend.
       **overrides: fields to replace (e.g. `deterministic=True`).
 
     Returns:
@@ -325,9 +336,14 @@ class TransformerConfig:
       ConfigError: a field cannot work; the message says which and how to fix it.
     """
     dtype_name = config.dtype
-    _require(dtype_name in DTYPES,
-             f"dtype={dtype_name!r} is not one of {tuple(DTYPES)}; use 'bfloat16' on "
-             "GPU/TPU, 'float32' on CPU.")
+    _require(dtype_name in DTYPE_CHOICES,
+             f'dtype={dtype_name!r} is not one of {DTYPE_CHOICES}; ' +
+             ('float16 needs loss scaling, which this project does not do: use bfloat16 '
+              '(same speed, float32 range). ' if dtype_name == 'float16' else '') +
+             "'auto' is bfloat16 on GPU/TPU and float32 on CPU.")
+    if dtype_name == 'auto':
+      platform = platform or jax.default_backend()
+      dtype_name = 'bfloat16' if platform in ACCELERATOR_PLATFORMS else 'float32'
     size = config.vocab_size or vocab_size
     _require(size is not None and size > 0,
              'vocab_size is 0 and no tokenizer size was given; set --config.vocab_size.')

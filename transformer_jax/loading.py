@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -50,12 +51,23 @@ class InferenceCheckpoint:
   partitioner: Partitioner
 
 
-def param_shardings(model_config: TransformerConfig, partitioner: Partitioner) -> PyTree:
-  """The parameters' shardings under `partitioner`'s rules (nothing is allocated)."""
+def _boxed_param_shapes(model_config: TransformerConfig) -> PyTree:
   def init():
     tokens = jnp.ones((1, 8), jnp.int32)
     return Transformer(model_config).init(jax.random.key(0), tokens, tokens)['params']
-  return partitioner.tree_shardings(jax.eval_shape(init))
+  return jax.eval_shape(init)
+
+
+def param_shardings(model_config: TransformerConfig, partitioner: Partitioner) -> PyTree:
+  """The parameters' shardings under `partitioner`'s rules (nothing is allocated)."""
+  return partitioner.tree_shardings(_boxed_param_shapes(model_config))
+
+
+def abstract_params(model_config: TransformerConfig, partitioner: Partitioner) -> PyTree:
+  """The parameters as `jax.ShapeDtypeStruct`s with their shardings (to compile for)."""
+  boxed = _boxed_param_shapes(model_config)
+  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                      nn.unbox(boxed), partitioner.tree_shardings(boxed))
 
 
 def load(workdir: str, *, step: int | None = None, average_last: int = 0) -> InferenceCheckpoint:

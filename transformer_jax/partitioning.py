@@ -167,6 +167,16 @@ class Partitioner:
     return nn.logical_to_mesh_sharding(specs, self.mesh, self.rules)
 
   @property
+  def num_hosts(self) -> int:
+    """The processes the mesh's devices belong to: the job's hosts (for a compile-only target,
+    the target's hosts, not this process's job)."""
+    return len({d.process_index for d in self.mesh.devices.flat})
+
+  @property
+  def device_kind(self) -> str:
+    return self.mesh.devices.flat[0].device_kind
+
+  @property
   def num_batch_shards(self) -> int:
     """How many distinct pieces the batch dimension is split into."""
     spec = self.batch_sharding.spec
@@ -183,7 +193,7 @@ class Partitioner:
     Raises:
       ConfigError: the batch shards cannot be spread evenly over the hosts.
     """
-    shards, hosts = self.num_batch_shards, jax.process_count()
+    shards, hosts = self.num_batch_shards, self.num_hosts
     if shards % hosts:
       raise ConfigError(
           f'The batch is split into {shards} pieces (the mesh axes that the "batch" rule '
@@ -211,5 +221,5 @@ class Partitioner:
   def describe(self) -> str:
     """One line for the log: the mesh shape and the device kind."""
     shape = ', '.join(f'{k}={v}' for k, v in self.mesh.shape.items())
-    return (f'mesh ({shape}) over {self.mesh.size} {jax.devices()[0].device_kind} devices '
-            f'on {jax.process_count()} host(s)')
+    return (f'mesh ({shape}) over {self.mesh.size} {self.device_kind} devices '
+            f'on {self.num_hosts} host(s)')

@@ -69,7 +69,7 @@ def evaluate(eval_step: Callable, params: Any, batches: Iterable[Mapping[str, np
 
 
 def _peak_flops(partitioner: Partitioner) -> float | None:
-  peak = model_flops.peak_flops(jax.devices()[0].device_kind)
+  peak = model_flops.peak_flops(partitioner.device_kind)
   return peak * partitioner.mesh.size if peak else None
 
 
@@ -119,10 +119,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
                                    optimizer_config, partitioner)
     tx, schedule = optimizer.create_optimizer(optimizer_config)
     _, shardings = train_steps.abstract_state(model_config, tx, partitioner)
-    step_config = train_steps.StepConfig(model_config, seed=config.seed,
-                                       dropout_rng_impl=config.dropout_rng_impl,
-                                       label_smoothing=config.label_smoothing,
-                                       grad_accum_steps=config.grad_accum_steps)
+    step_config = train_steps.StepConfig.from_config(config, model_config)
     train_step = train_steps.jit_train_step(step_config, tx, schedule, partitioner, shardings)
     eval_step = train_steps.jit_eval_step(model_config, config.label_smoothing, partitioner,
                                         shardings.params)

@@ -77,6 +77,13 @@ class StepConfig:
   label_smoothing: float = 0.1
   grad_accum_steps: int = 1
 
+  @classmethod
+  def from_config(cls, config: Any, model: TransformerConfig) -> 'StepConfig':
+    """The step settings of a run config (`config.base_config` fields)."""
+    return cls(model, seed=config.seed, dropout_rng_impl=config.dropout_rng_impl,
+               label_smoothing=config.label_smoothing,
+               grad_accum_steps=config.grad_accum_steps)
+
 
 def batch_metrics(model: Transformer, params: Any, batch: Batch, label_smoothing: float,
                   dropout_key: Array | None = None) -> Metrics:

@@ -299,7 +299,9 @@ class Translator:
 
   # --- Compilation. ---
 
-  def _compile(self, rows: int, bucket: int) -> Callable:
+  def compile(self, rows: int, bucket: int) -> Callable:
+    """The search compiled for [rows, bucket] sources (once per shape; `params` may be
+    `jax.ShapeDtypeStruct`s with shardings, to compile without any weights)."""
     key = (rows, bucket)
     if key not in self._compiled:
       fn = functools.partial(search, self.model_config, options=self.options,
@@ -353,7 +355,7 @@ class Translator:
       batches[-1][1].append(i)
 
     start = time.perf_counter()
-    compiled = {bucket: self._compile(rows, bucket) for bucket, _ in batches}
+    compiled = {bucket: self.compile(rows, bucket) for bucket, _ in batches}
     stats.compile_seconds = time.perf_counter() - start
     if progress is not None:
       progress(0, 0)
