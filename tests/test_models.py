@@ -268,3 +268,45 @@ def test_loss_sums_aggregate_and_label_smoothing_matches_definition():
   halves = [losses.compute_metrics(logits[i:i + 1], targets[i:i + 1], weights[i:i + 1])
             for i in range(2)]
   np.testing.assert_allclose(halves[0]['loss'] + halves[1]['loss'], m['loss'], rtol=1e-6)
+
+
+def _plain_metrics(logits, targets, weights, eps):
+  """The loss written the plain way (float32 log-softmax, autodiff through it)."""
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+  smoothed = (1.0 - eps) * nll - eps * log_probs.mean(axis=-1)
+  return jnp.sum(smoothed * weights), jnp.sum(nll * weights)
+
+
+@pytest.mark.parametrize('dtype,rtol', [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize('eps', [0.0, 0.1])
+def test_fused_loss_and_its_gradient_equal_the_plain_ones(dtype, rtol, eps):
+  """`token_losses`' hand-written gradient (no float32 log-probabilities kept) against
+  autodiff through the plain float32 log-softmax, for the loss and for the nll."""
+  rng = np.random.default_rng(11)
+  logits = jnp.asarray(3 * rng.normal(size=(3, 5, 301)), dtype)
+  targets = jnp.asarray(rng.integers(0, 301, size=(3, 5)))
+  weights = jnp.asarray(rng.random((3, 5)) > 0.3, jnp.float32)
+  m = losses.compute_metrics(logits, targets, weights, eps)
+  loss, nll = _plain_metrics(logits, targets, weights, eps)
+  np.testing.assert_allclose(m['loss'], loss, rtol=2e-6)
+  np.testing.assert_allclose(m['nll'], nll, rtol=2e-6)
+  for index, name in ((0, 'loss'), (1, 'nll')):
+    got = jax.grad(lambda x: losses.compute_metrics(x, targets, weights, eps)[name])(logits)
+    want = jax.grad(lambda x: _plain_metrics(x, targets, weights, eps)[index])(logits)
+    assert got.dtype == dtype
+    # float32: rounding only. bfloat16: both are rounded to 8 bits at the end.
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=rtol, atol=rtol * float(jnp.abs(want).max()))
+
+
+def test_fused_loss_keeps_no_float32_copy_of_the_logits():
+  """What the backward pass keeps: the bfloat16 logits and a float32 number a token, not a
+  float32 [batch, length, vocab] array."""
+  logits = jnp.zeros((4, 8, 1000), jnp.bfloat16)
+  targets = jnp.zeros((4, 8), jnp.int32)
+  _, residuals = jax.vjp(lambda x: losses.token_losses(x, targets, 0.1), logits)
+  kept = [leaf for leaf in jax.tree.leaves(residuals) if hasattr(leaf, 'shape')]
+  large = [leaf for leaf in kept if leaf.size >= logits.size]
+  assert large and all(leaf.dtype == jnp.bfloat16 for leaf in large), [
+      (leaf.shape, leaf.dtype) for leaf in kept]

@@ -115,7 +115,10 @@ def _aot_wheel_error(what: str, error: Exception) -> UserError:
 def _tpu_target(name: str) -> Target:
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   topology, options = TPU_SLICES.get(name, (name, {}))
-  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')  # Quiets libtpu's probing.
+  # Without a TPU, libtpu would probe the cloud metadata for these and complain.
+  os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  if name in TPU_SLICES:
+    os.environ.setdefault('TPU_ACCELERATOR_TYPE', name.replace('v5e-', 'v5litepod-'))
   try:
     devices = topologies.get_topology_desc(topology, platform='tpu', **options).devices
   except RuntimeError as e:  # JaxRuntimeError derives from it.

@@ -2,9 +2,19 @@
 
 Everything is returned as sums plus a token count, so that metrics aggregate correctly over
 microbatches, devices, hosts and evaluation batches: divide only at the end.
+
+The cross entropy over a 37,000-word vocabulary is the largest tensor of a step: written the
+plain way (`log_softmax` in float32, then gather), autodiff keeps the float32
+log-probabilities of the whole batch for the backward pass, twice the bytes of bfloat16
+logits, and builds the gradient with a scatter. `token_losses` instead keeps only the logits
+(in their own dtype) and a float32 log-normalizer a token, and computes the gradient in one
+elementwise pass, `softmax - (1 - eps) onehot - eps / V`, that XLA fuses with its float32
+softmax so that no float32 [batch, length, vocab] array is ever stored.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,12 +22,60 @@ import jax.numpy as jnp
 Array = jax.Array
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def token_losses(logits: Array, targets: Array, label_smoothing: float
+                 ) -> tuple[Array, Array]:
+  """Per-token label-smoothed and plain cross entropy, computed in float32.
+
+  Label smoothing follows Szegedy et al., as the paper cites it: the target distribution is
+  (1 - eps) on the reference token plus eps spread uniformly over the whole vocabulary, so
+  smoothed = (1 - eps) * nll + eps * (logsumexp - mean logit).
+
+  Args:
+    logits: [..., vocab] in any float dtype.
+    targets: [...] reference ids.
+    label_smoothing: eps.
+
+  Returns:
+    (smoothed, nll), float32 [...] each.
+  """
+  return _token_losses(logits, targets, label_smoothing)[0]
+
+
+def _token_losses(logits, targets, eps):
+  x = logits.astype(jnp.float32)
+  lse = jax.nn.logsumexp(x, axis=-1)
+  # Gather from the logits' own dtype: the same value, and no float32 copy to gather from.
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  nll = lse - target_logit.astype(jnp.float32)
+  smoothed = (1.0 - eps) * nll + eps * (lse - jnp.mean(x, axis=-1))
+  return (smoothed, nll), lse
+
+
+def _token_losses_fwd(logits, targets, eps):
+  out, lse = _token_losses(logits, targets, eps)
+  return out, (logits, targets, lse)
+
+
+def _token_losses_bwd(eps, residuals, cotangents):
+  logits, targets, lse = residuals
+  g_smoothed, g_nll = cotangents  # float32 [...]
+  vocab = logits.shape[-1]
+  softmax = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
+  onehot = jax.nn.one_hot(targets, vocab, dtype=jnp.float32)
+  # d smoothed = softmax - (1 - eps) onehot - eps / V;  d nll = softmax - onehot.
+  grad = ((g_smoothed + g_nll)[..., None] * softmax
+          - ((1.0 - eps) * g_smoothed + g_nll)[..., None] * onehot
+          - (eps / vocab) * g_smoothed[..., None])
+  return grad.astype(logits.dtype), None
+
+
+token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
+
+
 def compute_metrics(logits: Array, targets: Array, weights: Array,
                     label_smoothing: float = 0.1) -> dict[str, Array]:
   """Label-smoothed cross entropy (the objective) and plain cross entropy (for perplexity).
-
-  Label smoothing follows Szegedy et al., as the paper cites it: the target distribution is
-  (1 - eps) on the reference token plus eps spread uniformly over the whole vocabulary.
 
   Args:
     logits: [batch, length, vocab] in any float dtype; computed on in float32.
@@ -30,11 +88,9 @@ def compute_metrics(logits: Array, targets: Array, weights: Array,
     'nll' (plain cross entropy: perplexity = exp(nll / tokens)), 'correct' (argmax hits),
     and 'tokens' (their number).
   """
-  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-  smoothed = (1.0 - label_smoothing) * nll - label_smoothing * log_probs.mean(axis=-1)
+  smoothed, nll = token_losses(logits, targets, label_smoothing)
   weights = weights.astype(jnp.float32)
-  correct = (jnp.argmax(log_probs, axis=-1) == targets).astype(jnp.float32)
+  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
   return {
       'loss': jnp.sum(smoothed * weights),
       'nll': jnp.sum(nll * weights),
