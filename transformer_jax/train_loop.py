@@ -18,6 +18,7 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from jax.experimental import multihost_utils
 
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
@@ -27,6 +28,7 @@ from transformer_jax import metrics_writer
 from transformer_jax import multihost
 from transformer_jax import optimizer
 from transformer_jax import train_steps
+from transformer_jax import workdir_lock
 from transformer_jax.config import ConfigError, TransformerConfig
 from transformer_jax.partitioning import Partitioner
 
@@ -90,6 +92,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
       anything compiles. `checkpointing.ConfigMismatchError` when the config differs from
       the checkpoint being resumed.
     input_pipeline.DatasetNotFoundError: the dataset is not prepared.
+    workdir_lock.WorkdirBusyError: another training job holds `workdir`.
     NonFiniteError: see the class.
   """
   workdir = os.path.abspath(workdir)
@@ -97,6 +100,36 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   # can take minutes.
   config_lib.validate(config)
   _check_workdir(workdir)
+  lock = _lock_workdir(workdir)
+  try:
+    return _train_and_evaluate(config, workdir, stop_signal)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
+  """Process 0 takes the work directory's lock; every process fails alike if it cannot."""
+  lock, error = None, None
+  if jax.process_index() == 0:
+    lock = workdir_lock.WorkdirLock(workdir)
+    try:
+      lock.acquire()
+    except workdir_lock.WorkdirBusyError as e:
+      lock, error = None, e
+  if jax.process_count() > 1:
+    busy = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
+    if busy and error is None:
+      raise workdir_lock.WorkdirBusyError(
+          f'{workdir} is in use by another training job (process 0 says more).')
+  if error is not None:
+    raise error
+  return lock
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        stop_signal: multihost.StopSignal | None) -> TrainResult:
+  """`train_and_evaluate` once the work directory is checked and locked."""
   partitioner = Partitioner.from_config(config)
   rows_multiple = partitioner.rows_multiple(config.grad_accum_steps)
   optimizer_config = optimizer.OptimizerConfig.from_config(config, config.d_model)

@@ -1,0 +1,162 @@
+"""One training job per work directory: `WORKDIR/train.lock`.
+
+Two `train.py` on one work directory would delete each other's checkpoints in progress and
+interleave their metrics. The first to start creates `train.lock` atomically (`O_EXCL`, which
+NFS and other shared filesystems honour) with its host, process id and start time, and
+touches it every `HEARTBEAT_S` seconds while it runs; a second job finds it and stops with an
+error that names the holder. Only process 0 of a multi-host job takes the lock: the job's
+other processes write to the same directory by design.
+
+A lock is stale, and a new run takes it over with a warning, when its process is gone: on
+the same host, when no process has its id (or the id belongs to a process started after the
+lock); on another host, which cannot be asked, when the lock has not been touched for
+`STALE_AFTER_S` seconds. Evaluation and translation only read, and ignore the lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+
+from absl import logging
+
+from transformer_jax.errors import UserError
+
+LOCK_NAME = 'train.lock'
+HEARTBEAT_S = 30.0
+STALE_AFTER_S = 300.0
+
+
+class WorkdirBusyError(UserError):
+  """Another live training job holds the work directory."""
+
+
+def _process_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # Alive, another user's.
+    return True
+  return True
+
+
+def _process_start_time(pid: int) -> float | None:
+  """When `pid` started (seconds since the epoch), where /proc says; else None."""
+  try:
+    with open(f'/proc/{pid}/stat', encoding='utf-8') as f:
+      ticks = int(f.read().rsplit(')', 1)[1].split()[19])
+    with open('/proc/stat', encoding='utf-8') as f:
+      boot = next(int(line.split()[1]) for line in f if line.startswith('btime'))
+    return boot + ticks / os.sysconf('SC_CLK_TCK')
+  except (OSError, ValueError, StopIteration, IndexError):
+    return None
+
+
+class WorkdirLock:
+  """The lock of one training job on `workdir` (a context manager)."""
+
+  def __init__(self, workdir: str, *, stale_after_s: float = STALE_AFTER_S,
+               heartbeat_s: float = HEARTBEAT_S):
+    self.path = os.path.join(workdir, LOCK_NAME)
+    self._stale_after_s = stale_after_s
+    self._heartbeat_s = heartbeat_s
+    self._token = uuid.uuid4().hex
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  def _holder(self) -> dict | None:
+    try:
+      with open(self.path, encoding='utf-8') as f:
+        return json.load(f)
+    except FileNotFoundError:
+      return None
+    except (OSError, ValueError):
+      return {}  # Being written, or damaged: judged by its age alone.
+
+  def _stale_reason(self, holder: dict) -> str | None:
+    """Why the lock's holder is gone, or None if it may be alive."""
+    try:
+      age = time.time() - os.stat(self.path).st_mtime
+    except FileNotFoundError:
+      return 'it was just released'
+    if holder.get('host') == socket.gethostname() and isinstance(holder.get('pid'), int):
+      pid = holder['pid']
+      if not _process_alive(pid):
+        return f'process {pid} is gone'
+      started = _process_start_time(pid)
+      if started is not None and started > holder.get('started', 0) + 5:
+        return f'process id {pid} now belongs to a newer process'
+      return None
+    if age > self._stale_after_s:
+      return f'it was last touched {age:.0f} s ago'
+    return None
+
+  def acquire(self) -> None:
+    """Takes the lock, or raises `WorkdirBusyError` naming the job that holds it."""
+    record = json.dumps({'host': socket.gethostname(), 'pid': os.getpid(),
+                         'started': time.time(), 'token': self._token})
+    for _ in range(5):
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except FileExistsError:
+        holder = self._holder()
+        if holder is None:
+          continue  # Released meanwhile.
+        reason = self._stale_reason(holder)
+        if reason is None:
+          raise WorkdirBusyError(
+              f'{os.path.dirname(self.path)} is in use by another training job '
+              f'(process {holder.get("pid", "?")} on host {holder.get("host", "?")}, '
+              f'started {time.ctime(holder.get("started", 0))}); wait for it or stop it, '
+              'or use another --workdir. (evaluate.py and translate.py may read it '
+              f'meanwhile.) A lock left by a crashed job on another host is taken over '
+              f'{self._stale_after_s:.0f} s after its last heartbeat.')
+        # Move the stale lock aside (one of several racing takers wins), then retry.
+        aside = f'{self.path}.stale-{self._token}'
+        try:
+          os.rename(self.path, aside)
+        except FileNotFoundError:
+          continue
+        os.remove(aside)
+        logging.warning('Took over the lock of %s from process %s on %s: %s.',
+                        os.path.dirname(self.path), holder.get('pid', '?'),
+                        holder.get('host', '?'), reason)
+        continue
+      with os.fdopen(fd, 'w', encoding='utf-8') as f:
+        f.write(record)
+      self._thread = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
+      self._thread.start()
+      return
+    raise WorkdirBusyError(f'Could not take {self.path}: other jobs keep taking it; start '
+                           'one job per --workdir.')
+
+  def _beat(self) -> None:
+    while not self._stop.wait(self._heartbeat_s):
+      try:
+        os.utime(self.path)
+      except OSError:
+        pass
+
+  def release(self) -> None:
+    """Removes the lock if it is still this job's."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+      if (self._holder() or {}).get('token') == self._token:
+        try:
+          os.remove(self.path)
+        except FileNotFoundError:
+          pass
+
+  def __enter__(self) -> 'WorkdirLock':
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.release()
