@@ -176,3 +176,62 @@ def test_help_lists_each_commands_own_flags(script, own_flags):
   assert 'Traceback' not in result.stderr, result.stderr[-2000:]  # absl's --help exits 1.
   for flag in own_flags:
     assert flag in result.stdout, (flag, result.stdout[-2000:])
+
+
+def _flip_bytes(directory: str, item: str, count: int = 64) -> str:
+  """Inverts `count` bytes in the middle of the item's largest file (what a bad disk or a
+  bad copy does); returns the file."""
+  files = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(directory, item))
+           for name in names]
+  path = max(files, key=os.path.getsize)
+  with open(path, 'r+b') as f:
+    data = bytearray(f.read())
+    middle = len(data) // 2
+    data[middle:middle + count] = bytes(255 - b for b in data[middle:middle + count])
+    f.seek(0)
+    f.write(data)
+  return path
+
+
+def test_flipped_bytes_in_parameters_are_caught_by_evaluation(run_dir, tmp_path):
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(run_dir, workdir)
+  steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))
+                 if s.isdigit())
+  _flip_bytes(os.path.join(workdir, 'checkpoints', str(steps[-1])), 'params')
+  result = _command('evaluate.py', f'--workdir={workdir}', '--max_sentences=2')
+  _assert_user_error(result, f'Checkpoint {steps[-1]}', 'damaged', '--step', str(steps[0]))
+  assert 'checksums' in result.stderr or 'cannot be read' in result.stderr
+
+
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path,
+                                                                         data_files):
+  """Steps 2 and 4 saved; 4's parameters get flipped bytes; resuming to 6 warns, names both
+  steps, keeps 4 as 4.damaged and trains on from 2."""
+  assert _train(tmp_path, data_files, num_train_steps=4).returncode == 0
+  checkpoints = tmp_path / 'run' / 'checkpoints'
+  _flip_bytes(str(checkpoints / '4'), 'params')
+  result = _train(tmp_path, data_files, num_train_steps=6)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'Checkpoint 4 is damaged, so training resumes from 2' in result.stderr
+  assert (checkpoints / '4.damaged').is_dir()  # Kept, renamed.
+  assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit())[-1] == '6'
+
+
+def test_checksums_catch_a_flipped_bit_and_swapped_words():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(0)
+  tree = {'w': rng.normal(size=(64, 48)).astype(np.float32), 'step': np.int32(7),
+          'h': jnp.asarray(rng.normal(size=(5,)), jnp.bfloat16)}
+  saved = checkpointing.checksums(tree)
+  checkpointing.verify_checksums(saved, tree)
+  checkpointing.verify_checksums(None, tree)  # Saved before checksums existed: passes.
+  flipped = dict(tree, w=tree['w'].copy())
+  flipped['w'].view(np.uint32)[10, 3] ^= 1 << 7
+  swapped = dict(tree, w=tree['w'].copy())
+  swapped['w'][[0, 1]] = swapped['w'][[1, 0]]
+  for bad in (flipped, swapped):
+    with pytest.raises(ValueError, match=r"1 of 3 arrays differ .*\['w'\]"):
+      checkpointing.verify_checksums(saved, bad)

@@ -95,7 +95,9 @@ def write_checkpoint(workdir: str, step: int, params: PyTree, meta: dict[str, An
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
   with ocp.CheckpointManager(directory, options=options) as manager:
     manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(dict(meta))),
+        params=ocp.args.StandardSave(params),
+        meta=ocp.args.JsonSave({**meta, 'checksums': checkpointing.checksums(
+            {'params': params})})),
                  force=True)
     manager.wait_until_finished()
   return os.path.join(directory, str(step))

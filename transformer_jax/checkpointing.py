@@ -27,9 +27,11 @@ from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from transformer_jax.config import LEGACY_VALUES, RESUMABLE_FIELDS, ConfigError
 from transformer_jax.errors import CheckpointError, CheckpointNotFoundError, UserError
@@ -102,6 +104,64 @@ def make_meta(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> dict[s
   }
 
 
+def _words(x: jax.Array) -> jax.Array:
+  """The bits of `x` as uint32 words (narrower types widened; 8-byte ones split in two)."""
+  size = jnp.dtype(x.dtype).itemsize
+  if size == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  if size == 8:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)  # Adds a trailing axis of 2.
+  narrow = {2: jnp.uint16, 1: jnp.uint8}[size]
+  return jax.lax.bitcast_convert_type(x, narrow).astype(jnp.uint32)
+
+
+@jax.jit
+def _checksum_words(x: jax.Array) -> jax.Array:
+  """(sum of the words of `x`, sum of words x (1 + position mod 65521)), mod 2^32.
+
+  Computed where the array lives (a sharded array's shards sum on their devices), so the
+  cost is one read of the state; any changed word changes the first sum, and moved words
+  the second. Compiled once per shape, which a model's layers share.
+  """
+  w = _words(x)
+  position = jnp.zeros(w.shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(w.ndim)):
+    position = position + jax.lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(
+        stride % (1 << 32))
+    stride *= w.shape[axis]
+  weight = position % jnp.uint32(65521) + jnp.uint32(1)
+  return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * weight, dtype=jnp.uint32)])
+
+
+def checksums(tree: Any) -> dict[str, str]:
+  """A checksum of every array of `tree`, keyed by its path (`jax.tree_util.keystr`)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  values = jax.device_get([_checksum_words(jnp.asarray(x)) for _, x in flat])
+  return {jax.tree_util.keystr(path): f'{int(v[0]):08x}{int(v[1]):08x}'
+          for (path, _), v in zip(flat, values)}
+
+
+def verify_checksums(expected: Mapping[str, str] | None, tree: Any) -> None:
+  """Raises ValueError naming the arrays of `tree` whose checksums differ from `expected`
+  (the ones saved with the checkpoint); checkpoints saved without checksums pass."""
+  if not expected:
+    return
+  actual = checksums(tree)
+  wrong = [k for k, v in actual.items() if k in expected and expected[k] != v]
+  if wrong:
+    raise ValueError(f'{len(wrong)} of {len(actual)} arrays differ from the checksums saved '
+                     f'with the checkpoint (first: {wrong[0]}); the files were changed '
+                     'after they were written')
+
+
+def _saved_state(state: Any) -> dict[str, Any]:
+  """The arrays of a `TrainState` as the checkpoint stores them (items and keys)."""
+  return {'params': state.params,
+          'optimizer': {'opt_state': state.opt_state, 'step': state.step,
+                        'skipped_steps': state.skipped_steps}}
+
+
 def _options(*, save_every: int, final_step: int, keep: int, keep_period: int,
              read_only: bool = False) -> ocp.CheckpointManagerOptions:
   policies = ocp.checkpoint_managers
@@ -148,6 +208,21 @@ class Checkpointer:
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
 
+  def steps(self) -> list[int]:
+    """The complete checkpoints' steps, ascending."""
+    return sorted(self._manager.all_steps())
+
+  def set_aside(self, step: int) -> str:
+    """Renames a damaged checkpoint to `<step>.damaged` (kept, no longer a step), on every
+    process together; returns the new path."""
+    path = os.path.join(self.directory, f'{step}.damaged')
+    if jax.process_index() == 0:
+      os.rename(os.path.join(self.directory, str(step)), path)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f'set_aside_{step}')
+    self._manager.reload()
+    return path
+
   def should_save(self, step: int) -> bool:
     """Whether the policy wants `step` saved (every `save_every` steps, and the last)."""
     return self._manager.should_save(step)
@@ -164,15 +239,16 @@ class Checkpointer:
       Whether a save was started.
     """
     step = int(state.step)
+    if not force and not self.should_save(step):
+      return False  # Before computing checksums, which read the whole state.
+    arrays = _saved_state(state)
     return self._manager.save(
         step,
         args=ocp.args.Composite(
-            params=ocp.args.StandardSave(state.params),
-            optimizer=ocp.args.StandardSave(
-                {'opt_state': state.opt_state, 'step': state.step,
-                 'skipped_steps': state.skipped_steps}),
+            params=ocp.args.StandardSave(arrays['params']),
+            optimizer=ocp.args.StandardSave(arrays['optimizer']),
             data=grain.checkpoint.CheckpointSave(data_iterator),
-            meta=ocp.args.JsonSave(dict(meta)),
+            meta=ocp.args.JsonSave({**meta, 'checksums': checksums(arrays)}),
         ),
         force=force)
 
@@ -181,7 +257,8 @@ class Checkpointer:
       return self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore()))['meta']
 
-  def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
+  def restore(self, step: int, abstract_state: Any, data_iterator: Any,
+              expected_checksums: Mapping[str, str] | None = None) -> Any:
     """Restores the state onto the shardings carried by `abstract_state` and the iterator.
 
     Args:
@@ -189,19 +266,25 @@ class Checkpointer:
       abstract_state: a `TrainState` of `jax.ShapeDtypeStruct`s with shardings (any mesh:
         orbax reshards on load).
       data_iterator: the training iterator; its position is set in place.
+      expected_checksums: the `meta['checksums']` saved with the step; the restored arrays
+        must match them.
 
     Returns:
       The restored `TrainState`.
+
+    Raises:
+      CheckpointError: a file is missing or unreadable, or an array's checksum differs.
     """
+    abstract = _saved_state(abstract_state)
     with _damaged(self._manager, self.directory, step, 'state (params, optimizer or data)',
                   resuming=True):
       restored = self._manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(abstract_state.params),
-          optimizer=ocp.args.StandardRestore(
-              {'opt_state': abstract_state.opt_state, 'step': abstract_state.step,
-               'skipped_steps': abstract_state.skipped_steps}),
+          params=ocp.args.StandardRestore(abstract['params']),
+          optimizer=ocp.args.StandardRestore(abstract['optimizer']),
           data=grain.checkpoint.CheckpointRestore(data_iterator),
       ))
+      verify_checksums(expected_checksums,
+                       {'params': restored['params'], 'optimizer': restored['optimizer']})
     optimizer = restored['optimizer']
     return abstract_state.replace(
         step=optimizer['step'], params=restored['params'],
@@ -258,8 +341,9 @@ def _damaged(manager: ocp.CheckpointManager, directory: str, step: int, item: st
     others = [s for s in sorted(manager.all_steps()) if s != step]
     detail = ' '.join(f'{type(e).__name__}: {e}'.split())[:300]
     if resuming:
-      advice = (f'To resume from an older checkpoint ({others or "none left"}), move this one '
-                f'aside (mv {directory}/{step} {directory}/{step}.damaged) and rerun')
+      advice = (f'Training resumes from the newest intact checkpoint if there is one '
+                f'({others or "none left"}); to start over instead, move this one aside '
+                f'(mv {directory}/{step} {directory}/{step}.damaged)')
     else:
       advice = (f'Pick another checkpoint with --step (this run has {others or "no other"})'
                 ', or restore the files from a copy')
@@ -295,8 +379,11 @@ def restore_params(workdir: str, step: int | None = None, *,
       abstract = jax.tree.map(
           lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), metadata,
           shardings)
-      params = manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(abstract)))['params']
+      restored = manager.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+      params = restored['params']
+      saved = restored['meta'] if isinstance(restored['meta'], dict) else {}
+      verify_checksums(saved.get('checksums'), {'params': params})
   return params, step
 
 

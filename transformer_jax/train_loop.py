@@ -30,6 +30,7 @@ from transformer_jax import optimizer
 from transformer_jax import train_steps
 from transformer_jax import workdir_lock
 from transformer_jax.config import ConfigError, TransformerConfig
+from transformer_jax.errors import CheckpointError
 from transformer_jax.partitioning import Partitioner
 
 class NonFiniteError(RuntimeError):
@@ -183,21 +184,35 @@ def _restore_or_initialize(config: ml_collections.ConfigDict,
   """The latest checkpoint's state (after checking its config), or a fresh one."""
   tx, _ = optimizer.create_optimizer(optimizer_config)
   abstract, shardings = train_steps.abstract_state(model_config, tx, partitioner)
-  latest = checkpointer.latest_step()
-  if latest is None:
+  steps = checkpointer.steps()
+  if not steps:
     return train_steps.create_train_state(config.seed, model_config, tx, partitioner,
                                         shardings)
-  saved = checkpointer.restore_meta(latest)
-  checkpointing.check_config_matches(saved['config'], config, checkpointer.directory)
-  if saved['vocab_size'] != datasets.tokenizer.vocab_size:
-    raise ConfigError(
-        f'The checkpoint at step {latest} was trained with a {saved["vocab_size"]}-piece '
-        f'vocabulary, but {datasets.tokenizer.model_path} has '
-        f'{datasets.tokenizer.vocab_size}; point --config.vocab_path at the original '
-        f'model ({saved["tokenizer"]["path"]}) or use a new --workdir.')
-  state = checkpointer.restore(latest, abstract, datasets.train)
-  logging.info('Resumed from the checkpoint at step %d.', latest)
-  return state
+  damaged = []
+  for step in reversed(steps):  # The newest intact checkpoint.
+    try:
+      saved = checkpointer.restore_meta(step)
+      checkpointing.check_config_matches(saved['config'], config, checkpointer.directory)
+      if saved['vocab_size'] != datasets.tokenizer.vocab_size:
+        raise ConfigError(
+            f'The checkpoint at step {step} was trained with a {saved["vocab_size"]}-piece '
+            f'vocabulary, but {datasets.tokenizer.model_path} has '
+            f'{datasets.tokenizer.vocab_size}; point --config.vocab_path at the original '
+            f'model ({saved["tokenizer"]["path"]}) or use a new --workdir.')
+      state = checkpointer.restore(step, abstract, datasets.train, saved.get('checksums'))
+    except CheckpointError as e:
+      damaged.append((step, e))
+      continue
+    for bad, error in damaged:
+      path = checkpointer.set_aside(bad)
+      logging.warning('Checkpoint %d is damaged, so training resumes from %d, the newest '
+                      'intact one; the damaged one is kept as %s. (%s)', bad, step, path,
+                      error)
+    logging.info('Resumed from the checkpoint at step %d.', step)
+    return state
+  raise CheckpointError(
+      f'Every checkpoint in {checkpointer.directory} ({steps}) is damaged; the newest: '
+      f'{damaged[0][1]}')
 
 
 def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState,
