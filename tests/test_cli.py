@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -235,3 +236,53 @@ def test_checksums_catch_a_flipped_bit_and_swapped_words():
   for bad in (flipped, swapped):
     with pytest.raises(ValueError, match=r"1 of 3 arrays differ .*\['w'\]"):
       checkpointing.verify_checksums(saved, bad)
+
+
+def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data_files):
+  """Training on a 32 MB tmpfs that fills up after checkpoint 5: exit 2 with one paragraph
+  naming the work directory and a checkpoint's size; the last complete checkpoint stays
+  loadable."""
+  mount = tmp_path / 'small'
+  mount.mkdir()
+  mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=32m', 'tmpfs', str(mount)],
+                           capture_output=True, text=True, check=False)
+  if mounted.returncode:
+    pytest.skip(f'cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}')
+  try:
+    workdir = mount / 'run'
+    config = train_testlib.write_config_file(
+        str(tmp_path / 'config.py'), data_files, num_train_steps=100000,
+        checkpoint_every_steps=5, log_every_steps=100000, keep_checkpoints=2)
+    log = tmp_path / 'train.log'
+    with open(log, 'w', encoding='utf-8') as out:
+      process = subprocess.Popen(train_testlib.train_command(config, str(workdir)),
+                                 cwd=REPO, env=train_testlib.subprocess_env(), stdout=out,
+                                 stderr=out)
+    deadline = time.time() + 240
+    while not (workdir / 'checkpoints' / '5').is_dir():
+      assert process.poll() is None, log.read_text()[-3000:]
+      assert time.time() < deadline, 'no checkpoint 5'
+      time.sleep(0.2)
+    try:  # Fill the disk to the last byte.
+      with open(mount / 'filler', 'wb') as f:
+        while True:
+          f.write(b'\0' * 4096)
+          f.flush()
+    except OSError:
+      pass
+    process.wait(timeout=240)
+    stderr = log.read_text()
+    assert process.returncode == 2, stderr[-3000:]
+    # (Orbax's and TensorStore's threads still print their own tracebacks around it.)
+    errors = [line for line in stderr.splitlines() if line.startswith('train.py: error: ')]
+    assert len(errors) == 1, stderr[-3000:]
+    message = errors[0]
+    assert f'No space left on the disk of {workdir}' in message, message
+    assert 'MB there' in message and 'rerun the same command' in message, message
+    os.remove(mount / 'filler')
+    from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+    steps = checkpointing.list_steps(str(workdir))
+    _, step = checkpointing.restore_params(str(workdir), steps[-1])  # Intact, verified.
+    assert step >= 5
+  finally:
+    subprocess.run(['umount', '-l', str(mount)], check=False)

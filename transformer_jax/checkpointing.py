@@ -34,7 +34,8 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from transformer_jax.config import LEGACY_VALUES, RESUMABLE_FIELDS, ConfigError
-from transformer_jax.errors import CheckpointError, CheckpointNotFoundError, UserError
+from transformer_jax.errors import (CheckpointError, CheckpointNotFoundError, DiskFullError,
+                                    UserError, find_user_error)
 from transformer_jax.tokenizer import Tokenizer
 
 CHECKPOINT_DIR = 'checkpoints'
@@ -200,6 +201,7 @@ class Checkpointer:
       keep_period: also keep every `keep_period`-th step (0: none).
     """
     self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+    self._bytes = 0  # Of the last checkpoint's arrays.
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=_options(save_every=save_every, final_step=final_step, keep=keep,
@@ -242,6 +244,7 @@ class Checkpointer:
     if not force and not self.should_save(step):
       return False  # Before computing checksums, which read the whole state.
     arrays = _saved_state(state)
+    self._bytes = sum(x.nbytes for x in jax.tree.leaves(arrays))
     return self._manager.save(
         step,
         args=ocp.args.Composite(
@@ -289,6 +292,27 @@ class Checkpointer:
     return abstract_state.replace(
         step=optimizer['step'], params=restored['params'],
         opt_state=optimizer['opt_state'], skipped_steps=optimizer['skipped_steps'])
+
+  @contextlib.contextmanager
+  def reporting_full_disk(self) -> Iterator[None]:
+    """A full disk met inside (however orbax, TensorStore or a writer wraps it) as one
+    message naming the work directory and what a checkpoint needs there."""
+    try:
+      yield
+    except Exception as e:  # pylint: disable=broad-except
+      if not isinstance(find_user_error(e), DiskFullError):
+        raise
+      size = (f'about {self._bytes / 1e6:,.1f} MB' if self._bytes else 'the size of the '
+              'parameters and twice that for Adam')
+      raise DiskFullError(
+          f'No space left on the disk of {os.path.dirname(self.directory)} while writing a '
+          f'checkpoint (each needs {size} there); the checkpoints before it are complete. '
+          'Free some space or point --workdir at a disk with room, then rerun the same '
+          'command to resume.') from e
+
+  def check_for_errors(self) -> None:
+    """Raises now, not at the next save, if the save in the background failed."""
+    self._manager.check_for_errors()
 
   def wait(self) -> None:
     """Blocks until the pending save is complete on disk."""

@@ -148,32 +148,33 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   own_signal = stop_signal is None
   stop_signal = stop_signal or multihost.StopSignal()
   writer = None
-  try:
-    state = _restore_or_initialize(config, checkpointer, datasets, model_config,
-                                   optimizer_config, partitioner)
-    tx, schedule = optimizer.create_optimizer(optimizer_config)
-    _, shardings = train_steps.abstract_state(model_config, tx, partitioner)
-    step_config = train_steps.StepConfig.from_config(config, model_config)
-    train_step = train_steps.jit_train_step(step_config, tx, schedule, partitioner, shardings)
-    eval_step = train_steps.jit_eval_step(model_config, config.label_smoothing, partitioner,
-                                        shardings.params)
-    start = int(state.step)
-    writer = metrics_writer.MetricsWriter(workdir, total_steps=config.num_train_steps,
-                                          start_step=start, enabled=jax.process_index() == 0)
-    writer.log(f'{train_steps.count_params(state.params):,} parameters; '
-               f'{datasets.steps_per_epoch} steps an epoch; training steps {start} to '
-               f'{config.num_train_steps}.')
-    meta = checkpointing.make_meta(config, datasets.tokenizer)
-    with partitioner.activate():
-      return _train_loop(config, state, datasets, partitioner, train_step, eval_step,
-                         checkpointer, meta, writer, stop_signal, model_config)
-  finally:
-    checkpointer.wait()
-    checkpointer.close()
-    if writer is not None:
-      writer.close()
-    if own_signal:
-      stop_signal.close()
+  with checkpointer.reporting_full_disk():  # One message, whichever write fails.
+    try:
+      state = _restore_or_initialize(config, checkpointer, datasets, model_config,
+                                     optimizer_config, partitioner)
+      tx, schedule = optimizer.create_optimizer(optimizer_config)
+      _, shardings = train_steps.abstract_state(model_config, tx, partitioner)
+      step_config = train_steps.StepConfig.from_config(config, model_config)
+      train_step = train_steps.jit_train_step(step_config, tx, schedule, partitioner, shardings)
+      eval_step = train_steps.jit_eval_step(model_config, config.label_smoothing, partitioner,
+                                          shardings.params)
+      start = int(state.step)
+      writer = metrics_writer.MetricsWriter(workdir, total_steps=config.num_train_steps,
+                                            start_step=start, enabled=jax.process_index() == 0)
+      writer.log(f'{train_steps.count_params(state.params):,} parameters; '
+                 f'{datasets.steps_per_epoch} steps an epoch; training steps {start} to '
+                 f'{config.num_train_steps}.')
+      meta = checkpointing.make_meta(config, datasets.tokenizer)
+      with partitioner.activate():
+        return _train_loop(config, state, datasets, partitioner, train_step, eval_step,
+                           checkpointer, meta, writer, stop_signal, model_config)
+    finally:
+      checkpointer.wait()
+      checkpointer.close()
+      if writer is not None:
+        writer.close()
+      if own_signal:
+        stop_signal.close()
 
 
 def _restore_or_initialize(config: ml_collections.ConfigDict,
@@ -236,6 +237,7 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
     state, metrics = train_step(state, partitioner.shard_batch(batch))
     done = step + 1
     pending.append(metrics)
+    checkpointer.check_for_errors()  # A failed background save surfaces at once.
     if step == start:
       jax.block_until_ready(metrics)
       writer.log(f'First step (with compilation) took {time.time() - interval_start:.1f}s.')
