@@ -21,6 +21,7 @@ import logging as std_logging
 import os
 import re
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
@@ -100,6 +101,11 @@ def run(main: Callable[[list[str]], Any]) -> None:
     if len(argv) > 1:
       fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
     logging.get_absl_handler().addFilter(_quiet_orbax)
+    if not VERBOSE.value:
+      # Checkpoint writers' threads report their failures to the main thread, which reports
+      # them once (a full disk: one paragraph); their own tracebacks go to the debug log.
+      threading.excepthook = _thread_failure_to_debug_log
+      sys.unraisablehook = _thread_failure_to_debug_log
     try:
       main(argv)
     except SystemExit:
@@ -119,8 +125,19 @@ def run(main: Callable[[list[str]], Any]) -> None:
 
 
 def _quiet_orbax(record: std_logging.LogRecord) -> bool:
-  """Drops orbax's INFO lines (dozens a save); its warnings and errors still show."""
-  return record.levelno >= std_logging.WARNING or '/orbax/' not in record.pathname
+  """Drops orbax's INFO lines (dozens a save) and, without --verbose, the errors its
+  background threads log (each also reaches the main thread, which reports it); its
+  warnings still show."""
+  if '/orbax/' not in record.pathname:
+    return True
+  if record.levelno >= std_logging.ERROR:
+    return VERBOSE.value
+  return record.levelno >= std_logging.WARNING
+
+
+def _thread_failure_to_debug_log(args: Any) -> None:
+  error = getattr(args, 'exc_value', None)
+  logging.debug('A background thread failed: %r', error)
 
 
 # --- The checkpoint and search flags of evaluate.py and translate.py. ---

@@ -273,7 +273,7 @@ def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data
     process.wait(timeout=240)
     stderr = log.read_text()
     assert process.returncode == 2, stderr[-3000:]
-    # (Orbax's and TensorStore's threads still print their own tracebacks around it.)
+    assert 'Traceback' not in stderr, stderr[-3000:]  # Not buried in the writers' traces.
     errors = [line for line in stderr.splitlines() if line.startswith('train.py: error: ')]
     assert len(errors) == 1, stderr[-3000:]
     message = errors[0]
