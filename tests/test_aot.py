@@ -91,7 +91,7 @@ def test_cpu_target_search_and_decoder(tmp_path):
   out = tmp_path / 'report.json'
   result = _compile('--topology=cpu', '--config.mesh.fsdp=2', '--config.num_encoder_layers=1',
                     '--config.num_decoder_layers=1', '--search_batch',
-                    '--memory_limit_gib=0.05', '--search_budget_s=300', '--decode',
+                    '--memory_limit_gib=0.05', '--search_budget_s=3000', '--decode',
                     f'--json={out}', devices=8)
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(out.read_text())
@@ -148,6 +148,7 @@ def test_largest_fitting_brackets_a_linear_memory_curve():
   assert best - best // 32 <= found['largest'] <= best
   assert found['smallest_not_fitting'] > best
   assert len(calls) <= 6, calls
+  assert all(n % 8 == 0 for n in calls), calls  # Every probe a whole number of shards.
 
 
 def test_largest_fitting_when_the_compiler_refuses():
@@ -158,6 +159,7 @@ def test_largest_fitting_when_the_compiler_refuses():
   found = aot.largest_fitting(fits, start=16, multiple=8, limit_bytes=10_000,
                               time_budget_s=60)
   assert 192 <= found['largest'] <= 200 and found['smallest_not_fitting'] > 200
+  assert all(int(n) % 8 == 0 for n in found['probes'])
 
 
 def test_collectives_count_results_once():

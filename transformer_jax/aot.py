@@ -117,6 +117,8 @@ def _tpu_target(name: str) -> Target:
   topology, options = TPU_SLICES.get(name, (name, {}))
   # Without a TPU, libtpu would probe the cloud metadata for these and complain.
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
+  # Compiling touches no chip, so several compile.py (or tests) may load libtpu at once.
+  os.environ.setdefault('ALLOW_MULTIPLE_LIBTPU_LOAD', '1')
   if name in TPU_SLICES:
     os.environ.setdefault('TPU_ACCELERATOR_TYPE', name.replace('v5e-', 'v5litepod-'))
   try:
@@ -452,7 +454,7 @@ def largest_fitting(fits: Callable[[int], tuple[bool, int | None]], *, start: in
       break
     fitting = sorted(r for r in probes if r <= n and probes[r] is not None)
     guess = at_limit(fitting[-2], fitting[-1]) if len(fitting) >= 2 else None
-    lo, n = n, n * 2 if guess is None else max(guess, n + max(multiple, n // 32))
+    lo, n = n, n * 2 if guess is None else round_down(max(guess, n + max(multiple, n // 32)))
     if elapsed() > time_budget_s:
       break
   while hi is not None and hi - lo > max(multiple, lo // 32) and elapsed() <= time_budget_s:
