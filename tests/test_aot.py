@@ -122,6 +122,15 @@ def test_bad_input_fails_before_compiling(flags, message):
   assert 'Traceback' not in result.stderr
 
 
+def test_cudnn_attention_without_the_cudnn_library_is_a_clear_error():
+  result = _compile('--topology=1xH100', '--config.attention_implementation=cudnn',
+                    python=_aot_python(), timeout=300)
+  if result.returncode == 0:
+    pytest.skip('this environment has cuDNN')
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert 'needs the cuDNN library' in result.stderr and 'Traceback' not in result.stderr
+
+
 def test_missing_wheels_are_named_with_the_fix():
   """This Python has no libtpu (the test environment keeps it in .venv-aot)."""
   pytest.importorskip('jax')

@@ -14,12 +14,13 @@ Used by `compile.py`; `bench/` uses `memory_bytes` and `largest_fitting` on a re
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -283,6 +284,22 @@ def fused_attention_calls(hlo_text: str) -> int:
 # --- The train step for a target. ---
 
 
+@contextlib.contextmanager
+def _cudnn_library_named() -> Iterator[None]:
+  """JAX asks the cuDNN library for its version when it traces cuDNN attention, even to
+  compile for an absent GPU; without the library that is a user-fixable setup."""
+  try:
+    yield
+  except RuntimeError as e:
+    if 'cuDNN not found' not in str(e):
+      raise
+    raise UserError(
+        "attention_implementation='cudnn' needs the cuDNN library even to compile (JAX "
+        'checks its version while tracing), and this environment has none; install a cuDNN '
+        'where .venv-aot finds it (e.g. the nvidia-cudnn-cu12 wheel; not tried here) or '
+        "compile with --config.attention_implementation=xla.") from e
+
+
 def train_batch_shape(config: ml_collections.ConfigDict, partitioner: Partitioner,
                       tokens_per_batch: int | None = None) -> tuple[int, int]:
   """(global rows, length) of the input pipeline's largest training batch for `config`.
@@ -308,6 +325,7 @@ class TrainStepSetup:
   step: Callable
 
   @classmethod
+  @_cudnn_library_named()
   def create(cls, config: ml_collections.ConfigDict, devices) -> 'TrainStepSetup':
     config_lib.validate(config)
     vocab_size = config.vocab_size or config.vocab_size_target
@@ -321,6 +339,7 @@ class TrainStepSetup:
     step = train_steps.jit_train_step(step_config, tx, schedule, partitioner, shardings)
     return cls(config, partitioner, model_config, abstract, step)
 
+  @_cudnn_library_named()
   def compile(self, rows: int, length: int) -> tuple[Any, float]:
     """The step compiled for [rows, length] batches (both sides), and the seconds it took."""
     sharding = self.partitioner.batch_sharding
@@ -499,6 +518,7 @@ def largest_train_batch(config: ml_collections.ConfigDict, tgt: Target, *,
 # --- The decoder for a target. ---
 
 
+@_cudnn_library_named()
 def compile_decoder(config: ml_collections.ConfigDict, tgt: Target, *,
                     batch_size: int | None = None) -> dict[str, Any]:
   """Compiles `translate.py`'s search (beam size, length limit and batch of the config) for
