@@ -85,7 +85,8 @@ def _print_step(name: str, r: dict) -> None:
   else:
     print('  collectives: none')
   if r['fused_attention_calls']:
-    print(f'  cuDNN fused attention calls: {r["fused_attention_calls"]}')
+    masks = ', '.join(f'{k} {v}' for k, v in sorted(r['fused_attention_masks'].items()))
+    print(f'  cuDNN fused attention calls: {r["fused_attention_calls"]} ({masks})')
 
 
 def main(argv: list[str]) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from bench import worker
 from transformer_jax import aot, decode, flops, models, optimizer, train_steps, translator
+from transformer_jax import config as config_lib
 from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig, base_config
 from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner
@@ -139,7 +140,8 @@ class TrainTask:
                                          [target_length] * rows),
         'xla_flops': aot.compiled_flops(self.compiled),
         'compiled_memory_bytes': aot.memory_bytes(self.compiled),
-        'attention_implementation': t.config.attention_implementation or '(JAX chooses)',
+        'attention_implementation': config_lib.attention_choice(
+            t.config, jax.default_backend(), np.dtype(t.model_config.dtype).name).reason,
         'fused_attention_calls': aot.fused_attention_calls(self.compiled.as_text()),
         'device_memory': device_memory_stats(),
         'device': jax.devices()[0].device_kind,

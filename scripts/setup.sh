@@ -2,8 +2,10 @@
 # Sets up a fresh machine: the Debian packages of the offline Bible corpus and the Python
 # packages. `--test` also installs the test-only dependencies (a CPU build of PyTorch) and
 # does what `--aot` does. `--aot` makes .venv-aot, an environment that sees the installed
-# packages plus the compile-only wheels of compile.py (libtpu, the CUDA PJRT plugin): kept
-# apart because with libtpu installed every JAX program probes for a TPU when it starts.
+# packages plus the compile-only wheels of compile.py (libtpu, the CUDA PJRT plugin, and the
+# cuDNN library, which JAX asks for its version when it traces cuDNN attention even for an
+# absent GPU): kept apart because with libtpu installed every JAX program probes for a TPU
+# when it starts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,4 +26,8 @@ if [ "$mode" = "--aot" ] || [ "$mode" = "--test" ]; then
   fi
   .venv-aot/bin/python -m pip install -q --disable-pip-version-check \
     "jax[tpu]==$jax_version" "jax-cuda12-plugin==$jax_version" "jax-cuda12-pjrt==$jax_version"
+  # Only the library JAX asks for; its cuBLAS and NVRTC dependencies (1 GB) are not needed to
+  # compile.
+  .venv-aot/bin/python -m pip install -q --disable-pip-version-check --no-deps \
+    'nvidia-cudnn-cu12>=9.8,<10'
 fi

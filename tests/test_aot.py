@@ -68,6 +68,11 @@ def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, 
   assert train['hosts'] == hosts and train['mesh'] == mesh
   assert train['dtype'] == 'auto (bfloat16)'  # The accelerator default.
   assert train['batch']['rows'] % 8 == 0
+  if 'H100' in topology:  # cuDNN's fused kernel by default, fed lengths, never a mask.
+    assert 'cuDNN fused attention (automatic on GPU)' in train['attention_implementation']
+    assert set(train['fused_attention_masks']) == {'PADDING', 'PADDING_CAUSAL'}, train
+  else:
+    assert train['fused_attention_calls'] == 0
   if mesh['fsdp'] > 1:
     assert {'all-gather', 'reduce-scatter'} <= set(train['collectives'])
   decoder = report['decoder']
@@ -122,14 +127,21 @@ def test_bad_input_fails_before_compiling(flags, message):
   assert 'Traceback' not in result.stderr
 
 
-def test_cudnn_attention_without_the_cudnn_library_is_a_clear_error():
-  result = _compile('--topology=1xH100', '--config.attention_implementation=cudnn',
+def test_packed_rows_on_a_gpu_fall_back_to_xla_and_say_why(tmp_path):
+  out = tmp_path / 'report.json'
+  result = _compile('--topology=1xH100', '--config.packing=True', f'--json={out}',
                     python=_aot_python(), timeout=300)
-  if result.returncode == 0:  # cuDNN is installed: then the fused call must be there.
-    assert 'cuDNN fused attention calls' in result.stdout, result.stdout
-    return
-  assert result.returncode == 2, result.stderr[-3000:]
-  assert 'needs the cuDNN library' in result.stderr and 'Traceback' not in result.stderr
+  assert result.returncode == 0, result.stderr[-3000:]
+  train = json.loads(out.read_text())['train_step']
+  assert train['fused_attention_calls'] == 0
+  assert 'XLA attention: cuDNN cannot serve packed rows' in train['attention_implementation']
+  assert 'packed rows' in result.stdout
+
+
+def test_cudnn_attention_without_the_cudnn_library_is_a_clear_error():
+  with pytest.raises(aot.UserError, match='needs the cuDNN library'):
+    with aot._cudnn_library_named():  # pylint: disable=protected-access
+      raise RuntimeError('cuDNN not found.')
 
 
 def test_missing_wheels_are_named_with_the_fix():

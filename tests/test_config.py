@@ -135,3 +135,35 @@ def test_validate_names_the_field(field, value, message):
   config[field] = value
   with pytest.raises(ConfigError, match=message):
     config_lib.validate(config)
+
+
+@pytest.mark.parametrize('overrides,platform,implementation,lengths,reason', [
+    ({}, 'gpu', 'cudnn', True, 'cuDNN fused attention (automatic on GPU)'),
+    ({}, 'cpu', None, False, 'XLA attention (automatic on cpu)'),
+    ({}, 'tpu', None, False, 'XLA attention (automatic on tpu)'),
+    ({'packing': True}, 'gpu', 'xla', False, 'cannot serve packed rows'),
+    ({'dtype': 'float32'}, 'gpu', 'xla', False, 'cannot serve dtype float32'),
+    ({'attention_dropout_rate': 0.1}, 'gpu', 'xla', False, 'attention_dropout_rate > 0'),
+    ({'positional_encoding': 'alibi'}, 'gpu', 'xla', False, 'ALiBi'),
+    ({'d_model': 2560, 'num_heads': 10}, 'gpu', 'xla', False, 'head dimension 256'),
+    ({'attention_implementation': 'xla'}, 'gpu', 'xla', False, 'as configured'),
+    ({'attention_implementation': 'cudnn'}, 'cpu', 'cudnn', True, 'sequence lengths'),
+    ({'attention_implementation': 'cudnn', 'packing': True}, 'gpu', 'cudnn', False,
+     'a dense mask'),
+])
+def test_attention_choice_takes_cudnn_on_gpu_where_it_can_serve(
+    monkeypatch, overrides, platform, implementation, lengths, reason):
+  monkeypatch.setattr(config_lib, 'cudnn_version', lambda: 92800)
+  config = base_config()
+  config.update(overrides)
+  model = TransformerConfig.from_config(config, vocab_size=100, platform=platform)
+  assert (model.attention_implementation, model.attention_lengths) == (implementation, lengths)
+  assert reason in config_lib.attention_choice(
+      config, platform, 'float32' if config.dtype == 'float32' or platform == 'cpu'
+      else 'bfloat16').reason
+
+
+def test_attention_choice_without_a_cudnn_library_is_xla_and_says_so(monkeypatch):
+  monkeypatch.setattr(config_lib, 'cudnn_version', lambda: None)
+  choice = config_lib.attention_choice(base_config(), 'gpu', 'bfloat16')
+  assert choice.implementation == 'xla' and 'no cuDNN library found' in choice.reason

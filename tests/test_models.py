@@ -310,3 +310,35 @@ def test_fused_loss_keeps_no_float32_copy_of_the_logits():
   large = [leaf for leaf in kept if leaf.size >= logits.size]
   assert large and all(leaf.dtype == jnp.bfloat16 for leaf in large), [
       (leaf.shape, leaf.dtype) for leaf in kept]
+
+
+@pytest.mark.parametrize('attention_dropout', [0.0, 0.3])
+def test_attention_fed_lengths_equals_the_dense_mask(attention_dropout):
+  """What cuDNN is given on a GPU (sequence lengths and a causal flag) means what the dense
+  mask means, for logits and gradients, on right-padded rows of different lengths; with
+  attention dropout the lengths become a mask for the explicit softmax."""
+  rng = np.random.default_rng(11)
+  inputs, targets = _tokens(rng, 3, 9), _tokens(rng, 3, 7)
+  inputs = inputs.at[0, 5:].set(PAD_ID).at[2, 8:].set(PAD_ID)
+  targets = targets.at[1, 3:].set(PAD_ID).at[2, 6:].set(PAD_ID)
+  dense = dataclasses.replace(TINY, attention_dropout_rate=attention_dropout,
+                              deterministic=attention_dropout == 0.0)
+  params = _init(dense, inputs, targets)
+  weights = targets > 0
+
+  def loss_and_grads(cfg):
+    def loss(p):
+      logits = Transformer(cfg).apply({'params': p}, inputs, targets,
+                                      rngs={'dropout': jax.random.PRNGKey(3)})
+      return losses.compute_metrics(logits, targets, weights)['loss'], logits
+    return jax.value_and_grad(loss, has_aux=True)(params)
+
+  (loss, logits), grads = loss_and_grads(dense)
+  (loss_l, logits_l), grads_l = loss_and_grads(
+      dataclasses.replace(dense, attention_lengths=True))
+  real = np.asarray(weights)
+  np.testing.assert_allclose(np.asarray(logits_l)[real], np.asarray(logits)[real],
+                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(loss_l, loss, rtol=1e-6)
+  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4),
+                         grads_l, grads)

@@ -281,6 +281,17 @@ def fused_attention_calls(hlo_text: str) -> int:
   return hlo_text.count('__cudnn$fmha')
 
 
+def fused_attention_masks(hlo_text: str) -> dict[str, int]:
+  """The cuDNN fused-attention calls by mask type ('PADDING', 'PADDING_CAUSAL', ...)."""
+  found: dict[str, int] = {}
+  for line in hlo_text.splitlines():
+    if '__cudnn$fmha' in line:
+      match = re.search(r'"mask_type"\s*:\s*"(\w+)"', line)
+      kind = match.group(1) if match else 'unknown'
+      found[kind] = found.get(kind, 0) + 1
+  return found
+
+
 # --- The train step for a target. ---
 
 
@@ -374,6 +385,7 @@ def report(compiled: Any, compile_s: float, target: Target, model_flops_per_devi
       'xla_over_model_flops': xla / model_flops_per_device if xla else None,
       'collectives': collectives(text),
       'fused_attention_calls': fused_attention_calls(text),
+      'fused_attention_masks': fused_attention_masks(text),
   }
 
 
@@ -413,7 +425,8 @@ def describe(setup: TrainStepSetup, tgt: Target) -> dict[str, Any]:
       'dtype': f'{c.dtype} ({jnp.dtype(setup.model_config.dtype).name})'
                if c.dtype == 'auto' else c.dtype,
       'remat_policy': c.remat_policy,
-      'attention_implementation': c.attention_implementation or '(JAX chooses)',
+      'attention_implementation': config_lib.attention_choice(
+          c, tgt.devices[0].platform, jnp.dtype(setup.model_config.dtype).name).reason,
       'grad_accum_steps': c.grad_accum_steps,
       'vocab_size': setup.model_config.vocab_size,
       'peak_flops_per_device': model_flops.peak_flops(tgt.device_kind),

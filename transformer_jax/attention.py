@@ -7,6 +7,7 @@ live in `models.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -77,11 +78,33 @@ def alibi_bias(num_heads: int, q_positions: Array, kv_positions: Array) -> Array
   return -slopes[None, :, None, None] * distance[:, None, :, :]
 
 
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+  """Which keys each query sees, for right-padded unpacked rows, in place of a dense mask.
+
+  Query i of row b attends to key j when i < query[b], j < key_value[b] and, if `causal`,
+  j <= i. cuDNN's fused kernel takes exactly this (sequence lengths and a causal flag), so it
+  needs no [batch, 1, q, kv] mask and no bias gradient.
+  """
+  query: Array  # [batch] int32.
+  key_value: Array  # [batch] int32.
+  causal: bool = False
+
+  def dense(self, q_length: int, kv_length: int) -> Array:
+    """The same rule as a boolean [batch, 1, q_length, kv_length] mask."""
+    q = jnp.arange(q_length)[None, :, None] < self.query[:, None, None]
+    kv = jnp.arange(kv_length)[None, None, :] < self.key_value[:, None, None]
+    mask = q & kv
+    if self.causal:
+      mask &= jnp.arange(q_length)[:, None] >= jnp.arange(kv_length)[None, :]
+    return mask[:, None, :, :]
+
+
 def scaled_dot_product_attention(
     query: Array,
     key: Array,
     value: Array,
-    mask: Array | None,
+    mask: Array | Lengths | None,
     bias: Array | None = None,
     *,
     dropout_rate: float = 0.0,
@@ -99,7 +122,8 @@ def scaled_dot_product_attention(
     query: [batch, q_length, heads, head_dim].
     key: [batch, kv_length, heads, head_dim].
     value: [batch, kv_length, heads, head_dim].
-    mask: boolean, broadcastable to [batch, heads, q_length, kv_length]; True attends.
+    mask: boolean, broadcastable to [batch, heads, q_length, kv_length] (True attends), or
+      `Lengths` for right-padded rows.
     bias: float, broadcastable to [batch, heads, q_length, kv_length], or None.
     dropout_rate: dropout on the attention weights (needs `dropout_rng`).
     dropout_rng: PRNG key for that dropout; None means no dropout.
@@ -113,9 +137,17 @@ def scaled_dot_product_attention(
   if not use_dropout and not return_weights:
     if bias is not None:
       bias = bias.astype(query.dtype)
-    out = jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
-                                       implementation=implementation)
+    if isinstance(mask, Lengths):
+      out = jax.nn.dot_product_attention(
+          query, key, value, bias=bias, query_seq_lengths=mask.query,
+          key_value_seq_lengths=mask.key_value, is_causal=mask.causal,
+          implementation=implementation)
+    else:
+      out = jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
+                                         implementation=implementation)
     return out, None
+  if isinstance(mask, Lengths):
+    mask = mask.dense(query.shape[1], key.shape[1])
   depth = query.shape[-1]
   logits = jnp.einsum('bqhd,bkhd->bhqk', query, key,
                       preferred_element_type=jnp.float32) / np.sqrt(depth).astype(np.float32)
@@ -139,7 +171,8 @@ class MultiHeadAttention(nn.Module):
   output length in the 'cache' collection and writes one position a call; encoder-decoder
   attention projects the encoder output to keys and values once, when the cache is created,
   and keeps them, with the source mask, in the 'encoder_cache' collection, which decode steps
-  only read (see `Transformer.init_cache`).
+  only read (see `Transformer.init_cache`). Decode mode takes XLA's kernel whatever
+  `attention_implementation` says: cuDNN's wants full [q, kv] masks, not a cache's.
 
   Attributes:
     config: the model config.
@@ -168,7 +201,7 @@ class MultiHeadAttention(nn.Module):
       self,
       inputs_q: Array,
       inputs_kv: Array | None,
-      mask: Array | None,
+      mask: Array | Lengths | None,
       q_positions: Array | None = None,
       kv_positions: Array | None = None,
       decode_index: Array | None = None,
@@ -179,7 +212,8 @@ class MultiHeadAttention(nn.Module):
       inputs_q: [batch, q_length, d_model].
       inputs_kv: [batch, kv_length, d_model]; for self-attention pass `inputs_q`. In decode
         mode, encoder-decoder attention may get None once its 'encoder_cache' exists.
-      mask: boolean, broadcastable to [batch, heads, q_length, kv_length]. Ignored in a
+      mask: boolean, broadcastable to [batch, heads, q_length, kv_length], or `Lengths`
+        (training and scoring with `config.attention_lengths`). Ignored in a
         decode step: self-attention's cache index decides, encoder-decoder attention uses
         the mask cached when the cache was created.
       q_positions: [batch, q_length] positions (for RoPE and ALiBi).
@@ -239,7 +273,8 @@ class MultiHeadAttention(nn.Module):
     out, weights = scaled_dot_product_attention(
         query, key, value, mask, bias,
         dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
-        implementation=cfg.attention_implementation, return_weights=return_weights)
+        implementation=None if cfg.decode else cfg.attention_implementation,
+        return_weights=return_weights)
     if return_weights:
       self.sow('intermediates', 'attention_weights', weights)
 

@@ -37,7 +37,7 @@ DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 DTYPE_CHOICES = ('auto',) + tuple(DTYPES)
 ACCELERATOR_PLATFORMS = ('gpu', 'cuda', 'rocm', 'tpu')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_with_no_batch_dims')
-ATTENTION_IMPLEMENTATIONS = ('', 'xla', 'cudnn')  # '': JAX chooses.
+ATTENTION_IMPLEMENTATIONS = ('', 'xla', 'cudnn')  # '': automatic (`attention_choice`).
 NONFINITE_MODES = ('skip', 'stop')
 DROPOUT_RNG_IMPLS = ('rbg', 'unsafe_rbg', 'threefry2x32')
 LENGTH_PENALTY_FORMS = ('gnmt', 'power')
@@ -92,7 +92,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Computation dtype: 'auto' (bfloat16 on GPU/TPU, float32 on CPU) | 'bfloat16' | 'float32'.
   # Parameters, optimizer state, softmax and loss stay float32.
   c.dtype = 'auto'
-  c.attention_implementation = ''  # '' (let JAX choose) | 'xla' | 'cudnn'.
+  # '' (automatic: cuDNN's fused kernel on GPU where it can serve, else XLA) | 'xla' | 'cudnn'.
+  c.attention_implementation = ''
   c.remat_policy = 'none'  # 'none' | 'full' | 'dots' | 'dots_with_no_batch_dims'.
 
   # --- Data. ---
@@ -273,6 +274,10 @@ class TransformerConfig:
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   attention_implementation: str | None = None
+  # Rows are right-padded and unpacked: attention gets sequence lengths and a causal flag
+  # (`attention.Lengths`) instead of a dense mask. Training and scoring only: decode mode
+  # (one query a step over a cache) always uses dense masks and XLA's kernel.
+  attention_lengths: bool = False
   remat_policy: str = 'none'
   deterministic: bool = False  # True: no dropout (evaluation, decoding).
   decode: bool = False  # True: one token a call, reading and writing the key/value cache.
@@ -341,9 +346,10 @@ class TransformerConfig:
              ('float16 needs loss scaling, which this project does not do: use bfloat16 '
               '(same speed, float32 range). ' if dtype_name == 'float16' else '') +
              "'auto' is bfloat16 on GPU/TPU and float32 on CPU.")
+    platform = platform or jax.default_backend()
     if dtype_name == 'auto':
-      platform = platform or jax.default_backend()
       dtype_name = 'bfloat16' if platform in ACCELERATOR_PLATFORMS else 'float32'
+    attention = attention_choice(config, platform, dtype_name)
     size = config.vocab_size or vocab_size
     _require(size is not None and size > 0,
              'vocab_size is 0 and no tokenizer size was given; set --config.vocab_size.')
@@ -363,8 +369,75 @@ class TransformerConfig:
         positional_encoding=config.positional_encoding,
         max_len=config.max_len,
         dtype=DTYPES[dtype_name],
-        attention_implementation=config.attention_implementation or None,
+        attention_implementation=attention.implementation,
+        attention_lengths=attention.lengths,
         remat_policy=config.remat_policy,
     )
     fields.update(overrides)
     return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionChoice:
+  """Which attention kernel training uses, and why (train.py and compile.py log `reason`).
+
+  Attributes:
+    implementation: for `jax.nn.dot_product_attention`: 'xla', 'cudnn' or None (JAX's
+      choice, which is XLA).
+    lengths: feed sequence lengths and a causal flag instead of a dense mask.
+    reason: one line for the log.
+  """
+  implementation: str | None
+  lengths: bool
+  reason: str
+
+
+def cudnn_version() -> int | None:
+  """The cuDNN library's version as JAX sees it (e.g. 92800), or None without one."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo  # pylint: disable=g-import-not-at-top
+    return int(fused_attention_stablehlo.check_cudnn_version())
+  except Exception:  # No CUDA plugin, no library, or a JAX that moved it: all mean "none".
+    return None
+
+
+def attention_choice(config: ml_collections.ConfigDict, platform: str,
+                     dtype_name: str) -> AttentionChoice:
+  """Resolves `config.attention_implementation` for `platform` and the computation dtype.
+
+  '' (automatic) takes cuDNN's fused kernel on a GPU when it can serve: a cuDNN library,
+  16-bit compute, a head dimension that is a multiple of 8 up to 128, no attention dropout
+  and no ALiBi bias (both need the explicit softmax), unpacked rows (JAX's cuDNN call takes
+  no segment ids). Otherwise XLA, with the reason. Unpacked rows give cuDNN sequence lengths
+  and a causal flag, never a mask.
+  """
+  requested = config.attention_implementation
+  packed = bool(config.get('packing', False))
+  if requested == 'xla':
+    return AttentionChoice('xla', False, 'XLA attention, as configured')
+  if requested == 'cudnn':
+    how = ('a dense mask, as packed rows need' if packed
+           else 'sequence lengths and a causal flag')
+    return AttentionChoice('cudnn', not packed, f'cuDNN fused attention, as configured, fed '
+                           f'{how}')
+  if platform not in ('gpu', 'cuda'):
+    return AttentionChoice(None, False, f'XLA attention (automatic on {platform})')
+  head_dim = config.d_model // max(1, config.num_heads)
+  blockers = []
+  if dtype_name != 'bfloat16':
+    blockers.append(f'dtype {dtype_name} (cuDNN attention needs bfloat16)')
+  if head_dim % 8 or head_dim > 128:
+    blockers.append(f'head dimension {head_dim} (cuDNN needs a multiple of 8, at most 128)')
+  if config.attention_dropout_rate > 0:
+    blockers.append('attention_dropout_rate > 0')
+  if config.positional_encoding == 'alibi':
+    blockers.append('ALiBi bias')
+  if packed:
+    blockers.append('packed rows (no segment ids in JAX\'s cuDNN call)')
+  if not blockers and cudnn_version() is None:
+    blockers.append('no cuDNN library found')
+  if blockers:
+    return AttentionChoice('xla', False,
+                           'XLA attention: cuDNN cannot serve ' + '; '.join(blockers))
+  return AttentionChoice('cudnn', True, 'cuDNN fused attention (automatic on GPU), fed '
+                         'sequence lengths and a causal flag')

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from transformer_jax.attention import MultiHeadAttention
+from transformer_jax.attention import Lengths, MultiHeadAttention
 from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
 
 Array = jax.Array
@@ -259,6 +259,11 @@ def _attention_mask(q_segments: Array, kv_segments: Array) -> Array:
   return (same & real)[:, None, :, :]
 
 
+def _lengths(segments: Array) -> Array:
+  """[batch] real tokens of each right-padded unpacked row."""
+  return (segments > 0).sum(axis=-1, dtype=jnp.int32)
+
+
 def shift_right(targets: Array, segmentation: Array) -> Array:
   """Decoder inputs: targets shifted right, with BOS at the start of every segment."""
   shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=BOS_ID)[:, :-1]
@@ -292,6 +297,9 @@ class Transformer(nn.Module):
     """[batch, source_length] ids -> [batch, source_length, d_model]."""
     positions, segments = _default_positions_and_segments(
         inputs, inputs_positions, inputs_segmentation)
+    if self.config.attention_lengths and not self.config.decode:
+      lengths = _lengths(segments)
+      return self.encoder(inputs, positions, Lengths(lengths, lengths))
     return self.encoder(inputs, positions, _attention_mask(segments, segments))
 
   def decode(self, encoded: Array | None, inputs: Array | None, targets: Array,
@@ -324,6 +332,10 @@ class Transformer(nn.Module):
         targets, targets_positions, targets_segmentation)
     _, source_segments = _default_positions_and_segments(inputs, None, inputs_segmentation)
     decoder_inputs = shift_right(targets, target_segments)
+    if cfg.attention_lengths:
+      source, target = _lengths(source_segments), _lengths(target_segments)
+      return self.decoder(decoder_inputs, encoded, positions, Lengths(target, target, True),
+                          Lengths(target, source))
     causal = nn.make_causal_mask(targets, dtype=jnp.bool_)
     self_mask = _attention_mask(target_segments, target_segments) & causal
     cross_mask = _attention_mask(target_segments, source_segments)

@@ -141,6 +141,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       process_count=jax.process_count(), row_multiple=rows_multiple)
   model_config = TransformerConfig.from_config(config,
                                                vocab_size=datasets.tokenizer.vocab_size)
+  logging.info('Attention: %s.', config_lib.attention_choice(
+      config, jax.default_backend(), np.dtype(model_config.dtype).name).reason)
   checkpointer = checkpointing.Checkpointer(
       workdir, save_every=config.checkpoint_every_steps,
       final_step=config.num_train_steps, keep=config.keep_checkpoints,
