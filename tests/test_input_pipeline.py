@@ -55,7 +55,8 @@ def corpus(tmp_path_factory):
   workdir = str(root / 'work')
   train = ip.open_split(config, 'train')
   tok = ip.tokenizer_for(config, workdir, train)
-  return train, tok, config, workdir
+  store = ip.tokenized(train, tok, config, workdir)
+  return train, tok, config, workdir, store
 
 
 def _segments(batch, name):
@@ -106,8 +107,8 @@ def _take(iterator, n):
 
 
 def test_bucketing_keeps_every_example_once_per_epoch(corpus):
-  pairs, tok, config, _ = corpus
-  data = ip.train_dataset(pairs, tok, config, row_multiple=2)
+  pairs, tok, config, _, store = corpus
+  data = ip.train_dataset(store, config, row_multiple=2)
   assert data.skipped_empty == 3 and data.dropped_too_long == 2
   assert data.num_examples == NUM_PAIRS - 5
   batches = _take(iter(data.dataset), data.steps_per_epoch)
@@ -119,64 +120,127 @@ def test_bucketing_keeps_every_example_once_per_epoch(corpus):
   assert len(shapes) <= 4, 'one shape per bucket'
 
 
-def test_packing_keeps_every_token_once(corpus):
-  pairs, tok, _, _ = corpus
-  examples = [{'inputs': np.array(tok.encode(s), np.int32),
-               'targets': np.array(tok.encode(t), np.int32)}
-              for s, t in (pairs[i] for i in range(len(pairs)))
-              if s.strip() and t.strip() and max(len(tok.encode(s)), len(tok.encode(t))) <= 24]
-  ds = grain.MapDataset.source(examples).to_iter_dataset()
-  batches = list(ip.pack_examples(ds, length=24, rows=4))
+def test_packing_keeps_every_token_once_per_epoch(corpus):
+  pairs, tok, config, _, store = corpus
+  config = config.copy_and_resolve_references()
+  config.packing = True
+  iterator = iter(ip.train_dataset(store, config).dataset)
+  batches = []
+  while not batches or iterator.get_state()['epoch'] == 0:
+    batches.append(next(iterator))
   assert _examples(batches) == _expected(pairs, tok, max_len=24)
+  assert {b['inputs'].shape for b in batches} == {(4, 24)}  # 96 tokens / 24 a row.
   assert max(int(b['inputs_segmentation'].max()) for b in batches) > 1, 'rows hold several'
   real = sum(int((b['inputs_segmentation'] > 0).sum()) for b in batches)
   assert real / sum(b['inputs'].size for b in batches) > 0.7
 
 
+def test_vectorized_batches_equal_one_example_at_a_time(corpus):
+  """The numpy batch cutters against a per-example loop over the tokenizer's own ids."""
+  pairs, tok, _, _, store = corpus
+  rng = np.random.default_rng(3)
+  kept = [i for i in range(len(pairs)) if pairs[i][0].strip() and pairs[i][1].strip()]
+  indices = rng.choice(kept, 6, replace=False)
+  batch = store.batch(indices, rows=8, length=40)
+  for r, i in enumerate(indices):
+    for name, text in (('inputs', pairs[i][0]), ('targets', pairs[i][1])):
+      ids = tok.encode(text)
+      np.testing.assert_array_equal(batch[name][r, :len(ids)], ids)
+      assert (batch[name][r, len(ids):] == PAD_ID).all()
+      np.testing.assert_array_equal(batch[f'{name}_positions'][r, :len(ids)],
+                                    np.arange(len(ids)))
+  assert (batch['inputs'][6:] == PAD_ID).all() and (batch['targets_segmentation'][6:] == 0).all()
+  rows = np.array([1, 0, 1, 2, 1, 0])
+  packed = store.packed_batch(indices, rows, rows=3, length=90)
+  for row in range(3):
+    mine = indices[rows == row]
+    for name, side in (('inputs', 0), ('targets', 1)):
+      expect = [t for i in mine for t in tok.encode(pairs[i][side])]
+      got = packed[name][row]
+      np.testing.assert_array_equal(got[:len(expect)], expect)
+      assert (got[len(expect):] == PAD_ID).all()
+      segments = packed[f'{name}_segmentation'][row]
+      assert segments[:len(expect)].max() == len(mine)
+
+
+def test_token_store_is_reused_and_rebuilt_when_data_or_vocabulary_change(corpus, tmp_path,
+                                                                        caplog):
+  pairs, tok, config, _, _ = corpus
+  directory = str(tmp_path / 'store')
+  first = ip.token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='a')
+  made = first.meta['created']
+  again = ip.token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='a')
+  assert again.meta['created'] == made  # Reused, not rebuilt.
+  with caplog.at_level('WARNING'):
+    changed = ip.token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='b')
+  assert changed.meta['created'] != made and 'the data changed' in caplog.text
+  np.testing.assert_array_equal(changed.lengths, first.lengths)
+
+
+def test_preparation_on_two_hosts_and_two_processes_equals_one(corpus, tmp_path, monkeypatch):
+  """Parts split over two 'hosts' (each with a pool of two processes), the second merging,
+  give the same store as one process; an interrupted part is redone, the others reused."""
+  pairs, tok, _, _, store = corpus
+  monkeypatch.setattr(ip.token_store, 'PART_SIZE', 40)  # 8 parts of the 300 pairs.
+  directory = str(tmp_path / 'shared')
+  prepare = ip.token_store.prepare
+  assert prepare(pairs, tok, directory, data_fingerprint='x', workers=2, host_index=0,
+                 host_count=2) is None  # Host 1's parts are missing.
+  merged = prepare(pairs, tok, directory, data_fingerprint='x', workers=2, host_index=1,
+                   host_count=2)
+  np.testing.assert_array_equal(merged.lengths, store.lengths)
+  np.testing.assert_array_equal(merged.source, store.source)
+  np.testing.assert_array_equal(merged.target, store.target)
+  assert merged.meta['examples'] == len(pairs) and merged.meta['dtype'] == 'uint16'
+
+
 @pytest.mark.parametrize('packing', [False, True])
 def test_same_seed_same_batches_and_resume_mid_epoch(corpus, packing):
-  pairs, tok, config, _ = corpus
+  pairs, tok, config, _, store = corpus
   config = config.copy_and_resolve_references()
   config.packing = packing
-  data = ip.train_dataset(pairs, tok, config)
+  data = ip.train_dataset(store, config)
   first = _take(iter(data.dataset), 12)
-  again = _take(iter(ip.train_dataset(pairs, tok, config).dataset), 12)
+  again = _take(iter(ip.train_dataset(store, config).dataset), 12)
   for a, b in zip(first, again):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
   stopped = iter(data.dataset)
   _take(stopped, 5)
   state = json.loads(json.dumps(stopped.get_state()))  # What a checkpoint stores.
-  resumed = iter(ip.train_dataset(pairs, tok, config).dataset)
+  resumed = iter(ip.train_dataset(store, config).dataset)
   resumed.set_state(state)
   for a, b in zip(first[5:], _take(resumed, 7)):
     assert all((a[k] == b[k]).all() for k in a)
 
   config.data_seed = 1
-  other = _take(iter(ip.train_dataset(pairs, tok, config).dataset), 12)
+  other = _take(iter(ip.train_dataset(store, config).dataset), 12)
   assert any((a['inputs'].shape != b['inputs'].shape) or (a['inputs'] != b['inputs']).any()
              for a, b in zip(first, other))
 
 
-def test_resume_through_orbax_checkpoint_handler(corpus, tmp_path):
+@pytest.mark.parametrize('packing', [False, True])
+def test_resume_through_orbax_checkpoint_handler(corpus, tmp_path, packing):
   ocp = pytest.importorskip('orbax.checkpoint')
-  pairs, tok, config, _ = corpus
-  data = ip.train_dataset(pairs, tok, config)
+  pairs, tok, config, _, store = corpus
+  config = config.copy_and_resolve_references()
+  config.packing = packing
+  data = ip.train_dataset(store, config)
   unstopped = _take(iter(data.dataset), 8)
   it = iter(data.dataset)
   _take(it, 3)
   with ocp.CheckpointManager(tmp_path / 'ckpt') as manager:
     manager.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
     manager.wait_until_finished()
-    fresh = iter(ip.train_dataset(pairs, tok, config).dataset)
+    fresh = iter(ip.train_dataset(store, config).dataset)
     manager.restore(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
   for a, b in zip(unstopped[3:], _take(fresh, 5)):
     assert all((a[k] == b[k]).all() for k in a)
 
 
 def test_epochs_are_reshuffled(corpus):
-  pairs, tok, config, _ = corpus
-  data = ip.train_dataset(pairs, tok, config)
+  pairs, tok, config, _, store = corpus
+  data = ip.train_dataset(store, config)
   two = _take(iter(data.dataset), 2 * data.steps_per_epoch)
   epoch0, epoch1 = two[:data.steps_per_epoch], two[data.steps_per_epoch:]
   assert _examples(epoch1) == _examples(epoch0)
@@ -186,10 +250,10 @@ def test_epochs_are_reshuffled(corpus):
 
 @pytest.mark.parametrize('packing', [False, True])
 def test_two_hosts_read_disjoint_shards_that_cover_the_data(corpus, packing):
-  pairs, tok, config, _ = corpus
+  pairs, tok, config, _, store = corpus
   config = config.copy_and_resolve_references()
   config.packing = packing
-  hosts = [ip.train_dataset(pairs, tok, config, process_index=i, process_count=2)
+  hosts = [ip.train_dataset(store, config, process_index=i, process_count=2)
            for i in range(2)]
   if packing:  # Each host packs every other example; 80 batches are > 1 pass over a shard.
     seen = []
@@ -210,19 +274,19 @@ def test_two_hosts_read_disjoint_shards_that_cover_the_data(corpus, packing):
 
 
 def test_eval_batches_never_drop_or_truncate(corpus):
-  pairs, tok, config, _ = corpus
-  batches = list(ip.eval_batches(pairs, tok, config, row_multiple=2))
+  pairs, tok, config, _, store = corpus
+  batches = list(ip.eval_batches(store, config, row_multiple=2))
   assert _examples(batches) == _expected(pairs, tok)  # The two long pairs too.
   assert max(b['inputs'].shape[1] for b in batches) > config.max_source_length
   assert all(b['inputs'].shape[0] % 2 == 0 for b in batches)
-  hosts = [list(ip.eval_batches(pairs, tok, config, process_index=i, process_count=2))
+  hosts = [list(ip.eval_batches(store, config, process_index=i, process_count=2))
            for i in range(2)]
   assert [b['inputs'].shape for b in hosts[0]] == [b['inputs'].shape for b in hosts[1]]
   assert _examples(hosts[0]) + _examples(hosts[1]) == _expected(pairs, tok)
 
 
 def test_get_datasets_on_text_files(corpus):
-  _, _, config, workdir = corpus
+  _, _, config, workdir, _ = corpus
   data = ip.get_datasets(config, workdir, process_index=0, process_count=1, row_multiple=1)
   batch = next(data.train)
   assert set(batch) == set(BATCH_KEYS)
@@ -267,9 +331,9 @@ def test_mock_wmt(tmp_path, name, source, target):
   config.max_source_length = config.max_target_length = 64
   config.bucket_boundaries = (16, 32)
   with tfds.testing.mock_data(num_examples=64, policy=tfds.testing.MockPolicy.USE_CODE):
+    pairs = ip.open_split(config, 'train')  # Registers the WMT builders with TFDS.
     records = tfds.data_source(name, split='train')
     data = ip.get_datasets(config, str(tmp_path), process_index=0, process_count=1)
-    pairs = ip.open_split(config, 'train')
     assert pairs[3] == (records[3][source], records[3][target])
     batches = _take(data.train, data.steps_per_epoch)
     assert _examples(batches) == _expected(pairs, data.tokenizer, max_len=64)

@@ -52,7 +52,7 @@ RESUMABLE_FIELDS = frozenset({
     'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
     'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy', 'dtype',
     'attention_implementation', 'nonfinite', 'max_skipped_steps_in_a_row', 'tfds_data_dir', 'text_files', 'vocab_path',
-    'data_threads', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
+    'data_threads', 'prepare_workers', 'prefetch_batches', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
     'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
 })
 
@@ -116,7 +116,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.bucket_boundaries = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
   c.packing = False  # Pack several examples per row instead of length buckets.
   c.data_seed = 0
-  c.data_threads = 2  # grain threads that read and tokenize training batches.
+  c.data_threads = 2  # grain threads that cut bucketed training batches from the token ids.
+  # Processes that tokenize a split the first time it is used (0: one per CPU core).
+  c.prepare_workers = 0
+  # Batches built and copied to the devices ahead of the step that takes them.
+  c.prefetch_batches = 2
 
   # --- Training. ---
   c.seed = 0
@@ -193,7 +197,8 @@ def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None
                'data_threads'):
     _int_at_least(config, name, 1, '')
   for name in ('eval_every_steps', 'eval_batches', 'keep_checkpoints',
-               'keep_checkpoint_period', 'max_skipped_steps_in_a_row'):
+               'keep_checkpoint_period', 'max_skipped_steps_in_a_row', 'prepare_workers',
+               'prefetch_batches'):
     _int_at_least(config, name, 0, ' (0 turns it off)')
   _int_at_least(config, 'vocab_size_target', 8,
                 ' (4 ids are taken by pad, bos, eos, unk; the paper: 37000)')

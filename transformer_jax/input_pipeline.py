@@ -17,6 +17,11 @@ packed segment, 0 on padding) and `inputs_segmentation`/`targets_segmentation` (
 example in a row, 0 on padding). Rows are a multiple of `row_multiple` (this host's data-parallel
 shards); `tokens_per_batch` counts source (and, separately, target) token slots over all hosts.
 
+Each split is tokenized once (`tokenized`, `token_store`): its token ids are kept in binary
+arrays with an index beside the vocabulary, reused while the data and the vocabulary are the
+ones they were made from, and rebuilt, with a warning, when either changes. Batches are cut
+from those ids with numpy, a whole batch at a time.
+
 Training, bucketed (default): examples longer than `max_source_length`/`max_target_length` are
 dropped (and counted); each remaining example goes to the shortest length bucket that holds both
 sides, so the step compiles one shape per bucket. An epoch is a fixed list of global batches:
@@ -28,7 +33,7 @@ unstopped one would.
 
 Training, packed (`config.packing`): each host takes every process_count-th example, shuffles
 them per epoch and packs them first-fit into rows of max(max_source_length, max_target_length)
-tokens (grain's `FirstFitPackIterDataset`, whose state is checkpointable as well).
+tokens (`PackedBatches`, whose state, (epoch, position), is checkpointable as well).
 
 Evaluation never drops or truncates: longer sentences get longer buckets, and a partial last
 batch is filled with all-padding rows (segmentation 0, so they weigh nothing).
@@ -51,11 +56,13 @@ from typing import Any
 from absl import logging
 import grain
 import jax
+from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
 from transformer_jax import bible_en_es
+from transformer_jax import token_store
 from transformer_jax.config import PAD_ID
 from transformer_jax.errors import ConfigError, DataError, DatasetNotFoundError
 from transformer_jax.models import BATCH_KEYS
@@ -75,13 +82,20 @@ _TFDS_BUILDER_MODULES = {
 
 
 class ParallelText(Sequence):
-  """Random-access (source, target) string pairs of one split."""
+  """Random-access (source, target) string pairs of one split.
 
-  def __init__(self, records: Sequence[Any], source_key: Any, target_key: Any, name: str):
+  Attributes:
+    name: '<dataset>[<split>] <source>-><target>', for logs and file names.
+    fingerprint: changes when the data does (the token store compares it).
+  """
+
+  def __init__(self, records: Sequence[Any], source_key: Any, target_key: Any, name: str,
+               fingerprint: str):
     self._records = records
     self._source_key = source_key
     self._target_key = target_key
     self.name = name
+    self.fingerprint = fingerprint
 
   def __len__(self) -> int:
     return len(self._records)
@@ -93,6 +107,29 @@ class ParallelText(Sequence):
     record = self._records[index % len(self)]
     return _text(record[self._source_key]), _text(record[self._target_key])
 
+  def range(self, start: int, end: int) -> list[tuple[str, str]]:
+    """Pairs [start, end), read in one batched call where the source has one."""
+    indices = list(range(start, min(end, len(self))))
+    try:
+      records = self._records.__getitems__(indices)
+    except (AttributeError, TypeError):  # No batched read (or a mocked one that differs).
+      records = [self._records[i] for i in indices]
+    return [(_text(r[self._source_key]), _text(r[self._target_key])) for r in records]
+
+
+def _records_fingerprint(name: str, records: Sequence[Any], data_dir: str | None) -> str:
+  """Identifies TFDS records: their count, the files of the prepared dataset (names, sizes,
+  modification times) and the contents of a sample of records at both ends."""
+  digest = hashlib.sha256(f'{name}|{len(records)}'.encode())
+  if data_dir and os.path.isdir(data_dir):
+    for entry in sorted(os.scandir(data_dir), key=lambda e: e.name):
+      if entry.is_file():
+        stat = entry.stat()
+        digest.update(f'|{entry.name}:{stat.st_size}:{stat.st_mtime_ns}'.encode())
+  for i in [*range(min(16, len(records))), *range(max(16, len(records) - 16), len(records))]:
+    digest.update(repr(sorted(records[i].items())).encode())
+  return digest.hexdigest()[:16]
+
 
 def _text(value: Any) -> str:
   return value.decode('utf-8') if isinstance(value, bytes) else str(value)
@@ -103,14 +140,16 @@ def _default_data_dir(config: ml_collections.ConfigDict) -> str:
           or os.path.expanduser('~/tensorflow_datasets'))
 
 
-def _tfds_records(config: ml_collections.ConfigDict, split: str) -> Sequence[Any]:
+def _tfds_records(config: ml_collections.ConfigDict,
+                  split: str) -> tuple[Sequence[Any], str | None]:
+  """The split's records and the prepared dataset's directory (None if unknown)."""
   name = config.dataset
   family = name.split('/')[0].split(':')[0]
   if family in _TFDS_BUILDER_MODULES:
     importlib.import_module(_TFDS_BUILDER_MODULES[family])
   try:
-    return tfds.data_source(name, split=split, data_dir=config.tfds_data_dir or None,
-                            download=False)
+    records = tfds.data_source(name, split=split, data_dir=config.tfds_data_dir or None,
+                               download=False)
   except Exception as e:  # TFDS raises several types for "not there"; all mean the same here.
     data_dir = _default_data_dir(config)
     raise DatasetNotFoundError(
@@ -123,9 +162,16 @@ def _tfds_records(config: ml_collections.ConfigDict, split: str) -> Sequence[Any
         f'--out_file_format=array_record`. Or train offline on '
         f'--config=configs/bible_en_es.py. ({type(e).__name__}: {e})'.replace('\n', ' ')[:4000]
     ) from e
+  try:
+    data_dir = tfds.builder(name, data_dir=config.tfds_data_dir or None).data_dir
+  except Exception:  # Only the fingerprint uses it; the records' contents still count.
+    data_dir = None
+  return records, data_dir
 
 
-def _text_file_records(config: ml_collections.ConfigDict, split: str) -> list[dict[str, str]]:
+def _text_file_records(config: ml_collections.ConfigDict,
+                       split: str) -> tuple[list[dict[str, str]], str]:
+  """The split's pairs and a fingerprint of the two files' contents."""
   spec = config.text_files.get(split) if config.text_files else None
   if not spec or spec.count(',') != 1:
     raise DatasetNotFoundError(
@@ -133,26 +179,30 @@ def _text_file_records(config: ml_collections.ConfigDict, split: str) -> list[di
         f'(got {spec!r}).')
   paths = [p.strip() for p in spec.split(',')]
   sides = []
+  digest = hashlib.sha256()
   for path in paths:
     if not os.path.exists(path):
       raise DatasetNotFoundError(f'Text file {path} (split {split!r}) does not exist; fix '
                                  f'--config.text_files.{split}.')
-    sides.append(_read_text_lines(path, split))
+    sides.append(_read_text_lines(path, split, digest))
   if len(sides[0]) != len(sides[1]):
     raise DataError(f'{paths[0]} has {len(sides[0])} lines but {paths[1]} has '
                     f'{len(sides[1])}; parallel files need one sentence per line each, line i '
                     f'of one translating line i of the other (--config.text_files.{split}).')
-  return [{'source': s, 'target': t} for s, t in zip(*sides)]
+  return [{'source': s, 'target': t} for s, t in zip(*sides)], digest.hexdigest()[:16]
 
 
-def _read_text_lines(path: str, split: str) -> list[str]:
-  """The lines of a UTF-8 text file of `split`, split on '\\n' only.
+def _read_text_lines(path: str, split: str, digest: Any = None) -> list[str]:
+  """The lines of a UTF-8 text file of `split`, split on '\\n' only (`digest` is updated
+  with its bytes).
 
   Raises:
     DataError: the file is empty, binary (has NUL bytes) or not UTF-8.
   """
   with open(path, 'rb') as f:
     data = f.read()
+  if digest is not None:
+    digest.update(data)
   fix = f'fix --config.text_files.{split}'
   if not data.strip():
     raise DataError(f'Text file {path} (split {split!r}) is empty; {fix}.')
@@ -180,19 +230,21 @@ def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
   """
   name = f'{config.dataset}[{split}] {config.source_lang}->{config.target_lang}'
   if config.dataset == 'text':
-    return ParallelText(_text_file_records(config, split), 'source', 'target', name)
+    records, fingerprint = _text_file_records(config, split)
+    return ParallelText(records, 'source', 'target', name, fingerprint)
   if config.dataset == 'bible_en_es':
     builder = bible_en_es.prepare(config.tfds_data_dir or None)
-    records = builder.as_data_source(split)
+    records, data_dir = builder.as_data_source(split), builder.data_dir
   else:
-    records = _tfds_records(config, split)
+    records, data_dir = _tfds_records(config, split)
   if len(records):
     fields = set(records[0])
     for lang in (config.source_lang, config.target_lang):
       if lang not in fields:
         raise ConfigError(f'{config.dataset} has no language {lang!r} (fields: '
                           f'{sorted(fields)}); fix --config.source_lang/target_lang.')
-  return ParallelText(records, config.source_lang, config.target_lang, name)
+  return ParallelText(records, config.source_lang, config.target_lang, name,
+                      _records_fingerprint(name, records, data_dir))
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -224,43 +276,32 @@ def tokenizer_for(config: ml_collections.ConfigDict, workdir: str,
                                  model_type=config.vocab_model_type)
 
 
-def token_lengths(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer,
-                  cache_path: str | None = None, chunk: int = 4096) -> np.ndarray:
-  """[num_pairs, 2] int32 lengths (with EOS) of each side; 0 where a side is blank.
-
-  One tokenizing pass over the split; with `cache_path` the result is stored and reused.
-  """
-  if cache_path and os.path.exists(cache_path):
-    lengths = np.load(cache_path)
-    if len(lengths) == len(pairs):
-      return lengths
-  lengths = np.zeros((len(pairs), 2), np.int32)
-  for start in range(0, len(pairs), chunk):
-    block = [pairs[i] for i in range(start, min(start + chunk, len(pairs)))]
-    for side in (0, 1):
-      texts = [pair[side] for pair in block]
-      ids = tokenizer.encode_batch(texts)
-      lengths[start:start + len(block), side] = [
-          len(x) if text.strip() else 0 for text, x in zip(texts, ids)]
-  if cache_path:
-    os.makedirs(os.path.dirname(cache_path), exist_ok=True)
-    tmp = f'{cache_path}.{os.getpid()}.tmp.npy'
-    np.save(tmp, lengths)
-    os.replace(tmp, cache_path)
-  return lengths
+def store_directory(config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer,
+                    pairs: ParallelText) -> str:
+  """Where the token ids of `pairs` live: beside the vocabulary, in '<vocabulary>.tokens/'
+  (in the work directory's 'tokens/' when the vocabulary's directory is read-only)."""
+  name = re.sub(r'[^A-Za-z0-9_.-]+', '_', pairs.name).strip('_')
+  beside = os.path.dirname(os.path.abspath(tokenizer.model_path))
+  if os.access(beside, os.W_OK):
+    root = os.path.splitext(os.path.abspath(tokenizer.model_path))[0] + '.tokens'
+  else:
+    root = os.path.join(workdir, 'tokens', os.path.basename(
+        os.path.splitext(tokenizer.model_path)[0]))
+  return os.path.join(root, name)
 
 
-def make_batch(examples: Sequence[tuple[Sequence[int], Sequence[int]]], rows: int,
-               length: int) -> Batch:
-  """One unpacked batch: example r in row r, PAD after it; rows past the examples all PAD."""
-  batch = {key: np.zeros((rows, length), np.int32) for key in BATCH_KEYS}
-  batch['inputs'][:] = batch['targets'][:] = PAD_ID
-  for row, (source, target) in enumerate(examples):
-    for name, ids in (('inputs', source), ('targets', target)):
-      batch[name][row, :len(ids)] = ids
-      batch[f'{name}_positions'][row, :len(ids)] = np.arange(len(ids))
-      batch[f'{name}_segmentation'][row, :len(ids)] = 1
-  return batch
+def tokenized(pairs: ParallelText, tokenizer: Tokenizer, config: ml_collections.ConfigDict,
+              workdir: str) -> token_store.TokenStore:
+  """The token ids of `pairs`, prepared on first use (`prepare_data.py` does it ahead, on
+  several processes and hosts) and rebuilt, with a warning, when the data or vocabulary
+  changed."""
+  return token_store.open_or_prepare(
+      pairs, tokenizer, store_directory(config, workdir, tokenizer, pairs),
+      data_fingerprint=pairs.fingerprint, workers=prepare_workers(config))
+
+
+def prepare_workers(config: ml_collections.ConfigDict) -> int:
+  return config.prepare_workers or os.cpu_count() or 1
 
 
 # ----------------------------------------------------------------------------- buckets
@@ -329,10 +370,9 @@ def plan_buckets(lengths: np.ndarray, keep: np.ndarray, buckets: Sequence[int],
 class _BucketedBatches:
   """Step -> this host's rows of global batch `step` (a pure function; see module doc)."""
 
-  def __init__(self, pairs, tokenizer, plan: BucketPlan, process_index: int,
+  def __init__(self, store: token_store.TokenStore, plan: BucketPlan, process_index: int,
                process_count: int):
-    self._pairs = pairs
-    self._tokenizer = tokenizer
+    self._store = store
     self._plan = plan
     self._table = plan.batch_table
     self._process_index = process_index
@@ -344,49 +384,80 @@ class _BucketedBatches:
     host_rows = self._plan.rows[bucket] // self._process_count
     examples = self._plan.examples(epoch, bucket, chunk)
     mine = examples[self._process_index * host_rows:(self._process_index + 1) * host_rows]
-    return _read_batch(self._pairs, self._tokenizer, mine, host_rows,
-                       self._plan.lengths[bucket])
-
-
-def _read_batch(pairs, tokenizer, indices, rows, length) -> Batch:
-  texts = [pairs[int(i)] for i in indices]
-  sources = tokenizer.encode_batch([s for s, _ in texts])
-  targets = tokenizer.encode_batch([t for _, t in texts])
-  return make_batch(list(zip(sources, targets)), rows, length)
+    return self._store.batch(mine, host_rows, self._plan.lengths[bucket])
 
 
 # ----------------------------------------------------------------------------- packing
 
 
-def pack_examples(examples: grain.IterDataset, length: int, rows: int,
-                  seed: int = 0) -> grain.IterDataset:
-  """Packs {'inputs', 'targets'} int32 id arrays first-fit into [rows, length] batches.
+class PackedBatches(grain.IterDataset):
+  """Examples packed first-fit into [rows, length] batches, both sides at once.
 
-  Args:
-    examples: examples whose sides are each at most `length` long.
-    length: tokens per row, for inputs and for targets.
-    rows: rows per batch (also the number of bins packed at once).
-    seed: shuffles the rows of each packed batch.
-
-  Returns:
-    Batches in the project's format (see module doc).
+  Each epoch shuffles `members` (seeded by (seed, epoch)) and walks them in order: an example
+  goes to the first row with room for both its sides; the first one that fits no row closes
+  the batch and opens the next. The iterator's state is (epoch, position), so a restored run
+  sees exactly the batches an unstopped one would. Batches are cut from the token store with
+  numpy; only the first-fit choice is a loop, one numpy call per example.
   """
-  packed = grain.experimental.FirstFitPackIterDataset(
-      examples, length_struct={'inputs': length, 'targets': length}, num_packing_bins=rows,
-      seed=seed, shuffle_bins=True)
-  return packed.batch(rows).map(_rename_packed)
+
+  def __init__(self, store: token_store.TokenStore, members: np.ndarray, rows: int,
+               length: int, seed: int):
+    super().__init__()
+    self.store = store
+    self.members = np.asarray(members, np.int64)
+    self.rows = rows
+    self.length = length
+    self.seed = seed
+
+  @functools.lru_cache(maxsize=2)
+  def epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(example indices, their [n, 2] lengths) in epoch `epoch`'s order."""
+    order = np.random.default_rng([self.seed, epoch]).permutation(self.members)
+    return order, self.store.lengths[order]
+
+  def __iter__(self) -> '_PackedIterator':
+    return _PackedIterator(self)
+
+  def __str__(self) -> str:
+    return f'PackedBatches(rows={self.rows}, length={self.length})'
 
 
-def _rename_packed(batch: Batch) -> Batch:
-  """grain's packed batch under `BATCH_KEYS` (its '_segment_ids' are our '_segmentation')."""
-  renamed = {key.replace('_segmentation', '_segment_ids'): key for key in BATCH_KEYS}
-  return {key: batch[theirs].astype(np.int32) for theirs, key in renamed.items()}
+class _PackedIterator(grain.DatasetIterator):
 
+  def __init__(self, packed: PackedBatches):
+    super().__init__()
+    self._packed = packed
+    self._epoch = 0
+    self._position = 0
 
-def _tokenized_example(pairs, tokenizer, index) -> dict[str, np.ndarray]:
-  source, target = pairs[int(index)]
-  return {'inputs': np.asarray(tokenizer.encode(source), np.int32),
-          'targets': np.asarray(tokenizer.encode(target), np.int32)}
+  def __next__(self) -> Batch:
+    packed = self._packed
+    order, lengths = packed.epoch_order(self._epoch)
+    room = np.full((packed.rows, 2), packed.length, np.int64)
+    rows = np.empty(len(order), np.int64)
+    position = self._position
+    while position < len(order):
+      need = lengths[position]
+      fits = (room >= need).all(axis=1)
+      row = int(fits.argmax())
+      if not fits[row]:
+        break
+      room[row] -= need
+      rows[position] = row
+      position += 1
+    chosen = slice(self._position, position)
+    batch = packed.store.packed_batch(order[chosen], rows[chosen], packed.rows, packed.length)
+    if position >= len(order):
+      self._epoch, self._position = self._epoch + 1, 0
+    else:
+      self._position = position
+    return batch
+
+  def get_state(self) -> dict[str, int]:
+    return {'epoch': self._epoch, 'position': self._position}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    self._epoch, self._position = int(state['epoch']), int(state['position'])
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -411,23 +482,20 @@ class TrainData:
   skipped_empty: int
 
 
-def train_dataset(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer,
-                  config: ml_collections.ConfigDict, *, process_index: int = 0,
-                  process_count: int = 1, row_multiple: int = 1,
-                  cache_path: str | None = None) -> TrainData:
+def train_dataset(store: token_store.TokenStore, config: ml_collections.ConfigDict, *,
+                  process_index: int = 0, process_count: int = 1,
+                  row_multiple: int = 1) -> TrainData:
   """The training batches of this host (see the module doc for bucketing and packing).
 
   Args:
-    pairs: the training split.
-    tokenizer: the shared vocabulary.
+    store: the training split's token ids (`tokenized`).
     config: reads max_source_length, max_target_length, tokens_per_batch, bucket_boundaries,
       packing, data_seed and data_threads.
     process_index: this host.
     process_count: all hosts; each gets tokens_per_batch / process_count of the budget.
     row_multiple: rows of every batch are a multiple of this (this host's data shards).
-    cache_path: where to keep the token lengths of `pairs` (.npy) between runs.
   """
-  lengths = token_lengths(pairs, tokenizer, cache_path)
+  lengths = store.lengths
   nonempty = (lengths > 0).all(axis=1)
   fits = ((lengths[:, 0] <= config.max_source_length)
           & (lengths[:, 1] <= config.max_target_length))
@@ -435,23 +503,17 @@ def train_dataset(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer,
   skipped_empty = int((~nonempty).sum())
   dropped = int((nonempty & ~fits).sum())
   logging.info('%s: %d training pairs; skipped %d with an empty side; dropped %d longer '
-               'than %d source / %d target tokens.', getattr(pairs, 'name', 'train'),
-               int(keep.sum()), skipped_empty, dropped, config.max_source_length,
-               config.max_target_length)
+               'than %d source / %d target tokens.', store.directory, int(keep.sum()),
+               skipped_empty, dropped, config.max_source_length, config.max_target_length)
   if not keep.any():
     raise DataError('No training example is left after filtering; check the data and '
                     '--config.max_source_length/max_target_length.')
   max_length = max(config.max_source_length, config.max_target_length)
   shards = row_multiple * process_count
-  options = grain.ReadOptions(num_threads=config.data_threads,
-                              prefetch_buffer_size=8)
   if config.packing:
     rows = rows_for(max_length, config.tokens_per_batch, shards) // process_count
     mine = np.flatnonzero(keep)[process_index::process_count]
-    examples = (grain.MapDataset.source(mine).shuffle(seed=config.data_seed).repeat(None)
-                .map(functools.partial(_tokenized_example, pairs, tokenizer))
-                .to_iter_dataset(options))
-    dataset = pack_examples(examples, max_length, rows, seed=config.data_seed)
+    dataset = PackedBatches(store, mine, rows, max_length, config.data_seed)
     average = lengths[keep].max(axis=1).mean()
     steps = max(1, math.ceil(len(mine) * average / (rows * max_length)))
   else:
@@ -459,28 +521,25 @@ def train_dataset(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer,
     plan = plan_buckets(lengths, keep, buckets, config.tokens_per_batch, shards,
                         config.data_seed)
     steps = len(plan.batch_table)
+    options = grain.ReadOptions(num_threads=config.data_threads, prefetch_buffer_size=8)
     dataset = (grain.MapDataset.range(steps).shuffle(seed=config.data_seed).repeat(None)
-               .map_with_index(_BucketedBatches(pairs, tokenizer, plan, process_index,
-                                                process_count))
+               .map_with_index(_BucketedBatches(store, plan, process_index, process_count))
                .to_iter_dataset(options))
   return TrainData(dataset, steps, int(keep.sum()), dropped, skipped_empty)
 
 
-def eval_batches(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer,
-                 config: ml_collections.ConfigDict, *, process_index: int = 0,
-                 process_count: int = 1, row_multiple: int = 1,
-                 lengths: np.ndarray | None = None) -> Iterator[Batch]:
-  """Every non-blank pair of `pairs` exactly once, whole, in unpacked bucketed batches.
+def eval_batches(store: token_store.TokenStore, config: ml_collections.ConfigDict, *,
+                 process_index: int = 0, process_count: int = 1,
+                 row_multiple: int = 1) -> Iterator[Batch]:
+  """Every non-blank pair of `store` exactly once, whole, in unpacked bucketed batches.
 
   Batches are global (every host gets the same number, of the same shapes) and each host
-  gets its rows; all-padding rows fill the last batch of a bucket. `lengths` (from
-  `token_lengths`) saves a tokenizing pass when given.
+  gets its rows; all-padding rows fill the last batch of a bucket.
   """
-  if lengths is None:
-    lengths = token_lengths(pairs, tokenizer)
+  lengths = store.lengths
   keep = (lengths > 0).all(axis=1)
   if (~keep).any():
-    logging.info('%s: skipped %d pairs with an empty side.', getattr(pairs, 'name', 'eval'),
+    logging.info('%s: skipped %d pairs with an empty side.', store.directory,
                  int((~keep).sum()))
   max_length = max(config.max_source_length, config.max_target_length)
   buckets = bucket_lengths(config.bucket_boundaries, max_length)
@@ -493,7 +552,7 @@ def eval_batches(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer,
     for start in range(0, len(members), rows):
       mine = members[start:start + rows][process_index * host_rows:
                                          (process_index + 1) * host_rows]
-      yield _read_batch(pairs, tokenizer, mine, host_rows, length)
+      yield store.batch(mine, host_rows, length)
 
 
 def nonblank_pairs(pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
@@ -526,6 +585,17 @@ class Datasets:
   train_info: TrainData
 
 
+def _tokenized_on_every_host(config, workdir, tokenizer, splits):
+  """The token stores of `splits`. Process 0 prepares them first; the others then find them
+  ready on a shared filesystem, or prepare their own copies on local disks."""
+  if jax.process_count() > 1 and jax.process_index() != 0:
+    multihost_utils.sync_global_devices('token stores: process 0 prepared')
+  stores = [tokenized(pairs, tokenizer, config, workdir) for pairs in splits]
+  if jax.process_count() > 1 and jax.process_index() == 0:
+    multihost_utils.sync_global_devices('token stores: process 0 prepared')
+  return stores
+
+
 def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
                  process_index: int | None = None, process_count: int | None = None,
                  row_multiple: int = 1) -> Datasets:
@@ -533,7 +603,7 @@ def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
 
   Args:
     config: the run's config (see `config.base_config`, Data section).
-    workdir: holds the cached vocabulary (`vocab/`) and token lengths (`data_cache/`).
+    workdir: holds the vocabulary (`vocab/`) and, beside it, the token ids of the splits.
     process_index: this host; default `jax.process_index()`.
     process_count: all hosts; default `jax.process_count()`.
     row_multiple: every batch's rows are a multiple of this (this host's data shards).
@@ -551,22 +621,13 @@ def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
   train_pairs = open_split(config, config.train_split)
   eval_pairs = open_split(config, config.eval_split)
   tokenizer = tokenizer_for(config, workdir, train_pairs)
-  key = hashlib.sha256(f'{train_pairs.name}|{len(train_pairs)}|{tokenizer.fingerprint}|'
-                       f'{dict(config.text_files) if config.text_files else ""}'
-                       .encode()).hexdigest()[:16]
-  cache_path = os.path.join(workdir, 'data_cache', f'train_lengths.{key}.npy')
-  info = train_dataset(train_pairs, tokenizer, config, process_index=process_index,
-                       process_count=process_count, row_multiple=row_multiple,
-                       cache_path=cache_path)
-
-  eval_lengths = []  # Tokenized once, on the first evaluation.
+  stores = _tokenized_on_every_host(config, workdir, tokenizer, (train_pairs, eval_pairs))
+  info = train_dataset(stores[0], config, process_index=process_index,
+                       process_count=process_count, row_multiple=row_multiple)
 
   def make_eval_batches() -> Iterator[Batch]:
-    if not eval_lengths:
-      eval_lengths.append(token_lengths(eval_pairs, tokenizer))
-    return eval_batches(eval_pairs, tokenizer, config, process_index=process_index,
-                        process_count=process_count, row_multiple=row_multiple,
-                        lengths=eval_lengths[0])
+    return eval_batches(stores[1], config, process_index=process_index,
+                        process_count=process_count, row_multiple=row_multiple)
 
   return Datasets(train=iter(info.dataset), steps_per_epoch=info.steps_per_epoch,
                   eval_batches=make_eval_batches,

@@ -29,7 +29,8 @@ TENSORBOARD_DIR = 'tensorboard'
 def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str, float],
                     skipped_total: int, timed: Mapping[str, float] | None = None,
                     seconds: float = 0.0, flops: float = 0.0,
-                    peak_flops: float | None = None) -> dict[str, float]:
+                    peak_flops: float | None = None,
+                    data_wait_seconds: float | None = None) -> dict[str, float]:
   """Means and rates of one logging interval of training.
 
   Args:
@@ -42,6 +43,7 @@ def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str,
     seconds: the wall time of the `timed` steps.
     flops: their model FLOPs (see `flops.batch_flops`).
     peak_flops: the whole job's peak FLOP/s; None where unknown (no MFU then).
+    data_wait_seconds: of `seconds`, how long the loop waited for input batches.
   """
   tokens = max(sums['tokens'], 1.0)
   out = {
@@ -58,6 +60,8 @@ def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str,
     out['target_tokens_per_second'] = timed['tokens'] / seconds
     if peak_flops:
       out['mfu'] = model_flops.mfu(flops, seconds, peak_flops)
+    if data_wait_seconds is not None:
+      out['data_wait_share'] = min(1.0, data_wait_seconds / seconds)
   return out
 
 
@@ -137,15 +141,18 @@ class MetricsWriter:
     if split == 'train':
       rate = values.get('tokens_per_second', float('nan'))
       shown = {'loss': f'{values["loss"]:.3f}', 'tok/s': f'{rate:.0f}'}
+      if 'data_wait_share' in values:
+        shown['data wait'] = f'{values["data_wait_share"]:.0%}'
       if self._bar is not None:
         self._bar.set_postfix(shown, refresh=False)
         return
       done = step - self._start_step
       eta = (self._total - step) * (time.time() - self._start_time) / max(done, 1)
       logging.info('step %d/%d  loss %.4f  ppl %.2f  lr %.3g  |g| %.3g  %.0f tok/s  '
-                   'pad %.0f%%  skipped %d  ETA %s', step, self._total, values['loss'],
-                   values['perplexity'], values['learning_rate'], values['grad_norm'],
-                   rate, 100 * values['padding_share'],
+                   'pad %.0f%%  data wait %.0f%%  skipped %d  ETA %s', step, self._total,
+                   values['loss'], values['perplexity'], values['learning_rate'],
+                   values['grad_norm'], rate, 100 * values['padding_share'],
+                   100 * values.get('data_wait_share', float('nan')),
                    values['skipped_steps'], _duration(eta))
     else:
       message = (f'step {step}: {split} loss {values["loss"]:.4f}  perplexity '

@@ -27,6 +27,7 @@ from transformer_jax import input_pipeline
 from transformer_jax import metrics_writer
 from transformer_jax import multihost
 from transformer_jax import optimizer
+from transformer_jax import prefetch
 from transformer_jax import train_steps
 from transformer_jax import workdir_lock
 from transformer_jax.config import ConfigError, TransformerConfig
@@ -149,10 +150,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       keep_period=config.keep_checkpoint_period)
   own_signal = stop_signal is None
   stop_signal = stop_signal or multihost.StopSignal()
-  writer = None
+  writer = batches = None
   with checkpointer.reporting_full_disk():  # One message, whichever write fails.
     try:
-      state = _restore_or_initialize(config, checkpointer, datasets, model_config,
+      batches = prefetch.DevicePrefetcher(datasets.train, partitioner.shard_batch,
+                                          config.prefetch_batches)
+      state = _restore_or_initialize(config, checkpointer, datasets, batches, model_config,
                                      optimizer_config, partitioner)
       tx, schedule = optimizer.create_optimizer(optimizer_config)
       _, shardings = train_steps.abstract_state(model_config, tx, partitioner)
@@ -168,9 +171,11 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                  f'{config.num_train_steps}.')
       meta = checkpointing.make_meta(config, datasets.tokenizer)
       with partitioner.activate():
-        return _train_loop(config, state, datasets, partitioner, train_step, eval_step,
-                           checkpointer, meta, writer, stop_signal, model_config)
+        return _train_loop(config, state, datasets, batches, partitioner, train_step,
+                           eval_step, checkpointer, meta, writer, stop_signal, model_config)
     finally:
+      if batches is not None:
+        batches.close()
       checkpointer.wait()
       checkpointer.close()
       if writer is not None:
@@ -181,7 +186,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
 def _restore_or_initialize(config: ml_collections.ConfigDict,
                            checkpointer: checkpointing.Checkpointer,
-                           datasets: input_pipeline.Datasets, model_config: TransformerConfig,
+                           datasets: input_pipeline.Datasets,
+                           batches: prefetch.DevicePrefetcher, model_config: TransformerConfig,
                            optimizer_config: optimizer.OptimizerConfig,
                            partitioner: Partitioner) -> train_steps.TrainState:
   """The latest checkpoint's state (after checking its config), or a fresh one."""
@@ -202,7 +208,7 @@ def _restore_or_initialize(config: ml_collections.ConfigDict,
             f'vocabulary, but {datasets.tokenizer.model_path} has '
             f'{datasets.tokenizer.vocab_size}; point --config.vocab_path at the original '
             f'model ({saved["tokenizer"]["path"]}) or use a new --workdir.')
-      state = checkpointer.restore(step, abstract, datasets.train, saved.get('checksums'))
+      state = checkpointer.restore(step, abstract, batches, saved.get('checksums'))
     except CheckpointError as e:
       damaged.append((step, e))
       continue
@@ -219,7 +225,8 @@ def _restore_or_initialize(config: ml_collections.ConfigDict,
 
 
 def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState,
-                datasets: input_pipeline.Datasets, partitioner: Partitioner,
+                datasets: input_pipeline.Datasets, batches: prefetch.DevicePrefetcher,
+                partitioner: Partitioner,
                 train_step: Callable, eval_step: Callable,
                 checkpointer: checkpointing.Checkpointer, meta: Mapping[str, Any],
                 writer: metrics_writer.MetricsWriter, stop_signal: multihost.StopSignal,
@@ -235,8 +242,8 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
   stopped = False
   skipped_in_a_row = 0  # Up to the last step fetched.
   for step in range(start, config.num_train_steps):
-    batch = next(datasets.train)
-    state, metrics = train_step(state, partitioner.shard_batch(batch))
+    batch, device_batch = next(batches)
+    state, metrics = train_step(state, device_batch)
     done = step + 1
     pending.append(metrics)
     checkpointer.check_for_errors()  # A failed background save surfaces at once.
@@ -244,6 +251,7 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
       jax.block_until_ready(metrics)
       writer.log(f'First step (with compilation) took {time.time() - interval_start:.1f}s.')
       interval_start, untimed = time.time(), 1
+      batches.take_wait_seconds()  # The first batch's wait is part of compiling.
     else:
       # Model FLOPs of the real tokens; other hosts' batches are taken to be alike.
       flops += jax.process_count() * model_flops.batch_flops(
@@ -264,7 +272,8 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
           metrics_writer.sum_metrics(fetched), steps=len(fetched), last=fetched[-1],
           skipped_total=int(state.skipped_steps),
           timed=metrics_writer.sum_metrics(fetched[untimed:]),
-          seconds=time.time() - interval_start, flops=flops, peak_flops=peak)
+          seconds=time.time() - interval_start, flops=flops, peak_flops=peak,
+          data_wait_seconds=batches.take_wait_seconds())
       writer.write(done, 'train', summary)
       pending, untimed, flops, interval_start = [], 0, 0.0, time.time()
       for m in fetched:
@@ -288,7 +297,7 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
       interval_start += time.time() - eval_start  # Evaluation is not training throughput.
 
     if stopped or checkpointer.should_save(done):
-      _save(checkpointer, state, datasets.train, meta, writer)
+      _save(checkpointer, state, batches, meta, writer)
     if stopped:
       logging.info('Stop requested: saving step %d on process %d, then exiting.', done,
                    jax.process_index())
