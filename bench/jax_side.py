@@ -163,8 +163,8 @@ def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: ja
   Returns:
     int32 [batch, output_length], the best hypothesis of each row.
   """
-  model_step, cache = translator.start_decoding(model_config, params, inputs, output_length,
-                                                beam_size)
+  model_step, cache = translator.start_decoding(
+      model_config, params, inputs, decode.cache_lengths(output_length)[0], beam_size)
 
   def tokens_to_logits(tokens, cache):
     logits, cache = model_step(tokens, cache)
@@ -173,10 +173,11 @@ def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: ja
   batch_size = inputs.shape[0]
   if beam_size == 1:
     sequences, _ = decode.greedy_search(tokens_to_logits, cache, batch_size,
-                                        output_length)
+                                        output_length, grow_cache=translator.grow_cache)
     return sequences
   sequences, _ = decode.beam_search(tokens_to_logits, cache, batch_size,
-                                    beam_size, output_length, alpha=alpha)
+                                    beam_size, output_length, alpha=alpha,
+                                    grow_cache=translator.grow_cache)
   return sequences[:, 0]
 
 

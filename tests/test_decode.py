@@ -457,3 +457,30 @@ def test_searches_run_with_the_batch_sharded_over_two_devices(tmp_path):
       [sys.executable, '-c', _SHARDED_SCRIPT, str(tmp_path / 'expected.npz')], env=env,
       capture_output=True, text=True, timeout=300)
   assert result.returncode == 0 and 'ok' in result.stdout, result.stderr[-3000:]
+
+
+def _grow_toy_cache(cache, length):
+  memory = cache['memory']
+  return dict(cache, memory=jnp.pad(memory, ((0, 0), (0, length - memory.shape[1]), (0, 0))))
+
+
+@pytest.mark.parametrize('search', ['greedy', 'beam', 'sample'])
+def test_searches_in_phases_of_growing_cache_equal_one_loop(search):
+  """Phases of 16, 32 and 40 positions give what one loop over 40 gives."""
+  assert decode.cache_lengths(40) == (16, 32, 40)
+  assert decode.cache_lengths(16) == (16,) and decode.cache_lengths(5) == (5,)
+  model = ToyDecoder(max_len=40, seed=3, eos_bias=-2.0)  # Long outputs: every phase runs.
+  sources = model.sources(3)
+  cache = model.init_cache(sources)
+  short = dict(cache, memory=cache['memory'][:, :16])
+  options = {'max_decode_len': 40}
+  if search == 'beam':
+    options['beam_size'] = 3
+  rng = jax.random.key(5) if search == 'sample' else None
+  one = jax.device_get(_search(model.params, cache, rng, search,
+                               tuple(sorted(options.items()))))
+  phased = jax.device_get(_search(model.params, short, rng, search, tuple(sorted(dict(
+      options, grow_cache=_grow_toy_cache).items()))))
+  np.testing.assert_array_equal(phased[0], one[0])
+  np.testing.assert_allclose(phased[1], one[1], rtol=1e-6)
+  assert max(len(strip(s)) for s in np.reshape(one[0], (-1, 40))) > 32  # The last phase ran.

@@ -170,6 +170,22 @@ def test_beam_size_one_is_greedy_search_on_the_model(loaded, run_dir):
   assert np.mean(np.any(np.asarray(greedy_seqs) == EOS_ID, axis=1)) >= 0.75
 
 
+def test_search_in_phases_of_growing_cache_equals_one_loop(loaded, run_dir):
+  """translator.search grows the caches in phases (16, 32, 40 positions here); one loop over
+  a 40-position cache gives the same hypotheses and scores."""
+  _, checkpoint = loaded
+  sources, _ = _test_sources(run_dir)
+  inputs = _padded_inputs(checkpoint.tokenizer, sources[:4], 16)
+  options = translator_lib.DecodeOptions(beam_size=3, length_penalty=0.6)
+  phased = jax.jit(translator_lib.search, static_argnums=(0, 3, 4))(
+      checkpoint.model_config, checkpoint.params, inputs, options, 40)
+  tokens_to_logits, cache = translator_lib.start_decoding(
+      checkpoint.model_config, checkpoint.params, inputs, 40, 3)
+  one = decode.beam_search(tokens_to_logits, cache, 4, 3, 40, alpha=0.6)
+  np.testing.assert_array_equal(phased[0], one[0])
+  np.testing.assert_allclose(phased[1], one[1], rtol=1e-5)
+
+
 @functools.partial(jax.jit, static_argnames='cfg')
 def _teacher_forced_log_probs(cfg, params, inputs, sequences):
   """log P(Y | X) by one full (uncached) forward pass, summed over Y's non-pad tokens."""

@@ -16,8 +16,8 @@ What no step changes (the encoder output, its encoder-decoder attention keys and
 source mask) is the same for all beams of a row, so it belongs in the callback's closure, not
 in the cache: tiled once, the same way, with `tile_beams`, and never gathered.
 
-Every search is one `lax.while_loop` with only batch-parallel operations and no host
-callbacks, so it can be traced under `jax.jit` with the batch sharded over devices. Sizes and
+Every search is one `lax.while_loop` (one per phase with `grow_cache`, see `cache_lengths`)
+with only batch-parallel operations and no host callbacks, so it can be traced under `jax.jit` with the batch sharded over devices. Sizes and
 search options are Python values (static under `jit`):
 
     @functools.partial(jax.jit, static_argnames=('max_decode_len',))
@@ -49,6 +49,41 @@ from transformer_jax.config import BOS_ID, EOS_ID, LENGTH_PENALTY_FORMS, PAD_ID
 PyTree = Any
 # tokens [batch, 1] int32, cache -> logits [batch, vocab], new cache.
 TokensToLogits = Callable[[jax.Array, PyTree], tuple[jax.Array, PyTree]]
+# cache, new length -> the cache with room for that many positions (see `cache_lengths`).
+GrowCache = Callable[[PyTree, int], PyTree]
+FIRST_CACHE_LENGTH = 16
+
+
+def cache_lengths(max_decode_len: int, first: int = FIRST_CACHE_LENGTH) -> tuple[int, ...]:
+  """The cache lengths of a search in phases: first, 2 first, 4 first, ... below
+  `max_decode_len`, then `max_decode_len`.
+
+  A search given `grow_cache` runs one loop per phase over a cache of that phase's length,
+  and grows the cache between phases. Self-attention over the cache and beam search's
+  reordering of it then cost what the longest alive hypothesis needs, within 2x, instead
+  of `max_decode_len` (the paper's source length + 50) at every step.
+  """
+  lengths = []
+  length = first
+  while length < max_decode_len:
+    lengths.append(length)
+    length *= 2
+  return tuple(lengths) + (max_decode_len,)
+
+
+def _phased_while(cond: Callable[[Any], jax.Array], body: Callable[[Any], Any], init: Any,
+                  max_decode_len: int, grow_cache: GrowCache | None) -> Any:
+  """`lax.while_loop(cond, body, init)`, in phases of growing cache when `grow_cache` is
+  given (`init.cache` then has `cache_lengths(max_decode_len)[0]` positions). `init` has
+  `step` and `cache` fields; the loop ends where the single loop would."""
+  if grow_cache is None:
+    return lax.while_loop(cond, body, init)
+  state = init
+  for i, length in enumerate(cache_lengths(max_decode_len)):
+    if i:
+      state = state._replace(cache=grow_cache(state.cache, length))
+    state = lax.while_loop(lambda s, end=length: cond(s) & (s.step < end), body, state)
+  return state
 
 NEG_INF = float('-inf')
 
@@ -136,6 +171,7 @@ def _sampling_loop(
     eos_id: int,
     bos_id: int,
     pad_id: int,
+    grow_cache: GrowCache | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Decodes one token a row a step with `select(logits [batch, vocab], rng) -> [batch]`."""
   _check_common(batch_size, max_decode_len)
@@ -169,7 +205,7 @@ def _sampling_loop(
       finished=jnp.zeros((batch_size,), bool),
       cache=cache,
       rng=rng)
-  final = lax.while_loop(cond, body, init)
+  final = _phased_while(cond, body, init, max_decode_len, grow_cache)
   return final.sequences, final.log_probs
 
 
@@ -181,17 +217,21 @@ def greedy_search(
     eos_id: int = EOS_ID,
     bos_id: int = BOS_ID,
     pad_id: int = PAD_ID,
+    grow_cache: GrowCache | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Picks the most probable next token (never `pad_id`) until EOS or `max_decode_len`.
 
   Args:
     tokens_to_logits: one decoder step, see the module docstring.
-    cache: the decoder cache for `batch_size` rows.
+    cache: the decoder cache for `batch_size` rows (for the first of `cache_lengths` when
+      `grow_cache` is given).
     batch_size: rows decoded together.
     max_decode_len: the most tokens a row gets, EOS included.
     eos_id: the end-of-sequence id; a row stops after producing it.
     bos_id: the first input token.
     pad_id: fills rows after their EOS; never chosen.
+    grow_cache: search in phases of growing cache (see `cache_lengths`); None: one loop
+      over a cache of `max_decode_len`.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -200,7 +240,7 @@ def greedy_search(
   """
   return _sampling_loop(
       tokens_to_logits, cache, lambda logits, _: jnp.argmax(logits, axis=-1), None,
-      batch_size, max_decode_len, eos_id, bos_id, pad_id)
+      batch_size, max_decode_len, eos_id, bos_id, pad_id, grow_cache)
 
 
 def _filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -240,6 +280,7 @@ def sample(
     eos_id: int = EOS_ID,
     bos_id: int = BOS_ID,
     pad_id: int = PAD_ID,
+    grow_cache: GrowCache | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples each next token (never `pad_id`) until EOS or `max_decode_len`.
 
@@ -248,7 +289,7 @@ def sample(
 
   Args:
     tokens_to_logits: one decoder step, see the module docstring.
-    cache: the decoder cache for `batch_size` rows.
+    cache: the decoder cache for `batch_size` rows (see `greedy_search`).
     rng: a PRNG key; step t uses `fold_in(rng, t)`.
     batch_size: rows decoded together.
     max_decode_len: the most tokens a row gets, EOS included.
@@ -258,6 +299,7 @@ def sample(
     eos_id: the end-of-sequence id; a row stops after producing it.
     bos_id: the first input token.
     pad_id: fills rows after their EOS; never sampled.
+    grow_cache: see `greedy_search`.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -278,7 +320,7 @@ def sample(
     return jax.random.categorical(step_rng, logits, axis=-1)
 
   return _sampling_loop(tokens_to_logits, cache, select, rng, batch_size, max_decode_len,
-                        eos_id, bos_id, pad_id)
+                        eos_id, bos_id, pad_id, grow_cache)
 
 
 # --- Beam search. ---
@@ -306,6 +348,7 @@ def beam_search(
     eos_id: int = EOS_ID,
     bos_id: int = BOS_ID,
     pad_id: int = PAD_ID,
+    grow_cache: GrowCache | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search with a length penalty, as in the paper (beam 4, alpha 0.6).
 
@@ -332,7 +375,7 @@ def beam_search(
     cache: the decoder cache for `batch_size` rows (not tiled); leaves with ndim >= 1 are
       tiled to [batch * beam_size, ...] here and reordered with the beams at every step,
       ndim-0 leaves are passed through. Keep what no step changes out of it (see the module
-      docstring).
+      docstring). With `grow_cache`, for the first of `cache_lengths`.
     batch_size: rows decoded together.
     beam_size: hypotheses kept per row.
     max_decode_len: the most tokens a hypothesis has, EOS included (the paper: source
@@ -343,6 +386,7 @@ def beam_search(
     eos_id: the end-of-sequence id.
     bos_id: the first input token.
     pad_id: fills sequences after their end; never generated.
+    grow_cache: see `greedy_search`; the cache is grown after tiling.
 
   Returns:
     sequences: int32 [batch, beam_size, max_decode_len], best first; each the tokens, the
@@ -431,7 +475,7 @@ def beam_search(
       finished_scores=jnp.full((batch_size, beam_size), NEG_INF, jnp.float32),
       finished_flags=jnp.zeros((batch_size, beam_size), bool),
       cache=tile_beams(cache, beam_size))
-  final = lax.while_loop(cond, body, init)
+  final = _phased_while(cond, body, init, max_decode_len, grow_cache)
 
   # Finished hypotheses (flagged ones first, sorted) fill the first slots; alive beams, all
   # max_decode_len long when this is needed, fill the rest in order.

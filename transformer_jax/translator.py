@@ -155,6 +155,16 @@ class DecodeStats:
     return self.output_tokens / max(self.decode_seconds, 1e-9)
 
 
+def grow_cache(cache: PyTree, length: int) -> PyTree:
+  """The decoder's 'cache' with room for `length` positions (`decode.GrowCache`): the
+  self-attention keys and values [rows, positions, heads, head_dim] padded at the end."""
+  def grow(x):
+    if jnp.ndim(x) < 2:
+      return x  # The cache_index counters.
+    return jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+  return jax.tree.map(grow, cache)
+
+
 def start_decoding(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
                    max_decode_len: int, beam_size: int = 1
                    ) -> tuple[decode.TokensToLogits, PyTree]:
@@ -172,7 +182,8 @@ def start_decoding(model_config: TransformerConfig, params: PyTree, inputs: jax.
     model_config: the model's config (decode mode and no dropout are set here).
     params: the parameters.
     inputs: int32 [batch, source_length], ids ending with EOS, then PAD.
-    max_decode_len: room in the self-attention caches, in output tokens.
+    max_decode_len: room in the self-attention caches, in output tokens: pass
+      `decode.cache_lengths(n)[0]` to search up to n tokens with `grow_cache=grow_cache`.
     beam_size: the beam size of the search the step is for; 1 for greedy search and
       sampling.
 
@@ -215,19 +226,21 @@ def search(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
     sequences: int32 [batch, beam, max_decode_len], best first, PAD after the end.
     scores: float32 [batch, beam], log P(Y) / lp(|Y|), descending.
   """
-  tokens_to_logits, cache = start_decoding(model_config, params, inputs, max_decode_len,
-                                           options.beam_size)
+  tokens_to_logits, cache = start_decoding(
+      model_config, params, inputs, decode.cache_lengths(max_decode_len)[0],
+      options.beam_size)
   batch_size = inputs.shape[0]
   if options.beam_size == 1:
     sequences, log_probs = decode.greedy_search(tokens_to_logits, cache, batch_size,
-                                                max_decode_len)
+                                                max_decode_len, grow_cache=grow_cache)
     lengths = jnp.sum(sequences != PAD_ID, axis=1)
     scores = log_probs / decode.length_penalty(lengths, options.length_penalty,
                                                options.length_penalty_form)
     return sequences[:, None], scores[:, None]
   return decode.beam_search(
       tokens_to_logits, cache, batch_size, options.beam_size, max_decode_len,
-      alpha=options.length_penalty, length_penalty_form=options.length_penalty_form)
+      alpha=options.length_penalty, length_penalty_form=options.length_penalty_form,
+      grow_cache=grow_cache)
 
 
 def _next_power_of_two(n: int) -> int:
