@@ -280,7 +280,7 @@ def store_directory(config: ml_collections.ConfigDict, workdir: str, tokenizer: 
                     pairs: ParallelText) -> str:
   """Where the token ids of `pairs` live: beside the vocabulary, in '<vocabulary>.tokens/'
   (in the work directory's 'tokens/' when the vocabulary's directory is read-only)."""
-  name = re.sub(r'[^A-Za-z0-9_.-]+', '_', pairs.name).strip('_')
+  name = re.sub(r'[^A-Za-z0-9_.-]+', '_', pairs.name.replace('->', '-to-')).strip('_')
   beside = os.path.dirname(os.path.abspath(tokenizer.model_path))
   if os.access(beside, os.W_OK):
     root = os.path.splitext(os.path.abspath(tokenizer.model_path))[0] + '.tokens'

@@ -252,7 +252,9 @@ def prepare(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, directory: s
     if not os.path.exists(path):  # Written whole by an earlier, interrupted run.
       tasks.append((path, k * PART_SIZE, min(len(pairs), (k + 1) * PART_SIZE), k))
   start = time.perf_counter()
-  workers = max(1, min(workers, len(tasks)))
+  # A spawned worker takes seconds to start (it imports the package): worth it only when
+  # each gets two parts or more.
+  workers = max(1, min(workers, len(tasks) // 2))
   if workers == 1:
     _init_worker(pairs, tokenizer.model_path)
     done = sum(_write_part(task) for task in tasks)
