@@ -76,7 +76,7 @@ def main(argv: list[str]) -> None:
     tokens = store.meta['tokens']
     print(f'{split}: {len(store):,} pairs, {tokens[0]:,} source and {tokens[1]:,} target '
           f'tokens, {store.meta["blank"]} with a blank side -> {directory} ({seconds:.0f} s, '
-          f'{workers} processes)')
+          f'up to {workers} processes)')
 
 
 flags.adopt_module_key_flags(cli)
