@@ -129,7 +129,12 @@ def _quiet_orbax(record: std_logging.LogRecord) -> bool:
   background threads log (each also reaches the main thread, which reports it); its
   warnings still show."""
   if '/orbax/' not in record.pathname:
-    return True
+    # An orbax failure can also arrive through asyncio ("Task exception was never
+    # retrieved") with orbax's frames in its traceback.
+    failure = record.exc_info[2] if record.exc_info else None
+    from_orbax = failure is not None and any(
+        '/orbax/' in frame.filename for frame in traceback.extract_tb(failure))
+    return not from_orbax or VERBOSE.value
   if record.levelno >= std_logging.ERROR:
     return VERBOSE.value
   return record.levelno >= std_logging.WARNING

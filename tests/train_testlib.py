@@ -71,7 +71,11 @@ def subprocess_env(devices: int = 1, *, fast_compile: bool = True) -> dict[str, 
   code path may differ in the last bits). The caller's XLA_FLAGS are kept.
   """
   env = dict(os.environ)
-  xla_flags = [env.get('XLA_FLAGS', ''), f'--xla_force_host_platform_device_count={devices}']
+  xla_flags = [env.get('XLA_FLAGS', ''), f'--xla_force_host_platform_device_count={devices}',
+               # 8 simulated devices on 2 busy cores: a collective's threads can wait longer
+               # than XLA:CPU's 40 s before it aborts the process (seen twice in full runs).
+               '--xla_cpu_collective_call_terminate_timeout_seconds=600',
+               '--xla_cpu_collective_call_warn_stuck_timeout_seconds=120']
   if fast_compile:
     xla_flags.append('--xla_backend_optimization_level=0')
   env.update({
