@@ -5,6 +5,7 @@ import json
 
 import grain
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
 
@@ -221,7 +222,6 @@ def test_same_seed_same_batches_and_resume_mid_epoch(corpus, packing):
 
 @pytest.mark.parametrize('packing', [False, True])
 def test_resume_through_orbax_checkpoint_handler(corpus, tmp_path, packing):
-  ocp = pytest.importorskip('orbax.checkpoint')
   pairs, tok, config, _, store = corpus
   config = config.copy_and_resolve_references()
   config.packing = packing
