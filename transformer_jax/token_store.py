@@ -81,12 +81,6 @@ class TokenStore:
   def __len__(self) -> int:
     return len(self.lengths)
 
-  def ids(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-    """The (source, target) ids of one example, as int32."""
-    (s, t), (ls, lt) = self.starts[index], self.lengths[index]
-    return (np.asarray(self.source[s:s + ls], np.int32),
-            np.asarray(self.target[t:t + lt], np.int32))
-
   def batch(self, indices: np.ndarray, rows: int, length: int) -> Batch:
     """One unpacked batch: example `indices[r]` in row r, PAD after it, all-PAD rows after
     the examples. Every example must fit `length`. Vectorized: no loop over examples."""
@@ -165,8 +159,8 @@ def _fresh(directory: str, expected: dict[str, Any]) -> tuple[bool, str]:
 
 
 def _encode_range(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, start: int,
-                  end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """Ids of pairs [start, end): (source ids, target ids, lengths [n, 2], blank [n])."""
+                  end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Ids of pairs [start, end): (source ids, target ids, lengths [n, 2]; 0 for a blank side)."""
   sources, targets, lengths = [], [], np.zeros((end - start, 2), np.int32)
   dtype = id_dtype(tokenizer.vocab_size)
   for chunk in range(start, end, _ENCODE_CHUNK):
@@ -192,13 +186,14 @@ def id_dtype(vocab_size: int) -> np.dtype:
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(pairs, tokenizer_path: str) -> None:
+def _init_worker(pairs, tokenizer: Tokenizer | str) -> None:
+  """What `_write_part` reads; a spawned worker gets the tokenizer's path and loads it."""
   _WORKER['pairs'] = pairs
-  _WORKER['tokenizer'] = Tokenizer(tokenizer_path)
+  _WORKER['tokenizer'] = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
 
 
-def _write_part(task: tuple[str, int, int, int]) -> int:
-  path, start, end, _ = task
+def _write_part(task: tuple[str, int, int]) -> int:
+  path, start, end = task
   pairs, tokenizer = _WORKER['pairs'], _WORKER['tokenizer']
   source, target, lengths = _encode_range(pairs, tokenizer, start, end)
   tmp = f'{path}.{uuid.uuid4().hex}.tmp.npz'
@@ -250,13 +245,13 @@ def prepare(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, directory: s
   for k in range(host_index, count, host_count):
     path = _part_path(parts_dir, k, count)
     if not os.path.exists(path):  # Written whole by an earlier, interrupted run.
-      tasks.append((path, k * PART_SIZE, min(len(pairs), (k + 1) * PART_SIZE), k))
+      tasks.append((path, k * PART_SIZE, min(len(pairs), (k + 1) * PART_SIZE)))
   start = time.perf_counter()
   # A spawned worker takes seconds to start (it imports the package): worth it only when
   # each gets two parts or more.
   workers = max(1, min(workers, len(tasks) // 2))
   if workers == 1:
-    _init_worker(pairs, tokenizer.model_path)
+    _init_worker(pairs, tokenizer)
     done = sum(_write_part(task) for task in tasks)
   else:
     try:
@@ -269,7 +264,7 @@ def prepare(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, directory: s
       logging.warning('Tokenizing worker processes failed (%s: %s); tokenizing in this '
                       'process instead. A script that prepares data on several processes '
                       "needs an `if __name__ == '__main__':` guard.", type(e).__name__, e)
-      _init_worker(pairs, tokenizer.model_path)
+      _init_worker(pairs, tokenizer)
       done = sum(_write_part(task) for task in tasks if not os.path.exists(task[0]))
   seconds = time.perf_counter() - start
   if done:
