@@ -158,6 +158,11 @@ class CheckpointFlags:
   length_penalty_form: Any
   max_decode_extra_length: Any
   batch_size: Any
+  sampling: Any
+  temperature: Any
+  top_k: Any
+  top_p: Any
+  seed: Any
   compilation_cache_dir: Any
 
 
@@ -169,7 +174,9 @@ def define_checkpoint_flags() -> CheckpointFlags:
   """
   return CheckpointFlags(
       workdir=flags.DEFINE_string('workdir', None, "A training run's work directory."),
-      step=flags.DEFINE_integer('step', None, 'The checkpoint step (default: the latest).'),
+      step=flags.DEFINE_string(
+          'step', None, "The checkpoint step (default: the latest), or 'best': the best by "
+          "the run's best_checkpoint_metric (validation BLEU by default)."),
       average_last=flags.DEFINE_integer(
           'average_last', 0, 'Average the parameters of the last N checkpoints (the paper: 5 '
           'for base, 20 for big); 0: no averaging.'),
@@ -178,9 +185,21 @@ def define_checkpoint_flags() -> CheckpointFlags:
       length_penalty_form=flags.DEFINE_enum('length_penalty_form', None,
                                             list(LENGTH_PENALTY_FORMS),
                                             'gnmt: ((5+|Y|)/6)^alpha; power: |Y|^alpha.'),
-      max_decode_extra_length=flags.DEFINE_integer('max_decode_extra_length', None,
-                                                   'Output limit = source length + this.'),
+      max_decode_extra_length=flags.DEFINE_integer(
+          'max_decode_extra_length', None, "Each sentence's output limit = its source length "
+          '(in tokens, EOS included) + this, at most max_len with learned positions (the '
+          'paper: 50).'),
       batch_size=flags.DEFINE_integer('batch_size', None, 'Sentences decoded together.'),
+      sampling=flags.DEFINE_bool('sampling', False, 'Sample each output token instead of '
+                                 'beam search (--temperature, --top_k, --top_p, --seed).'),
+      temperature=flags.DEFINE_float('temperature', None, 'With --sampling: divide the '
+                                     'logits by this (1: the model; 0: greedy).'),
+      top_k=flags.DEFINE_integer('top_k', None, 'With --sampling: only the k most probable '
+                                 'tokens (0: all).'),
+      top_p=flags.DEFINE_float('top_p', None, 'With --sampling: only the nucleus of this '
+                               'probability (1: all).'),
+      seed=flags.DEFINE_integer('seed', None, 'With --sampling: the random seed (the same '
+                                'seed, input and --batch_size give the same samples).'),
       compilation_cache_dir=flags.DEFINE_string(
           'compilation_cache_dir', None,
           'A persistent JAX compilation cache (reused across runs).'),
@@ -199,14 +218,28 @@ def check_checkpoint_flags(f: CheckpointFlags) -> None:
     fail('--workdir is required: the directory of a training run.')
   if not os.path.isdir(f.workdir.value):
     fail(f'--workdir={f.workdir.value} does not exist.')
+  if f.step.value is not None and not (f.step.value.isdigit() or f.step.value == 'best'):
+    fail(f"--step={f.step.value} must be a step number or 'best'.")
   if f.step.value is not None and f.average_last.value:
     fail('give --step or --average_last, not both.')
   if f.average_last.value < 0:
     fail(f'--average_last={f.average_last.value} must be >= 0.')
+  if not f.sampling.value:
+    given = [name for name in ('temperature', 'top_k', 'top_p', 'seed')
+             if getattr(f, name).value is not None]
+    if given:
+      fail(f'--{given[0]} is a sampling option; add --sampling (or drop it for beam search).')
 
 
-def load_translator(f: CheckpointFlags) -> tuple[Any, Any]:
-  """The translator of the chosen checkpoint (or average), with the flags' search options.
+def checkpoint_step(f: CheckpointFlags) -> int | str | None:
+  """--step as `loading.load` takes it: an int, 'best', or None (the latest)."""
+  value = f.step.value
+  return int(value) if value is not None and value.isdigit() else value
+
+
+def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
+  """The translator of the chosen checkpoint (or average), with the flags' search options,
+  returning `n_best` hypotheses a sentence.
 
   Returns:
     (translator, checkpoint), as `translator.load_translator`.
@@ -219,10 +252,12 @@ def load_translator(f: CheckpointFlags) -> tuple[Any, Any]:
     jax.config.update('jax_compilation_cache_dir', f.compilation_cache_dir.value)
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
   loaded = translator.load_translator(
-      f.workdir.value, step=f.step.value, average_last=f.average_last.value,
+      f.workdir.value, step=checkpoint_step(f), average_last=f.average_last.value,
       beam_size=f.beam_size.value, length_penalty=f.length_penalty.value,
       length_penalty_form=f.length_penalty_form.value,
-      max_decode_extra_length=f.max_decode_extra_length.value, batch_size=f.batch_size.value)
+      max_decode_extra_length=f.max_decode_extra_length.value, batch_size=f.batch_size.value,
+      n_best=n_best, sampling=f.sampling.value, temperature=f.temperature.value,
+      top_k=f.top_k.value, top_p=f.top_p.value, seed=f.seed.value)
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   return loaded
@@ -255,15 +290,25 @@ def read_lines(path: str, flag: str) -> list[str]:
   return [decode_line(line)[0] for line in lines]
 
 
+def n_best_line(index: int, hypothesis: Any) -> str:
+  """One line of the n-best format (Moses' and Marian's):
+  `INDEX ||| TRANSLATION ||| LogProb= LOG_P ||| SCORE`, with INDEX the 0-based input line,
+  LOG_P = log P(Y | X) and SCORE = LOG_P / lp(|Y|), what beam search ranks by."""
+  return (f'{index} ||| {hypothesis.text} ||| LogProb= {hypothesis.log_prob:.6g} ||| '
+          f'{hypothesis.score:.6g}')
+
+
 def translate_lines(translator: Any, lines: Iterable[bytes],
                     write: Callable[[str], None], warn: Callable[[str], None],
-                    chunk_lines: int = 512) -> Any:
-  """Translates raw input lines, writing exactly one output line for each, in order.
+                    chunk_lines: int = 512, n_best_format: bool = False) -> Any:
+  """Translates raw input lines, writing exactly one output line for each, in order (with
+  `n_best_format`: exactly `n_best` lines each, as `n_best_line` writes them).
 
   Lines are split on b'\\n' only (iterate a binary file), so no other character (form feed,
   U+2028, ...) ever splits or shifts a line. A blank line gives an empty line; invalid UTF-8
   is replaced and warned about; a line longer than `max_len` tokens is cut and warned about;
-  a line that cannot be encoded at all gives an empty line and a warning.
+  a line that cannot be encoded at all gives an empty line and a warning; a line whose output
+  limit `max_len` cuts (learned positions) is warned about.
 
   Args:
     translator: a `translator.Translator`.
@@ -282,16 +327,24 @@ def translate_lines(translator: Any, lines: Iterable[bytes],
   truncated: list[int] = []
 
   def flush(first: int, texts: list[str]) -> None:
-    outputs, stats = translator.translate(texts)
+    outputs, stats = translator.translate_n_best(texts)
     for index in stats.truncated:
       warn(f'line {first + index + 1}: longer than max_len={translator.max_source_length} '
            f'tokens; translating its first {translator.max_source_length - 1} tokens only.')
       truncated.append(first + index)
+    for index in stats.capped:
+      warn(f'line {first + index + 1}: its output is limited to max_len='
+           f'{translator.max_source_length} tokens, less than its source length + '
+           f'{translator.options.max_decode_extra_length} (learned positions end there).')
     for index, error in stats.failed:
       warn(f'line {first + index + 1}: could not be tokenized ({error}); writing an empty '
            'line.')
-    for output in outputs:
-      write(output + '\n')
+    for index, hypotheses in enumerate(outputs, first):
+      if n_best_format:
+        for hypothesis in hypotheses:
+          write(n_best_line(index, hypothesis) + '\n')
+      else:
+        write(hypotheses[0].text + '\n')
     for name in ('sentences', 'source_tokens', 'output_tokens', 'batches', 'compile_seconds',
                  'decode_seconds'):
       setattr(total, name, getattr(total, name) + getattr(stats, name))

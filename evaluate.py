@@ -4,6 +4,7 @@ r"""Translates a test set with a trained checkpoint and scores it.
   python evaluate.py --workdir=$HOME/runs/ende_base --average_last=5      # the paper (base)
   python evaluate.py --workdir=$HOME/runs/ende_big --average_last=20 \
       --compare_to=other_system.txt                                       # paired bootstrap
+  python evaluate.py --workdir=DIR --step=best       # the best validation BLEU of the run
   python evaluate.py --workdir=DIR --step=100000 --source_file=newstest2014.en \
       --reference_file=newstest2014.de --beam_size=4 --length_penalty=0.6
 

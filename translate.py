@@ -4,10 +4,27 @@ r"""Translates text with a trained checkpoint: one output line for every input l
   python translate.py --workdir=DIR --input=input.en --output=output.de --average_last=5
   python translate.py --workdir=DIR --text='The cat sat on the mat.' \
       --attention_plot=attention.png --attention_layer=-1 --attention_heads=mean
+  python translate.py --workdir=DIR --n_best=4 < input.en > nbest.txt       # 4 of the beam
+  python translate.py --workdir=DIR --sampling --top_p=0.9 --n_best=5 \
+      --input=mono.en --output=samples.txt                  # back-translation: 5 samples a line
 
 An empty line gives an empty line; a line longer than the model's max_len tokens is cut and
 a warning names its line number on stderr; invalid UTF-8 is replaced (U+FFFD) and warned about.
 Lines are split on '\n' only. Reading from a terminal translates each line as it is typed.
+Each sentence's output is at most its source length (tokens, EOS included) +
+--max_decode_extra_length tokens (the paper: 50); with learned positions also at most max_len,
+and a warning names the lines that cap cuts.
+
+With --n_best=K > 1 or --print_scores, every input line gives exactly K lines (K=1 by default)
+in the n-best format of Moses and Marian, best first:
+
+  INDEX ||| TRANSLATION ||| LogProb= LOG_P ||| SCORE
+
+INDEX is the 0-based input line, LOG_P = log P(translation | source) under the model, SCORE =
+LOG_P / lp(|Y|), the length-penalized score beam search ranks by (|Y| counts the EOS). Beam
+search gives its K best (K <= --beam_size); --sampling draws K samples a line (--temperature,
+--top_k, --top_p, --seed), sorted by SCORE; LOG_P is under the model itself, not the sampling
+distribution. A blank or untokenizable line gives K lines with an empty translation and 0.
 --attention_plot draws the encoder-decoder attention of the --text sentence as a heatmap
 labelled with its subword pieces ('mean' over heads, 'all' heads, or one head's index).
 
@@ -43,12 +60,27 @@ _ATTENTION_LAYER = flags.DEFINE_integer('attention_layer', -1,
 _ATTENTION_HEADS = flags.DEFINE_string('attention_heads', 'mean',
                                        "'mean' over heads, 'all' (one panel each) or an index.")
 _QUIET = flags.DEFINE_bool('quiet', False, 'No speed summary on stderr.')
+_N_BEST = flags.DEFINE_integer(
+    'n_best', 1, 'Hypotheses a line: the best K of the beam (K <= --beam_size) or K samples '
+    'with --sampling; K > 1 writes the n-best format (see the module doc).')
+_PRINT_SCORES = flags.DEFINE_bool(
+    'print_scores', False, 'Write the n-best format (index, translation, log-probability, '
+    'score) even for one hypothesis a line.')
 
 
 def _check_flags() -> None:
   cli.check_checkpoint_flags(_CHECKPOINT)
   if _CHUNK_LINES.value < 0:
     cli.fail('--chunk_lines must be >= 0.')
+  if _N_BEST.value < 1:
+    cli.fail(f'--n_best={_N_BEST.value} must be >= 1.')
+  if _N_BEST.value > 1 and not _CHECKPOINT.sampling.value and _CHECKPOINT.beam_size.value \
+      is not None and _N_BEST.value > _CHECKPOINT.beam_size.value:
+    cli.fail(f'--n_best={_N_BEST.value} is more than --beam_size={_CHECKPOINT.beam_size.value}'
+             f'; beam search keeps beam_size hypotheses: raise --beam_size to at least '
+             f'{_N_BEST.value}, or add --sampling.')
+  if _ATTENTION_PLOT.value and (_N_BEST.value > 1 or _CHECKPOINT.sampling.value):
+    cli.fail('--attention_plot draws the best beam-search output; drop --n_best/--sampling.')
   if _TEXT.value is not None and _INPUT.value != '-':
     cli.fail('give --text or --input, not both.')
   if _INPUT.value != '-' and not os.path.isfile(_INPUT.value):
@@ -73,7 +105,7 @@ def main(argv: list[str]) -> None:
   _check_flags()
   if _OUTPUT.value == '-' and sys.stdout is None:
     cli.fail('standard output is closed; give --output=FILE.')
-  translator, checkpoint = cli.load_translator(_CHECKPOINT)
+  translator, checkpoint = cli.load_translator(_CHECKPOINT, n_best=_N_BEST.value)
   steps = checkpoint.steps
 
   if _OUTPUT.value == '-':
@@ -99,7 +131,8 @@ def main(argv: list[str]) -> None:
       output.flush()
 
   try:
-    stats = cli.translate_lines(translator, source, write, cli.warn, chunk_lines)
+    stats = cli.translate_lines(translator, source, write, cli.warn, chunk_lines,
+                                n_best_format=_N_BEST.value > 1 or _PRINT_SCORES.value)
     output.flush()
   except BrokenPipeError:
     _end_on_closed_pipe()
@@ -119,7 +152,7 @@ def main(argv: list[str]) -> None:
   if _ATTENTION_PLOT.value:
     from transformer_jax import attention_plot  # pylint: disable=g-import-not-at-top
     source_ids, _ = translator.encode_source(_TEXT.value)
-    [hypothesis], _ = translator.translate_ids([source_ids])
+    [(hypothesis, *_)], _ = translator.translate_ids([source_ids])
     heads = _ATTENTION_HEADS.value
     try:
       attention_plot.draw(translator.model_config, translator.params, translator.tokenizer,

@@ -29,4 +29,5 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval_every_steps = 10
   config.checkpoint_every_steps = 10
   config.beam_size = 2
+  config.eval_bleu_sentences = 64
   return config

@@ -484,3 +484,41 @@ def test_searches_in_phases_of_growing_cache_equal_one_loop(search):
   np.testing.assert_array_equal(phased[0], one[0])
   np.testing.assert_allclose(phased[1], one[1], rtol=1e-6)
   assert max(len(strip(s)) for s in np.reshape(one[0], (-1, 40))) > 32  # The last phase ran.
+
+
+@functools.partial(jax.jit, static_argnames=('search', 'options'))
+def _search_with_limits(params, cache, rng, max_lengths, search, options):
+  step = functools.partial(toy_step, params)
+  batch_size = cache['source'].shape[0]
+  options = dict(options, max_lengths=max_lengths)
+  if search == 'beam':
+    return decode.beam_search(step, cache, batch_size, **options)
+  if search == 'greedy':
+    return decode.greedy_search(step, cache, batch_size, **options)
+  return decode.sample(step, cache, rng, batch_size, **options)
+
+
+@pytest.mark.parametrize('search', ['greedy', 'beam', 'sample'])
+def test_each_row_stops_at_its_own_limit_as_if_it_were_the_search_limit(search):
+  """Rows with limits 3, 9 and 20 in one search of 20 get what a search limited to 3, to 9
+  and to 20 gives them (outputs padded to 20): the paper's source length + 50 per sentence."""
+  model = ToyDecoder(max_len=24, seed=3, eos_bias=-3.0)  # Long outputs: the limits bind.
+  sources = model.sources(3)
+  limits = np.array([3, 9, 20], np.int32)
+  options = {'max_decode_len': 20}
+  if search == 'beam':
+    options['beam_size'] = 3
+  rng = jax.random.key(5) if search == 'sample' else None
+  together = jax.device_get(_search_with_limits(
+      model.params, model.init_cache(sources), rng, jnp.asarray(limits), search,
+      tuple(sorted(options.items()))))
+  for row, limit in enumerate(limits):
+    alone = jax.device_get(_search(model.params, model.init_cache(sources), rng, search,
+                                   tuple(sorted(dict(options, max_decode_len=int(limit))
+                                                .items()))))
+    sequences = np.asarray(together[0])[row]
+    assert np.all(sequences[..., limit:] == PAD_ID)
+    np.testing.assert_array_equal(sequences[..., :limit], np.asarray(alone[0])[row])
+    np.testing.assert_allclose(together[1][row], alone[1][row], rtol=1e-6)
+  lengths = np.sum(np.asarray(together[0]) != PAD_ID, axis=-1)
+  assert np.max(lengths[0]) == 3 and np.max(lengths[1]) == 9  # The limits did bind.

@@ -145,10 +145,12 @@ def data_files(tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def finished_run(data_files, tmp_path_factory):
-  """Six steps with validation every 3 and checkpoints every 2 (keep 1, plus every 4th)."""
+  """Six steps with validation (BLEU of 8 sentences) every 3 and checkpoints every 2 (keep 1,
+  plus every 4th, plus the best by BLEU)."""
   workdir = str(tmp_path_factory.mktemp('run'))
   config = train_testlib.small_config(data_files, eval_every_steps=3, keep_checkpoints=1,
-                                      keep_checkpoint_period=4)
+                                      keep_checkpoint_period=4, eval_bleu_sentences=8,
+                                      best_checkpoint_metric='bleu')
   result = train_loop.train_and_evaluate(config, workdir)
   return config, workdir, result
 
@@ -171,14 +173,65 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(finished_run):
       assert np.isfinite(m[key]), (key, m)
     assert 0.0 <= m['padding_share'] < 1.0 and m['skipped_steps'] == 0
   assert train[-1]['loss'] < train[0]['loss']
+  assert all(m['time'] >= lines[0]['time'] for m in lines)  # Wall-clock seconds.
   evals = [m for m in lines if m['split'] == 'eval']
   assert [m['step'] for m in evals] == [3, 6]
   np.testing.assert_allclose(evals[-1]['perplexity'], np.exp(evals[-1]['loss']), rtol=0.5)
   assert result.eval_metrics['loss'] == pytest.approx(evals[-1]['loss'])
+  for m in evals:  # sacreBLEU and chrF of 8 validation sentences, and what they cost.
+    assert 0 <= m['bleu'] <= 100 and 0 <= m['chrf'] <= 100 and m['translate_seconds'] > 0
   events = os.listdir(os.path.join(workdir, 'tensorboard'))
   assert any(name.startswith('events.out.tfevents') for name in events)
-  # keep_checkpoints=1 keeps step 6; keep_checkpoint_period=4 keeps step 4 as well.
-  assert checkpointing.list_steps(workdir) == [4, 6]
+  tags = _tensorboard_tags(os.path.join(workdir, 'tensorboard'))
+  assert {'config/text_summary', 'eval/samples/text_summary', 'eval/bleu'} <= tags, tags
+  # keep_checkpoints=1 keeps step 6; keep_checkpoint_period=4 keeps step 4; and the best
+  # by BLEU of the checkpoints saved at evaluations (3 and 6; ties: the later) is kept.
+  best = max((m['bleu'], m['step']) for m in evals)[1]
+  assert checkpointing.list_steps(workdir) == sorted({4, 6, best})
+  assert loading.load(workdir, step='best').step == best
+
+
+def _tensorboard_tags(directory):
+  """The summary tags in TensorBoard event files (TFRecords of `Event` protos)."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  tags = set()
+  for name in os.listdir(directory):
+    with open(os.path.join(directory, name), 'rb') as f:
+      data = f.read()
+    offset = 0
+    while offset < len(data):  # length (8 bytes), its CRC (4), the record, its CRC (4).
+      length = int.from_bytes(data[offset:offset + 8], 'little')
+      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      tags.update(value.tag for value in event.summary.value)
+      offset += 16 + length
+  return tags
+
+
+def _fake_state(step):
+  return train_steps.TrainState(step=jnp.int32(step),
+                                params={'w': jnp.full(3, step, jnp.float32)},
+                                opt_state={'m': jnp.zeros(3)}, skipped_steps=jnp.int32(0))
+
+
+@pytest.mark.parametrize('metric,kept,best', [('bleu', [2, 4, 6], 2), ('loss', [2, 3, 6], 3)])
+def test_the_best_checkpoints_are_kept_besides_the_latest(tmp_path, metric, kept, best):
+  import grain  # pylint: disable=g-import-not-at-top
+  checkpointer = checkpointing.Checkpointer(
+      str(tmp_path), save_every=100, final_step=100, keep=1, best_metric=metric, keep_best=2)
+  meta = {'config': {'best_checkpoint_metric': metric}, 'vocab_size': 8, 'tokenizer': {}}
+  data = iter(grain.MapDataset.range(4).to_iter_dataset())
+  validation = {1: (5.0, 3.0), 2: (9.0, 2.0), 3: (1.0, 0.5), 4: (7.0, 2.5), 5: None,
+                6: (2.0, 9.0)}  # step: (bleu, loss); step 5 was saved without metrics.
+  for step, values in validation.items():
+    metrics = None if values is None else {'bleu': values[0], 'loss': values[1]}
+    checkpointer.save(_fake_state(step), data, meta, force=True, metrics=metrics)
+    checkpointer.wait()
+  checkpointer.close()
+  assert checkpointing.list_steps(str(tmp_path)) == kept
+  meta_read, step = checkpointing.read_meta(str(tmp_path), checkpointing.BEST)
+  assert step == best and meta_read['vocab_size'] == 8
+  params, step = checkpointing.restore_params(str(tmp_path), checkpointing.BEST)
+  assert step == best and float(params['w'][0]) == best
 
 
 def test_loading_for_inference_needs_only_the_workdir(finished_run, tmp_path):

@@ -136,6 +136,11 @@ def test_cross_attention_weights_and_labels(loaded, tmp_path):
     (['--attention_plot=x.png'], 'give it as --text'),
     (['--no_such_flag=1'], 'invalid flags'),
     (['--input=/nonexistent/input.txt'], 'does not exist'),
+    (['--temperature=0.5'], 'add --sampling'),
+    (['--n_best=3', '--beam_size=2'], 'raise --beam_size to at least 3'),
+    (['--n_best=5'], 'raise beam_size to at least 5'),  # The run's beam size: 2.
+    (['--step=latest'], "must be a step number or 'best'"),
+    (['--step=best'], 'saved with validation bleu'),  # The fixture has no metrics.
 ])
 def test_bad_requests_exit_with_code_2(run_dir, flags, message):
   env = train_testlib.subprocess_env(fast_compile=False)
@@ -154,6 +159,36 @@ def _shell(command: str, run_dir: str) -> subprocess.CompletedProcess:
   return subprocess.run(['bash', '-c', 'set -o pipefail; ' + command.format(translate=translate)],
                         cwd=REPO, env=train_testlib.subprocess_env(fast_compile=False),
                         capture_output=True, text=True, timeout=300)
+
+
+def _n_best_lines(output: str) -> list[tuple[int, str, float, float]]:
+  rows = []
+  for line in output.splitlines():
+    index, text, log_prob, score = line.split(' ||| ')
+    assert log_prob.startswith('LogProb= ')
+    rows.append((int(index), text, float(log_prob.split()[1]), float(score)))
+  return rows
+
+
+def test_n_best_and_sampling_write_k_scored_lines_per_input(run_dir):
+  stdin = b'the cat sees a dog\n\nsmall child\n'
+  beam = _translate('--n_best=2', run_dir=run_dir, stdin=stdin)
+  assert beam.returncode == 0, beam.stderr.decode()[-3000:]
+  rows = _n_best_lines(beam.stdout.decode())
+  assert [r[0] for r in rows] == [0, 0, 1, 1, 2, 2]
+  assert rows[2][1:] == rows[3][1:] == ('', 0.0, 0.0)  # The blank line.
+  for first, second in (rows[0:2], rows[4:6]):
+    assert first[1] and first[1] != second[1] and first[3] >= second[3]
+    assert first[2] < 0 and second[2] < 0  # Log-probabilities.
+  best = _translate('--print_scores', run_dir=run_dir, stdin=stdin)
+  assert [r[:2] for r in _n_best_lines(best.stdout.decode())] == [r[:2] for r in rows[::2]]
+
+  samples = _translate('--sampling', '--n_best=3', '--top_k=5', '--seed=7', run_dir=run_dir,
+                       stdin=stdin)
+  assert samples.returncode == 0, samples.stderr.decode()[-3000:]
+  rows = _n_best_lines(samples.stdout.decode())
+  assert [r[0] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+  assert all(r[1] for r in rows if r[0] != 1) and all(r[2] < 0 for r in rows if r[0] != 1)
 
 
 def test_closed_stdin_is_no_input(run_dir):

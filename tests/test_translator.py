@@ -176,7 +176,7 @@ def test_search_in_phases_of_growing_cache_equals_one_loop(loaded, run_dir):
   _, checkpoint = loaded
   sources, _ = _test_sources(run_dir)
   inputs = _padded_inputs(checkpoint.tokenizer, sources[:4], 16)
-  options = translator_lib.DecodeOptions(beam_size=3, length_penalty=0.6)
+  options = translator_lib.DecodeOptions(beam_size=3, length_penalty=0.6, n_best=3)
   phased = jax.jit(translator_lib.search, static_argnums=(0, 3, 4))(
       checkpoint.model_config, checkpoint.params, inputs, options, 40)
   tokens_to_logits, cache = translator_lib.start_decoding(
@@ -201,8 +201,8 @@ def test_beam_hypotheses_are_ordered_and_scored_by_the_full_forward_pass(loaded,
   cfg, params = checkpoint.model_config, checkpoint.params
   sources, _ = _test_sources(run_dir)
   inputs = _padded_inputs(checkpoint.tokenizer, sources[:8], 16)
-  options = translator_lib.DecodeOptions(beam_size=4, length_penalty=0.6)
-  sequences, scores = jax.jit(functools.partial(
+  options = translator_lib.DecodeOptions(beam_size=4, length_penalty=0.6, n_best=4)
+  sequences, scores, sequence_log_probs = jax.jit(functools.partial(
       translator_lib.search, cfg, options=options, max_decode_len=max_decode_len))(
           params, inputs)
   sequences, scores = np.asarray(sequences), np.asarray(scores)
@@ -221,6 +221,8 @@ def test_beam_hypotheses_are_ordered_and_scored_by_the_full_forward_pass(loaded,
   lengths = np.sum(flat != PAD_ID, axis=1)
   penalty = np.asarray(decode.length_penalty(lengths, 0.6, 'gnmt'))
   np.testing.assert_allclose(scores.reshape(-1), log_probs / penalty, rtol=2e-4, atol=2e-4)
+  np.testing.assert_allclose(np.reshape(sequence_log_probs, -1), log_probs, rtol=2e-4,
+                             atol=2e-4)
 
 
 @functools.partial(jax.jit, static_argnames=('cfg', 'max_decode_len', 'beam_size'))
@@ -246,8 +248,8 @@ def test_beam_search_over_the_shared_encoder_cache_equals_gathering_it(loaded, r
   cfg, params = checkpoint.model_config, checkpoint.params
   sources, _ = _test_sources(run_dir)
   inputs = _padded_inputs(checkpoint.tokenizer, sources[:8], 16)  # Rows of many lengths.
-  options = translator_lib.DecodeOptions(beam_size=4, length_penalty=0.6)
-  sequences, scores = jax.jit(functools.partial(
+  options = translator_lib.DecodeOptions(beam_size=4, length_penalty=0.6, n_best=4)
+  sequences, scores, _ = jax.jit(functools.partial(
       translator_lib.search, cfg, options=options, max_decode_len=10))(params, inputs)
   expected_seqs, expected_scores = _beam_search_gathering_the_encoder_cache(
       cfg, params, inputs, max_decode_len=10, beam_size=4)
@@ -285,7 +287,7 @@ def test_cached_greedy_decoding_equals_rerunning_the_full_model(loaded, run_dir)
   sources, _ = _test_sources(run_dir)
   inputs = _padded_inputs(checkpoint.tokenizer, sources[:6], 16)
   limit = 10
-  cached, _ = jax.jit(functools.partial(
+  cached, _, _ = jax.jit(functools.partial(
       translator_lib.search, cfg, options=translator_lib.DecodeOptions(beam_size=1),
       max_decode_len=limit))(params, inputs)
   cached = np.asarray(cached[:, 0])
@@ -340,10 +342,10 @@ def test_translator_without_partitioner_gives_the_same_output(loaded, run_dir):
   assert len(ids) >= 4  # All in bucket 8: one shape to compile.
   sharded_hyps, _ = translator.translate_ids(ids)
   plain_hyps, stats = plain.translate_ids(ids)
-  assert [h.tokens for h in plain_hyps] == [h.tokens for h in sharded_hyps]
-  np.testing.assert_allclose([h.score for h in plain_hyps], [h.score for h in sharded_hyps],
+  assert [h.tokens for h, in plain_hyps] == [h.tokens for h, in sharded_hyps]
+  np.testing.assert_allclose([h.score for h, in plain_hyps], [h.score for h, in sharded_hyps],
                              rtol=1e-5)
-  assert stats.output_tokens == sum(h.length for h in plain_hyps)
+  assert stats.output_tokens == sum(h.length for h, in plain_hyps)
   assert stats.tokens_per_second > 0 and stats.sentences_per_second > 0
 
 
@@ -355,10 +357,13 @@ def test_long_sources_are_cut_to_max_len_and_outputs_are_limited(loaded):
   assert not cut and short == checkpoint.tokenizer.encode('the cat')
   assert translator.buckets == (8, 16, MAX_LEN)
   assert translator.max_decode_len(8) == 8 + 8
+  assert translator.output_limit(5) == 5 + 8 and not translator.is_capped(20)
   learned = translator_lib.Translator(
       dataclasses.replace(checkpoint.model_config, positional_encoding='learned'),
       checkpoint.params, checkpoint.tokenizer, translator.options)
   assert learned.max_decode_len(16) == MAX_LEN  # Its position table ends at max_len.
+  assert learned.output_limit(10) == 18 and not learned.is_capped(10)
+  assert learned.output_limit(20) == MAX_LEN and learned.is_capped(20)
   with pytest.raises(ValueError, match='longer than max_len'):
     translator.bucket_for(MAX_LEN + 1)
 
@@ -368,3 +373,85 @@ def test_decode_options_reject_bad_values():
     translator_lib.DecodeOptions(beam_size=0)
   with pytest.raises(ValueError, match='length_penalty_form'):
     translator_lib.DecodeOptions(length_penalty_form='exp')
+
+
+def test_each_sentence_gets_its_own_output_limit(loaded, run_dir):
+  """Source length + extra per sentence (the paper's), not per bucket: with extra 1, some
+  outputs stop at exactly their own limit, below the bucket's (9 of these 24 did here)."""
+  _, checkpoint = loaded
+  translator = translator_lib.Translator(
+      checkpoint.model_config, checkpoint.params, checkpoint.tokenizer,
+      translator_lib.DecodeOptions(beam_size=2, max_decode_extra_length=1, batch_size=8,
+                                   buckets=(8, 16)), checkpoint.partitioner)
+  sources, _ = _test_sources(run_dir)
+  ids = [translator.encode_source(s)[0] for s in sources]
+  hypotheses, _ = translator.translate_ids(ids)
+  lengths = [(len(i), h.length) for i, (h,) in zip(ids, hypotheses)]
+  assert all(output <= source + 1 for source, output in lengths), lengths
+  assert sum(output == source + 1 < translator.bucket_for(source) + 1
+             for source, output in lengths) >= 3, lengths
+
+
+def _short_sources(run_dir, tokenizer, count):
+  sources, _ = _test_sources(run_dir)
+  short = [s for s in sources if len(tokenizer.encode(s)) <= 8][:count]
+  assert len(short) == count  # All in bucket 8: one shape to compile.
+  return short
+
+
+def test_n_best_lists_the_beam_best_first_with_log_probabilities(loaded, run_dir):
+  translator, checkpoint = loaded
+  texts = _short_sources(run_dir, checkpoint.tokenizer, 4)
+  options = dataclasses.replace(translator.options, beam_size=3, n_best=3)
+  n_best = translator_lib.Translator(checkpoint.model_config, checkpoint.params,
+                                     checkpoint.tokenizer, options, checkpoint.partitioner)
+  lists, _ = n_best.translate_n_best(texts + [''])
+  best, _ = translator_lib.Translator(
+      checkpoint.model_config, checkpoint.params, checkpoint.tokenizer,
+      dataclasses.replace(options, n_best=1), checkpoint.partitioner).translate(texts)
+  assert [hypotheses[0].text for hypotheses in lists[:-1]] == best
+  assert [h.text for h in lists[-1]] == [''] * 3  # A blank line: n_best empty entries.
+  for hypotheses in lists[:-1]:
+    assert len(hypotheses) == 3 and len({h.tokens for h in hypotheses}) == 3
+    scores = [h.score for h in hypotheses]
+    assert scores == sorted(scores, reverse=True)
+    for h in hypotheses:  # log P(Y) = score * lp(|Y|), |Y| counting the EOS.
+      lp = float(decode.length_penalty(h.length, options.length_penalty))
+      assert h.log_prob == pytest.approx(h.score * lp, rel=1e-5)
+  with pytest.raises(ValueError, match='raise beam_size to at least 4'):
+    translator_lib.DecodeOptions(beam_size=3, n_best=4)
+
+
+def test_sampling_draws_n_samples_scored_by_the_model(loaded, run_dir):
+  translator, checkpoint = loaded
+  texts = _short_sources(run_dir, checkpoint.tokenizer, 4)
+
+  def sampler(**options):
+    options = translator_lib.DecodeOptions(**{
+        'sampling': True, 'batch_size': 4, 'buckets': (8,), **options})
+    return translator_lib.Translator(checkpoint.model_config, checkpoint.params,
+                                     checkpoint.tokenizer, options, checkpoint.partitioner)
+
+  hot = sampler(n_best=3, temperature=2.0, seed=1)
+  samples, _ = hot.translate_n_best(texts)
+  again, _ = hot.translate_n_best(texts)
+  assert samples == again  # The same seed, input and batch size: the same samples.
+  other, _ = sampler(n_best=3, temperature=2.0, seed=2).translate_n_best(texts)
+  assert other != samples
+  # Each sample's log_prob is log P(Y | X) under the model, by a full forward pass.
+  sources = _padded_inputs(checkpoint.tokenizer, [t for t in texts for _ in range(3)], 8)
+  flat = [h for hypotheses in samples for h in hypotheses]
+  outputs = np.full((len(flat), hot.max_decode_len(8)), PAD_ID, np.int32)
+  for row, h in enumerate(flat):
+    tokens = list(h.tokens) + ([EOS_ID] if h.length > len(h.tokens) else [])
+    outputs[row, :len(tokens)] = tokens
+  expected = _teacher_forced_log_probs(checkpoint.model_config, checkpoint.params, sources,
+                                       jnp.asarray(outputs))
+  np.testing.assert_allclose([h.log_prob for h in flat], expected, rtol=1e-4, atol=1e-4)
+  # Temperature 0 is greedy search.
+  cold, _ = sampler(temperature=0.0).translate(texts)
+  greedy, _ = translator_lib.Translator(
+      checkpoint.model_config, checkpoint.params, checkpoint.tokenizer,
+      translator_lib.DecodeOptions(beam_size=1, batch_size=4, buckets=(8,)),
+      checkpoint.partitioner).translate(texts)
+  assert cold == greedy

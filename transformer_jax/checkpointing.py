@@ -1,7 +1,9 @@
 """Checkpoints: what a step directory holds, saving and resuming, loading for inference.
 
 `WORKDIR/checkpoints/<step>/` is written by an orbax `CheckpointManager` (asynchronously,
-atomically: it appears under its final name only once complete) and holds four items:
+atomically: it appears under its final name only once complete) and holds four items, and a
+fifth, orbax's `metrics`, in the checkpoints saved at an evaluation (the validation metrics
+the best checkpoints are kept by, see `best_step`):
 
   * `params`:    the model parameters (an orbax PyTree; restorable onto any mesh);
   * `optimizer`: {'opt_state', 'step', 'skipped_steps'};
@@ -33,13 +35,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from transformer_jax.config import LEGACY_VALUES, RESUMABLE_FIELDS, ConfigError
+from transformer_jax.config import (BEST_CHECKPOINT_METRICS, LEGACY_VALUES, RESUMABLE_FIELDS,
+                                    ConfigError)
 from transformer_jax.errors import (CheckpointError, CheckpointNotFoundError, DiskFullError,
                                     UserError, find_user_error)
 from transformer_jax.tokenizer import Tokenizer
 
 CHECKPOINT_DIR = 'checkpoints'
 META_FORMAT = 1
+BEST = 'best'  # The step argument that asks for the best checkpoint (`best_step`).
 
 class ConfigMismatchError(ConfigError):
   """The config differs from the one of the checkpoint it would resume."""
@@ -163,19 +167,34 @@ def _saved_state(state: Any) -> dict[str, Any]:
                         'skipped_steps': state.skipped_steps}}
 
 
+def _metric_key(metric: str) -> Any:
+  """Orders checkpoints' metrics so that the best has the largest key."""
+  sign = 1.0 if BEST_CHECKPOINT_METRICS[metric] else -1.0
+  return lambda metrics: sign * float(metrics[metric])
+
+
 def _options(*, save_every: int, final_step: int, keep: int, keep_period: int,
+             best_metric: str = '', keep_best: int = 1,
              read_only: bool = False) -> ocp.CheckpointManagerOptions:
   policies = ocp.checkpoint_managers
-  preserve = policies.LatestN(keep or None)  # 0 keeps everything.
+  preserve = [policies.LatestN(keep or None)]  # 0 keeps everything.
   if keep_period:
     # Kept forever besides the latest K: every M-th step (for averaging, analysis).
-    preserve = policies.AnyPreservationPolicy([preserve, policies.EveryNSteps(keep_period)])
+    preserve.append(policies.EveryNSteps(keep_period))
+  best_fn = None
+  if best_metric:
+    # Besides those: the best `keep_best` of the checkpoints saved with metrics.
+    best_fn = _metric_key(best_metric)
+    preserve.append(policies.BestN(get_metric_fn=best_fn, n=keep_best,
+                                   keep_checkpoints_without_metrics=False))
   return ocp.CheckpointManagerOptions(
+      best_fn=best_fn,  # Also what makes orbax write the metrics.
+      best_mode='max',
       save_decision_policy=policies.AnySavePolicy([
           policies.FixedIntervalPolicy(save_every),
           policies.SpecificStepsPolicy((final_step,)),
       ]),
-      preservation_policy=preserve,
+      preservation_policy=policies.AnyPreservationPolicy(preserve),
       enable_async_checkpointing=True,
       cleanup_tmp_directories=not read_only,  # Remove what a killed save left behind.
       read_only=read_only,
@@ -190,7 +209,7 @@ class Checkpointer:
   """
 
   def __init__(self, workdir: str, *, save_every: int, final_step: int, keep: int = 5,
-               keep_period: int = 0):
+               keep_period: int = 0, best_metric: str = '', keep_best: int = 1):
     """Opens (and creates) `workdir/checkpoints`.
 
     Args:
@@ -199,13 +218,17 @@ class Checkpointer:
       final_step: always save at this step (the end of the run).
       keep: keep the latest `keep` checkpoints (0: all).
       keep_period: also keep every `keep_period`-th step (0: none).
+      best_metric: also keep the `keep_best` best checkpoints saved with metrics, by this
+        one ('bleu', 'chrf' or 'loss'; '': none).
+      keep_best: see `best_metric`.
     """
     self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
     self._bytes = 0  # Of the last checkpoint's arrays.
     self._manager = ocp.CheckpointManager(
         self.directory,
         options=_options(save_every=save_every, final_step=final_step, keep=keep,
-                         keep_period=keep_period))
+                         keep_period=keep_period, best_metric=best_metric,
+                         keep_best=keep_best))
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -230,8 +253,9 @@ class Checkpointer:
     return self._manager.should_save(step)
 
   def save(self, state: Any, data_iterator: Any, meta: Mapping[str, Any], *,
-           force: bool = False) -> bool:
-    """Starts saving `state` at its step if the policy (or `force`) says so.
+           force: bool = False, metrics: Mapping[str, float] | None = None) -> bool:
+    """Starts saving `state` at its step if the policy (or `force`) says so, with the
+    validation `metrics` of that step if given (what the best checkpoints are kept by).
 
     Returns after the arrays are copied off the devices; the write finishes in the
     background (see `wait`). The iterator's state is captured now, so call this before
@@ -253,6 +277,7 @@ class Checkpointer:
             data=grain.checkpoint.CheckpointSave(data_iterator),
             meta=ocp.args.JsonSave({**meta, 'checksums': checksums(arrays)}),
         ),
+        metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()},
         force=force)
 
   def restore_meta(self, step: int) -> dict[str, Any]:
@@ -340,17 +365,44 @@ def list_steps(workdir: str) -> list[int]:
     return sorted(manager.all_steps())
 
 
-def _resolve_step(manager: ocp.CheckpointManager, workdir: str, step: int | None) -> int:
+def _resolve_step(manager: ocp.CheckpointManager, workdir: str,
+                  step: int | str | None) -> int:
   steps = sorted(manager.all_steps())
   if not steps:
     raise CheckpointNotFoundError(f'{workdir} has no complete checkpoint; train first, or '
                                   'pass the --workdir of a training run.')
   if step is None:
     return steps[-1]
+  if step == BEST:
+    return _best_step(manager, workdir, steps)
   if step not in steps:
     raise CheckpointNotFoundError(f'{workdir} has no checkpoint for step {step}; it has '
                                   f'{steps}.')
   return step
+
+
+def _best_step(manager: ocp.CheckpointManager, workdir: str, steps: list[int]) -> int:
+  """The step of the best checkpoint by the run's `best_checkpoint_metric` (of the latest
+  checkpoint's config), among those saved with validation metrics; ties: the later."""
+  with _damaged(manager, manager.directory, steps[-1], 'meta'):
+    meta = manager.restore(steps[-1], args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore()))['meta']
+  metric = meta.get('config', {}).get('best_checkpoint_metric', '')
+  if not metric:
+    raise CheckpointNotFoundError(
+        f'{workdir} keeps no best checkpoint (its run has best_checkpoint_metric=\'\'); pass '
+        f'--step (it has {steps}), or train with --config.best_checkpoint_metric=bleu.')
+  key = _metric_key(metric)
+  scored = []
+  for step in steps:
+    metrics = manager.metrics(step)
+    if isinstance(metrics, Mapping) and metric in metrics:
+      scored.append((key(metrics), step))
+  if not scored:
+    raise CheckpointNotFoundError(
+        f'No checkpoint of {workdir} ({steps}) was saved with validation {metric} yet; one is '
+        'at each evaluation (eval_every_steps). Pass --step meanwhile.')
+  return max(scored)[1]
 
 
 @contextlib.contextmanager
@@ -376,13 +428,13 @@ def _damaged(manager: ocp.CheckpointManager, directory: str, step: int, item: st
         f'incomplete ({detail}). {advice}.') from e
 
 
-def restore_params(workdir: str, step: int | None = None, *,
+def restore_params(workdir: str, step: int | str | None = None, *,
                    shardings: Any = None) -> tuple[Any, int]:
   """The parameters of one checkpoint (nothing else is read).
 
   Args:
     workdir: a training run's work directory.
-    step: which checkpoint; None for the latest.
+    step: which checkpoint; None for the latest, `BEST` for the best (`_best_step`).
     shardings: a pytree of shardings matching the parameters, or one sharding for all;
       None places them on this process's first device.
 
@@ -411,8 +463,9 @@ def restore_params(workdir: str, step: int | None = None, *,
   return params, step
 
 
-def read_meta(workdir: str, step: int | None = None) -> tuple[dict[str, Any], int]:
-  """The `meta` item of a checkpoint (config, vocabulary) and its step."""
+def read_meta(workdir: str, step: int | str | None = None) -> tuple[dict[str, Any], int]:
+  """The `meta` item of a checkpoint (config, vocabulary) and its step (`step`: an int, None
+  for the latest, `BEST` for the best)."""
   with _reader(workdir) as manager:
     step = _resolve_step(manager, workdir, step)
     with _damaged(manager, manager.directory, step, 'meta'):

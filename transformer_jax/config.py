@@ -41,6 +41,8 @@ ATTENTION_IMPLEMENTATIONS = ('', 'xla', 'cudnn')  # '': automatic (`attention_ch
 NONFINITE_MODES = ('skip', 'stop')
 DROPOUT_RNG_IMPLS = ('rbg', 'unsafe_rbg', 'threefry2x32')
 LENGTH_PENALTY_FORMS = ('gnmt', 'power')
+# Validation metrics the best checkpoints can be kept by, and whether higher is better.
+BEST_CHECKPOINT_METRICS = {'bleu': True, 'chrf': True, 'loss': False, '': True}
 VOCAB_MODEL_TYPES = ('bpe', 'unigram')
 
 # Config fields a resumed run may change: they do not alter the math of the steps or the
@@ -54,6 +56,7 @@ RESUMABLE_FIELDS = frozenset({
     'attention_implementation', 'nonfinite', 'max_skipped_steps_in_a_row', 'tfds_data_dir', 'text_files', 'vocab_path',
     'data_threads', 'prepare_workers', 'prefetch_batches', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
     'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
+    'eval_bleu_sentences', 'best_checkpoint_metric', 'keep_best_checkpoints',
 })
 
 # Fields added after checkpoints were already being written, with the value that reproduces
@@ -149,6 +152,14 @@ def base_config() -> ml_collections.ConfigDict:
   c.checkpoint_every_steps = 1000
   c.keep_checkpoints = 5
   c.keep_checkpoint_period = 0  # Also keep every M-th step forever (0: none).
+  # At every evaluation, translate the first N validation sentences with the decoding
+  # options below and log sacreBLEU and chrF (0: loss and perplexity only).
+  c.eval_bleu_sentences = 512
+  # Keep the `keep_best_checkpoints` best checkpoints by this validation metric besides the
+  # latest ones: 'bleu' | 'chrf' | 'loss' | '' (none). Each evaluation saves a checkpoint;
+  # `evaluate.py --step=best` picks the best.
+  c.best_checkpoint_metric = 'bleu'
+  c.keep_best_checkpoints = 1
   c.mesh = ml_collections.ConfigDict({'data': -1, 'fsdp': 1, 'tensor': 1})
   c.logical_axis_rules = (
       ('batch', ('data', 'fsdp')),
@@ -164,7 +175,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.beam_size = 4
   c.length_penalty = 0.6  # alpha.
   c.length_penalty_form = 'gnmt'  # 'gnmt': ((5+|Y|)/6)^alpha | 'power': |Y|^alpha.
-  c.max_decode_extra_length = 50  # Output length limit = source length + this.
+  # Each sentence's output limit = its source length (tokens, EOS included) + this; with
+  # learned positions at most max_len (decoding warns about the sentences it cuts).
+  c.max_decode_extra_length = 50
   c.decode_batch_size = 32
   c.checkpoints_to_average = 5  # The paper averages 5 (base) or 20 (big).
   return c
@@ -200,6 +213,16 @@ def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None
                'keep_checkpoint_period', 'max_skipped_steps_in_a_row', 'prepare_workers',
                'prefetch_batches'):
     _int_at_least(config, name, 0, ' (0 turns it off)')
+  _int_at_least(config, 'eval_bleu_sentences', 0, ' (0 turns it off)')
+  _int_at_least(config, 'keep_best_checkpoints', 1, '')
+  metric = config.best_checkpoint_metric
+  _require(metric in BEST_CHECKPOINT_METRICS,
+           f'best_checkpoint_metric={metric!r} must be one of '
+           f"{tuple(BEST_CHECKPOINT_METRICS)} ('' keeps no best checkpoint).")
+  _require(metric not in ('bleu', 'chrf') or config.eval_bleu_sentences > 0,
+           f'best_checkpoint_metric={metric!r} needs validation translations, but '
+           'eval_bleu_sentences=0; set --config.eval_bleu_sentences (e.g. 512), or '
+           "--config.best_checkpoint_metric=loss (or '' for none).")
   _int_at_least(config, 'vocab_size_target', 8,
                 ' (4 ids are taken by pad, bos, eos, unk; the paper: 37000)')
   _require(config.vocab_model_type in VOCAB_MODEL_TYPES,

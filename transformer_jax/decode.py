@@ -148,6 +148,18 @@ def _check_common(batch_size: int, max_decode_len: int) -> None:
     raise ValueError(f'max_decode_len={max_decode_len} must be >= 1.')
 
 
+def _row_limits(max_lengths: jax.Array | None, batch_size: int,
+                max_decode_len: int) -> jax.Array:
+  """int32 [batch]: each row's output limit, `max_lengths` clipped to [1, max_decode_len]
+  (every row `max_decode_len` when None)."""
+  if max_lengths is None:
+    return jnp.full((batch_size,), max_decode_len, jnp.int32)
+  if jnp.shape(max_lengths) != (batch_size,):
+    raise ValueError(f'max_lengths has shape {jnp.shape(max_lengths)}; it needs one limit a '
+                     f'row, ({batch_size},).')
+  return jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len)
+
+
 # --- Greedy search and sampling. ---
 
 
@@ -172,9 +184,11 @@ def _sampling_loop(
     bos_id: int,
     pad_id: int,
     grow_cache: GrowCache | None = None,
+    max_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Decodes one token a row a step with `select(logits [batch, vocab], rng) -> [batch]`."""
   _check_common(batch_size, max_decode_len)
+  limits = _row_limits(max_lengths, batch_size, max_decode_len)
   positions = jnp.arange(max_decode_len)[None, :]  # [1, max_decode_len]
 
   def cond(state: _SamplingState) -> jax.Array:
@@ -193,7 +207,7 @@ def _sampling_loop(
         tokens=token,
         sequences=jnp.where(positions == state.step, token[:, None], state.sequences),
         log_probs=state.log_probs + jnp.where(state.finished, 0.0, token_log_prob),
-        finished=state.finished | (token == eos_id),
+        finished=state.finished | (token == eos_id) | (state.step + 1 >= limits),
         cache=cache,
         rng=state.rng)
 
@@ -218,6 +232,7 @@ def greedy_search(
     bos_id: int = BOS_ID,
     pad_id: int = PAD_ID,
     grow_cache: GrowCache | None = None,
+    max_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Picks the most probable next token (never `pad_id`) until EOS or `max_decode_len`.
 
@@ -232,6 +247,9 @@ def greedy_search(
     pad_id: fills rows after their EOS; never chosen.
     grow_cache: search in phases of growing cache (see `cache_lengths`); None: one loop
       over a cache of `max_decode_len`.
+    max_lengths: int32 [batch], each row's own limit (at most `max_decode_len`, the size
+      of the outputs): a row stops there as if `max_decode_len` were its limit. None: every
+      row `max_decode_len`.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -240,7 +258,7 @@ def greedy_search(
   """
   return _sampling_loop(
       tokens_to_logits, cache, lambda logits, _: jnp.argmax(logits, axis=-1), None,
-      batch_size, max_decode_len, eos_id, bos_id, pad_id, grow_cache)
+      batch_size, max_decode_len, eos_id, bos_id, pad_id, grow_cache, max_lengths)
 
 
 def _filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -281,6 +299,7 @@ def sample(
     bos_id: int = BOS_ID,
     pad_id: int = PAD_ID,
     grow_cache: GrowCache | None = None,
+    max_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples each next token (never `pad_id`) until EOS or `max_decode_len`.
 
@@ -300,6 +319,7 @@ def sample(
     bos_id: the first input token.
     pad_id: fills rows after their EOS; never sampled.
     grow_cache: see `greedy_search`.
+    max_lengths: see `greedy_search`.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -320,7 +340,7 @@ def sample(
     return jax.random.categorical(step_rng, logits, axis=-1)
 
   return _sampling_loop(tokens_to_logits, cache, select, rng, batch_size, max_decode_len,
-                        eos_id, bos_id, pad_id, grow_cache)
+                        eos_id, bos_id, pad_id, grow_cache, max_lengths)
 
 
 # --- Beam search. ---
@@ -349,6 +369,7 @@ def beam_search(
     bos_id: int = BOS_ID,
     pad_id: int = PAD_ID,
     grow_cache: GrowCache | None = None,
+    max_lengths: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search with a length penalty, as in the paper (beam 4, alpha 0.6).
 
@@ -387,6 +408,9 @@ def beam_search(
     bos_id: the first input token.
     pad_id: fills sequences after their end; never generated.
     grow_cache: see `greedy_search`; the cache is grown after tiling.
+    max_lengths: int32 [batch], each row's own limit (at most `max_decode_len`): a row's
+      search ends there exactly as a search with that `max_decode_len` would (its state is
+      kept while the other rows go on). None: every row `max_decode_len`.
 
   Returns:
     sequences: int32 [batch, beam_size, max_decode_len], best first; each the tokens, the
@@ -408,6 +432,7 @@ def beam_search(
 
   positions = jnp.arange(1 + max_decode_len)[None, None, :]  # [1, 1, 1 + max_decode_len]
   rank = jnp.arange(2 * beam_size)[None, :]  # [1, 2 * beam]
+  limits = _row_limits(max_lengths, batch_size, max_decode_len)  # [batch]
 
   def cond(state: _BeamState) -> jax.Array:
     running = state.step < max_decode_len
@@ -416,10 +441,11 @@ def beam_search(
     # lp is monotonic in |Y|, so its largest value over the reachable lengths
     # [step + 1, max_decode_len] is at one of the two ends.
     best_alive = jnp.max(state.alive_log_probs, axis=1)  # [batch]
-    best_possible = best_alive / jnp.maximum(penalty(state.step + 1), penalty(max_decode_len))
+    best_possible = best_alive / jnp.maximum(penalty(state.step + 1), penalty(limits))
     worst_finished = jnp.min(
         jnp.where(state.finished_flags, state.finished_scores, NEG_INF), axis=1)
-    done = (best_possible < worst_finished) | (best_alive == NEG_INF)  # [batch]
+    done = ((best_possible < worst_finished) | (best_alive == NEG_INF)
+            | (state.step >= limits))  # [batch]
     return running & ~jnp.all(done)
 
   def body(state: _BeamState) -> _BeamState:
@@ -454,7 +480,7 @@ def beam_search(
     scores = jnp.concatenate([state.finished_scores, new_scores], axis=1)
     seqs = jnp.concatenate([state.finished_seqs, top_seqs], axis=1)
     _, finished_picks = lax.top_k(jnp.where(flags, scores, NEG_INF), beam_size)
-    return _BeamState(
+    new = _BeamState(
         step=step + 1,
         alive_seqs=alive_seqs,
         alive_log_probs=alive_log_probs,
@@ -462,6 +488,16 @@ def beam_search(
         finished_scores=jnp.take_along_axis(scores, finished_picks, axis=1),
         finished_flags=jnp.take_along_axis(flags, finished_picks, axis=1),
         cache=cache)
+    if max_lengths is None:
+      return new
+    # Rows past their own limit keep their state (their cache is never read again).
+    active = step < limits  # [batch]
+
+    def keep(fresh, kept):
+      return jnp.where(active.reshape((-1,) + (1,) * (fresh.ndim - 1)), fresh, kept)
+    return new._replace(**{name: keep(getattr(new, name), getattr(state, name)) for name in (
+        'alive_seqs', 'alive_log_probs', 'finished_seqs', 'finished_scores',
+        'finished_flags')})
 
   empty_seqs = jnp.full((batch_size, beam_size, 1 + max_decode_len), pad_id, jnp.int32)
   # All beams start as copies of one; the others get -inf so the first step does not pick
@@ -478,13 +514,13 @@ def beam_search(
   final = _phased_while(cond, body, init, max_decode_len, grow_cache)
 
   # Finished hypotheses (flagged ones first, sorted) fill the first slots; alive beams, all
-  # max_decode_len long when this is needed, fill the rest in order.
+  # as long as their row's limit when this is needed, fill the rest in order.
   num_finished = jnp.sum(final.finished_flags, axis=1, keepdims=True)  # [batch, 1]
   slots = jnp.arange(beam_size)[None, :]  # [1, beam]
   from_alive = slots >= num_finished  # [batch, beam]
   alive_picks = jnp.clip(slots - num_finished, 0, beam_size - 1)
   unfinished_scores = (jnp.take_along_axis(final.alive_log_probs, alive_picks, axis=1)
-                       / penalty(max_decode_len))
+                       / penalty(limits)[:, None])
   scores = jnp.where(from_alive, unfinished_scores, final.finished_scores)
   sequences = jnp.where(from_alive[:, :, None], _take_beams(final.alive_seqs, alive_picks),
                         final.finished_seqs)[:, :, 1:]

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,7 +57,8 @@ def tokenize_for_bleu(text: str) -> str:
 
 def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
   """BLEU in the paper's style (see the module docstring), on detokenized inputs."""
-  return BLEU(tokenize='none').corpus_score(
+  # force: the input is tokenized on purpose; no "forgot to detokenize" warning.
+  return BLEU(tokenize='none', force=True).corpus_score(
       [tokenize_for_bleu(h) for h in hypotheses],
       [[tokenize_for_bleu(r) for r in references]]).score
 
@@ -183,7 +185,8 @@ def evaluate(translator: Translator, sources: Sequence[str], references: Sequenc
     references: one reference per source.
     baseline: another system's output on `sources`, for paired bootstrap resampling.
     bootstrap_samples: resamples for the paired test.
-    show_progress: draw a tqdm bar on stderr.
+    show_progress: draw a tqdm bar on stderr when it is a terminal (no carriage returns in
+      log files).
     info: extra entries for the metrics (checkpoint, split, ...).
 
   Returns:
@@ -192,7 +195,8 @@ def evaluate(translator: Translator, sources: Sequence[str], references: Sequenc
   _check_lengths(sources, references)
   if baseline is not None:
     _check_lengths(baseline, references)
-  with tqdm.tqdm(total=len(sources), unit='sent', disable=not show_progress,
+  with tqdm.tqdm(total=len(sources), unit='sent',
+                 disable=not (show_progress and sys.stderr.isatty()),
                  desc='Compiling', dynamic_ncols=True) as bar:
     tokens_done = 0
 
@@ -210,6 +214,12 @@ def evaluate(translator: Translator, sources: Sequence[str], references: Sequenc
     logging.warning('%d source sentences were longer than max_len=%d tokens and were cut '
                     '(lines %s).', len(stats.truncated), translator.max_source_length,
                     ', '.join(str(i + 1) for i in stats.truncated[:20]))
+  if stats.capped:
+    logging.warning('%d sentences had their output limit cut to max_len=%d tokens, below '
+                    'their source length + %d (learned positions end there; lines %s).',
+                    len(stats.capped), translator.max_source_length,
+                    translator.options.max_decode_extra_length,
+                    ', '.join(str(i + 1) for i in stats.capped[:20]))
   metrics = dict(info or {})
   metrics.update(score(hypotheses, references))
   options: DecodeOptions = translator.options
@@ -219,6 +229,7 @@ def evaluate(translator: Translator, sources: Sequence[str], references: Sequenc
       'source_tokens': stats.source_tokens,
       'output_tokens': stats.output_tokens,
       'truncated_sources': len(stats.truncated),
+      'capped_outputs': len(stats.capped),
       'compile_seconds': round(stats.compile_seconds, 3),
       'decode_seconds': round(stats.decode_seconds, 3),
       'sentences_per_second': round(stats.sentences_per_second, 3),

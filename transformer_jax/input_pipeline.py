@@ -577,12 +577,22 @@ class Datasets:
     eval_batches: returns a fresh finite iterator over this host's validation batches.
     tokenizer: the shared vocabulary.
     train_info: the `TrainData` (counts of kept, dropped and skipped examples).
+    eval_text: the validation split's (source, target) texts.
   """
   train: Any
   steps_per_epoch: int
   eval_batches: Callable[[], Iterator[Batch]]
   tokenizer: Tokenizer
   train_info: TrainData
+  eval_text: ParallelText
+
+
+def spread_subset(pairs: Sequence[tuple[str, str]], size: int) -> list[tuple[str, str]]:
+  """`size` pairs spread evenly over `pairs` (every one if it has no more), in order, so
+  that a validation subset samples every document of a split, not just the first."""
+  if size >= len(pairs):
+    return [pairs[i] for i in range(len(pairs))]
+  return [pairs[i * len(pairs) // size] for i in range(size)]
 
 
 def _tokenized_on_every_host(config, workdir, tokenizer, splits):
@@ -631,4 +641,4 @@ def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
 
   return Datasets(train=iter(info.dataset), steps_per_epoch=info.steps_per_epoch,
                   eval_batches=make_eval_batches,
-                  tokenizer=tokenizer, train_info=info)
+                  tokenizer=tokenizer, train_info=info, eval_text=eval_pairs)

@@ -70,12 +70,14 @@ def abstract_params(model_config: TransformerConfig, partitioner: Partitioner) -
                       nn.unbox(boxed), partitioner.tree_shardings(boxed))
 
 
-def load(workdir: str, *, step: int | None = None, average_last: int = 0) -> InferenceCheckpoint:
+def load(workdir: str, *, step: int | str | None = None,
+         average_last: int = 0) -> InferenceCheckpoint:
   """One checkpoint of `workdir`, or the average of its last `average_last`.
 
   Args:
     workdir: a training run's (or `average_checkpoints`') work directory.
-    step: a checkpoint step; None for the latest. Not allowed with `average_last`.
+    step: a checkpoint step; None for the latest; 'best' (`checkpointing.BEST`) for the
+      best by the run's `best_checkpoint_metric`. Not allowed with `average_last`.
     average_last: average the last this many checkpoints (0: no averaging).
 
   Returns:

@@ -1,6 +1,10 @@
 """What the user sees of a run: a progress bar or log lines, TensorBoard and JSON lines.
 
-Only process 0 writes. Metrics arrive as sums (see `losses.compute_metrics`) and become
+Only process 0 writes. Every `metrics.jsonl` row has the step, the split ('train' or 'eval'),
+the wall-clock `time` (Unix seconds) and the scalars; TensorBoard gets the same scalars, the
+run's config (text, at the start) and the validation sample translations (text).
+
+Metrics arrive as sums (see `losses.compute_metrics`) and become
 means here: `summarize_train` and `summarize_eval` turn the sums of a logging interval into
 loss, perplexity, learning rate, gradient norm, tokens/s, MFU, padding share and skips.
 """
@@ -86,8 +90,11 @@ def sum_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 class MetricsWriter:
   """Progress display, TensorBoard event files and `metrics.jsonl` for one run."""
 
-  def __init__(self, workdir: str, *, total_steps: int, start_step: int, enabled: bool):
+  def __init__(self, workdir: str, *, total_steps: int, start_step: int, enabled: bool,
+               config: Any = None):
     """Opens the outputs; with `enabled=False` (processes other than 0) does nothing.
+
+    `config` (a `ConfigDict`), if given, goes to TensorBoard as text at `start_step`.
 
     A resumed run first drops JSON lines of steps after `start_step`: they came from the
     stretch after the last checkpoint, which is about to be trained again.
@@ -101,6 +108,10 @@ class MetricsWriter:
     self._jsonl_path = os.path.join(workdir, METRICS_FILE)
     self._truncate_after(start_step)
     self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+    if config is not None:
+      # Indented four spaces: Markdown code, so TensorBoard keeps the layout.
+      text = '\n'.join('    ' + line for line in str(config).splitlines())
+      self._tb.add_text('config', text, start_step)
     self._start_time = time.time()
     self._start_step = start_step
     if sys.stderr.isatty():
@@ -137,7 +148,8 @@ class MetricsWriter:
       self._tb.add_scalar(f'{split}/{name}', value, step)
     self._tb.flush()
     with open(self._jsonl_path, 'a') as f:
-      f.write(json.dumps({'step': step, 'split': split, **values}) + '\n')
+      f.write(json.dumps({'step': step, 'split': split, 'time': round(time.time(), 3),
+                          **values}) + '\n')
     if split == 'train':
       rate = values.get('tokens_per_second', float('nan'))
       shown = {'loss': f'{values["loss"]:.3f}', 'tok/s': f'{rate:.0f}'}
@@ -157,10 +169,19 @@ class MetricsWriter:
     else:
       message = (f'step {step}: {split} loss {values["loss"]:.4f}  perplexity '
                  f'{values["perplexity"]:.2f}  accuracy {values["accuracy"]:.3f}')
+      if 'bleu' in values:
+        message += (f'  sacreBLEU {values["bleu"]:.2f}  chrF {values["chrf"]:.2f}  '
+                    f'({values["translate_seconds"]:.0f}s translating)')
       if self._bar is not None:
         self._bar.write(message)
       else:
         logging.info(message)
+
+  def text(self, step: int, tag: str, markdown: str) -> None:
+    """A Markdown text (a table of sample translations) in TensorBoard at `step`."""
+    if self._enabled:
+      self._tb.add_text(tag, markdown, step)
+      self._tb.flush()
 
   def log(self, message: str) -> None:
     """A plain message that does not break the progress bar."""

@@ -4,6 +4,12 @@ Checks the config, the devices and the data before anything compiles; resumes fr
 latest complete checkpoint in `workdir`; trains for `config.num_train_steps` steps with
 periodic logging, validation and checkpoints; and on SIGTERM saves the current step on
 every process, waits for the write and returns normally.
+
+Validation (every `eval_every_steps`) gives the loss and perplexity of the validation split
+and, with `eval_bleu_sentences`, sacreBLEU and chrF of that many of its sentences spread over
+the split, translated with the run's decoding options (a few samples go to TensorBoard).
+With `best_checkpoint_metric`, every evaluation also saves a checkpoint carrying its metrics,
+and the best `keep_best_checkpoints` of those are kept besides the latest ones.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from jax.experimental import multihost_utils
 
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
+from transformer_jax import evaluation
 from transformer_jax import flops as model_flops
 from transformer_jax import input_pipeline
 from transformer_jax import metrics_writer
@@ -29,6 +36,7 @@ from transformer_jax import multihost
 from transformer_jax import optimizer
 from transformer_jax import prefetch
 from transformer_jax import train_steps
+from transformer_jax import translator as translator_lib
 from transformer_jax import workdir_lock
 from transformer_jax.config import ConfigError, TransformerConfig
 from transformer_jax.errors import CheckpointError
@@ -70,6 +78,38 @@ def evaluate(eval_step: Callable, params: Any, batches: Iterable[Mapping[str, np
       break
     outputs.append(eval_step(params, partitioner.shard_batch(batch)))
   return metrics_writer.summarize_eval(metrics_writer.sum_metrics(jax.device_get(outputs)))
+
+
+SAMPLE_TRANSLATIONS = 4  # Shown in TensorBoard at each evaluation.
+
+
+class ValidationTranslation:
+  """sacreBLEU and chrF of a fixed validation subset, translated with the current
+  parameters (compiled once per shape, on the training mesh)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, datasets: input_pipeline.Datasets,
+               model_config: TransformerConfig, params: Any, partitioner: Partitioner):
+    pairs = input_pipeline.spread_subset(datasets.eval_text, config.eval_bleu_sentences)
+    self.sources = [s for s, _ in pairs]
+    self.references = [t for _, t in pairs]
+    self.translator = translator_lib.Translator(
+        model_config, params, datasets.tokenizer,
+        translator_lib.DecodeOptions.from_config(config), partitioner)
+
+  def __call__(self, params: Any) -> tuple[dict[str, float], str]:
+    """The metrics (bleu, chrf, translate_seconds) and a Markdown table of samples."""
+    start = time.time()
+    self.translator.params = params  # Same shardings, so the compiled searches serve.
+    hypotheses, _ = self.translator.translate(self.sources)
+    scores = evaluation.score(hypotheses, self.references)
+    rows = ['| source | reference | translation |', '|---|---|---|']
+    for source, reference, hypothesis in list(zip(self.sources, self.references,
+                                                  hypotheses))[:SAMPLE_TRANSLATIONS]:
+      cells = (' '.join(text.replace('|', '\\|').split()) for text in
+               (source, reference, hypothesis))
+      rows.append('| ' + ' | '.join(cells) + ' |')
+    return ({'bleu': scores['bleu'], 'chrf': scores['chrf'],
+             'translate_seconds': time.time() - start}, '\n'.join(rows))
 
 
 def _peak_flops(partitioner: Partitioner) -> float | None:
@@ -147,7 +187,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   checkpointer = checkpointing.Checkpointer(
       workdir, save_every=config.checkpoint_every_steps,
       final_step=config.num_train_steps, keep=config.keep_checkpoints,
-      keep_period=config.keep_checkpoint_period)
+      keep_period=config.keep_checkpoint_period,
+      best_metric=config.best_checkpoint_metric if config.eval_every_steps else '',
+      keep_best=config.keep_best_checkpoints)
   own_signal = stop_signal is None
   stop_signal = stop_signal or multihost.StopSignal()
   writer = batches = None
@@ -165,14 +207,20 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                           shardings.params)
       start = int(state.step)
       writer = metrics_writer.MetricsWriter(workdir, total_steps=config.num_train_steps,
-                                            start_step=start, enabled=jax.process_index() == 0)
+                                            start_step=start, enabled=jax.process_index() == 0,
+                                            config=config)
       writer.log(f'{train_steps.count_params(state.params):,} parameters; '
                  f'{datasets.steps_per_epoch} steps an epoch; training steps {start} to '
                  f'{config.num_train_steps}.')
       meta = checkpointing.make_meta(config, datasets.tokenizer)
+      validation = None
+      if config.eval_every_steps and config.eval_bleu_sentences:
+        validation = ValidationTranslation(config, datasets, model_config, state.params,
+                                           partitioner)
       with partitioner.activate():
         return _train_loop(config, state, datasets, batches, partitioner, train_step,
-                           eval_step, checkpointer, meta, writer, stop_signal, model_config)
+                           eval_step, checkpointer, meta, writer, stop_signal, model_config,
+                           validation)
     finally:
       if batches is not None:
         batches.close()
@@ -230,7 +278,8 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
                 train_step: Callable, eval_step: Callable,
                 checkpointer: checkpointing.Checkpointer, meta: Mapping[str, Any],
                 writer: metrics_writer.MetricsWriter, stop_signal: multihost.StopSignal,
-                model_config: TransformerConfig) -> TrainResult:
+                model_config: TransformerConfig,
+                validation: ValidationTranslation | None = None) -> TrainResult:
   """Steps from `state.step` to `config.num_train_steps` (or to a stop signal)."""
   start = int(state.step)
   peak = _peak_flops(partitioner)
@@ -293,8 +342,14 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
       eval_start = time.time()
       eval_metrics = evaluate(eval_step, state.params, datasets.eval_batches(), partitioner,
                               config.eval_batches)
+      if validation is not None:
+        translation_metrics, samples = validation(state.params)
+        eval_metrics.update(translation_metrics)
+        writer.text(done, 'eval/samples', samples)
       writer.write(done, 'eval', eval_metrics)
       interval_start += time.time() - eval_start  # Evaluation is not training throughput.
+      if config.best_checkpoint_metric:  # Each evaluation's checkpoint competes for best.
+        _save(checkpointer, state, batches, meta, writer, metrics=eval_metrics)
 
     if stopped or checkpointer.should_save(done):
       _save(checkpointer, state, batches, meta, writer)
@@ -308,8 +363,10 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
 
 def _save(checkpointer: checkpointing.Checkpointer, state: train_steps.TrainState,
           data_iterator: Any, meta: Mapping[str, Any],
-          writer: metrics_writer.MetricsWriter) -> None:
-  """Saves `state` unless it holds a non-finite value (then raises)."""
+          writer: metrics_writer.MetricsWriter,
+          metrics: Mapping[str, float] | None = None) -> None:
+  """Saves `state` (with its validation `metrics`, if given) unless it holds a non-finite
+  value (then raises)."""
   step = int(state.step)
   if checkpointer.latest_step() == step:
     return
@@ -318,6 +375,6 @@ def _save(checkpointer: checkpointing.Checkpointer, state: train_steps.TrainStat
         f'The parameters or optimizer state at step {step} are not finite; no checkpoint '
         f'was written (latest checkpoint: {checkpointer.latest_step() or "none"}). Lower '
         '--config.learning_rate_scale or set --config.grad_clip_norm.')
-  checkpointer.save(state, data_iterator, meta, force=True)
+  checkpointer.save(state, data_iterator, meta, force=True, metrics=metrics)
   writer.log(f'Saving checkpoint {step} (asynchronously).')
 

@@ -14,9 +14,10 @@ Shapes stay few, so a test set never recompiles per sentence:
   * every batch has the same number of rows, `batch_size` (a call with fewer sentences uses
     the next power of two instead, so one sentence is not decoded 32 times over), rounded up
     to a multiple of the data-parallel shards; rows past the sentences are dummies;
-  * the output limit is a bucket's, not a sentence's: bucket length + `max_decode_extra_length`
-    (the paper: source length + 50), at most `max_len` with learned positions, whose table
-    ends there. Every sentence gets at least its paper limit; a search stops early anyway.
+  * the output limit is each sentence's own: its source length (EOS included) +
+    `max_decode_extra_length` (the paper: source length + 50), at most `max_len` with learned
+    positions, whose table ends there (`DecodeStats.capped` names the sentences the cap cut).
+    A batch's search is compiled for its bucket's limit; each row stops at its own.
 
 Each (rows, bucket) shape is compiled ahead of time, once, when first needed; the number of
 compiled functions is `Translator.num_compiled`. Given a `Partitioner`, the rows are split
@@ -29,7 +30,6 @@ tokens plus EOS by `encode_source`; callers report which (see `DecodeStats.trunc
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,9 +61,18 @@ class DecodeOptions:
     beam_size: hypotheses kept per sentence; 1 is greedy search.
     length_penalty: alpha of the length penalty (0: none).
     length_penalty_form: 'gnmt', ((5 + |Y|) / 6)^alpha, or 'power', |Y|^alpha.
-    max_decode_extra_length: output limit = source (bucket) length + this.
-    batch_size: sentences decoded together (each takes `beam_size` rows of the search).
+    max_decode_extra_length: each sentence's output limit = its source length + this.
+    batch_size: sentences decoded together (each takes `beam_size` rows of the search, or
+      `n_best` rows when sampling).
     buckets: source lengths compiled for; sources are padded to the shortest that fits.
+    n_best: hypotheses returned per sentence, best first: the best `n_best` of the beam
+      (at most `beam_size`), or `n_best` independent samples.
+    sampling: sample each token (`decode.sample`) instead of searching; `beam_size` is then
+      unused.
+    temperature: sampling: logits are divided by it (0: greedy).
+    top_k: sampling: only the k most probable tokens (0: all).
+    top_p: sampling: only the nucleus of probability p (1: all).
+    seed: sampling: the same seed, input and batch size give the same samples.
   """
 
   beam_size: int = 4
@@ -72,12 +81,28 @@ class DecodeOptions:
   max_decode_extra_length: int = 50
   batch_size: int = 32
   buckets: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+  n_best: int = 1
+  sampling: bool = False
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
 
   def __post_init__(self):
-    for name in ('beam_size', 'batch_size'):
+    for name in ('beam_size', 'batch_size', 'n_best'):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ConfigError(f'{name}={value!r} must be an int >= 1.')
+    if not self.sampling and self.n_best > self.beam_size:
+      raise ConfigError(f'n_best={self.n_best} is more than beam_size={self.beam_size}: beam '
+                        f'search keeps beam_size hypotheses; raise beam_size to at least '
+                        f'{self.n_best}, or sample.')
+    if self.temperature < 0:
+      raise ConfigError(f'temperature={self.temperature!r} must be >= 0 (0: greedy).')
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ConfigError(f'top_k={self.top_k!r} must be an int >= 0 (0 keeps every token).')
+    if not 0.0 < self.top_p <= 1.0:
+      raise ConfigError(f'top_p={self.top_p!r} must be in (0, 1] (1 keeps every token).')
     if not isinstance(self.max_decode_extra_length, int) or self.max_decode_extra_length < 1:
       raise ConfigError(f'max_decode_extra_length={self.max_decode_extra_length!r} must be '
                         'an int >= 1 (the paper: 50).')
@@ -108,17 +133,22 @@ class DecodeOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Hypothesis:
-  """One sentence's best output.
+  """One output of a sentence.
 
   Attributes:
     tokens: the output ids, without EOS and padding.
-    score: log P(Y) / lp(|Y|) (greedy search: the same, with its own |Y|).
+    score: log P(Y) / lp(|Y|), what beam search ranks by (greedy search and sampling: the
+      same, with their own |Y|).
     length: |Y|, the output tokens the model produced, the EOS included if it came.
+    log_prob: log P(Y | X) under the model (temperature 1, no top-k/top-p).
+    text: the detokenized output (`Translator.translate_n_best` fills it).
   """
 
   tokens: tuple[int, ...]
   score: float
   length: int
+  log_prob: float = 0.0
+  text: str = ''
 
 
 @dataclasses.dataclass
@@ -133,6 +163,7 @@ class DecodeStats:
     compile_seconds: time spent compiling shapes not seen before.
     decode_seconds: time spent searching, compilation excluded.
     truncated: indices of the sources cut to `max_len` tokens.
+    capped: indices of the sources whose output limit `max_len` cut (learned positions).
     failed: (index, error) of the sentences the tokenizer failed on (given '').
   """
 
@@ -143,6 +174,7 @@ class DecodeStats:
   compile_seconds: float = 0.0
   decode_seconds: float = 0.0
   truncated: tuple[int, ...] = ()
+  capped: tuple[int, ...] = ()
   failed: tuple[tuple[int, str], ...] = ()
 
   @property
@@ -209,38 +241,64 @@ def start_decoding(model_config: TransformerConfig, params: PyTree, inputs: jax.
 
 
 def search(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
-           options: DecodeOptions, max_decode_len: int) -> tuple[jax.Array, jax.Array]:
+           options: DecodeOptions, max_decode_len: int, batch_index: jax.Array | int = 0
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Encodes `inputs`, creates the caches and runs the whole search (traceable under jit).
 
-  Beam size 1 is greedy search (`decode.greedy_search`); its score gets the same length
-  penalty as beam search's.
+  Beam size 1 is greedy search (`decode.greedy_search`); `options.sampling` samples
+  `n_best` outputs a sentence (`decode.sample`, key `fold_in(key(seed), batch_index)`).
+  Greedy and sampled outputs get the same length-penalized score as beam search's.
 
   Args:
     model_config: the model's config.
     params: the parameters.
     inputs: int32 [batch, source_length], ids ending with EOS, then PAD.
     options: the search options.
-    max_decode_len: the most output tokens, EOS included.
+    max_decode_len: the most output tokens, EOS included, of any row (the compiled size);
+      each row stops at its source length + `options.max_decode_extra_length` if sooner.
+    batch_index: int32 [], folded into the sampling key (unused by the searches).
 
   Returns:
-    sequences: int32 [batch, beam, max_decode_len], best first, PAD after the end.
-    scores: float32 [batch, beam], log P(Y) / lp(|Y|), descending.
+    sequences: int32 [batch, n_best, max_decode_len], best first, PAD after the end.
+    scores: float32 [batch, n_best], log P(Y) / lp(|Y|), descending.
+    log_probs: float32 [batch, n_best], log P(Y).
   """
+  n = options.n_best if options.sampling else options.beam_size
   tokens_to_logits, cache = start_decoding(
-      model_config, params, inputs, decode.cache_lengths(max_decode_len)[0],
-      options.beam_size)
+      model_config, params, inputs, decode.cache_lengths(max_decode_len)[0], n)
   batch_size = inputs.shape[0]
-  if options.beam_size == 1:
-    sequences, log_probs = decode.greedy_search(tokens_to_logits, cache, batch_size,
-                                                max_decode_len, grow_cache=grow_cache)
-    lengths = jnp.sum(sequences != PAD_ID, axis=1)
-    scores = log_probs / decode.length_penalty(lengths, options.length_penalty,
-                                               options.length_penalty_form)
-    return sequences[:, None], scores[:, None]
-  return decode.beam_search(
+  # Each row's own limit: its source length + the extra length, within the compiled one.
+  max_lengths = jnp.minimum(jnp.sum(inputs != PAD_ID, axis=1)
+                            + options.max_decode_extra_length, max_decode_len)
+
+  def penalty(sequences):
+    return decode.length_penalty(jnp.sum(sequences != PAD_ID, axis=-1),
+                                 options.length_penalty, options.length_penalty_form)
+
+  if options.sampling or options.beam_size == 1:
+    if options.sampling:
+      rng = jax.random.fold_in(jax.random.key(options.seed), batch_index)
+      sequences, log_probs = decode.sample(
+          tokens_to_logits, decode.tile_beams(cache, n), rng, batch_size * n, max_decode_len,
+          temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
+          grow_cache=grow_cache, max_lengths=decode.tile_beams(max_lengths, n))
+    else:
+      sequences, log_probs = decode.greedy_search(tokens_to_logits, cache, batch_size,
+                                                  max_decode_len, grow_cache=grow_cache,
+                                                  max_lengths=max_lengths)
+    sequences = sequences.reshape(batch_size, n, max_decode_len)
+    log_probs = log_probs.reshape(batch_size, n)
+    scores = log_probs / penalty(sequences)
+    order = jnp.argsort(-scores, axis=1, stable=True)  # Samples best first.
+    return (jnp.take_along_axis(sequences, order[:, :, None], axis=1),
+            jnp.take_along_axis(scores, order, axis=1),
+            jnp.take_along_axis(log_probs, order, axis=1))
+  sequences, scores = decode.beam_search(
       tokens_to_logits, cache, batch_size, options.beam_size, max_decode_len,
       alpha=options.length_penalty, length_penalty_form=options.length_penalty_form,
-      grow_cache=grow_cache)
+      grow_cache=grow_cache, max_lengths=max_lengths)
+  sequences, scores = sequences[:, :options.n_best], scores[:, :options.n_best]
+  return sequences, scores, scores * penalty(sequences)
 
 
 def _next_power_of_two(n: int) -> int:
@@ -282,13 +340,22 @@ class Translator:
     """The longest source, EOS included (`max_len`)."""
     return self.model_config.max_len
 
-  def max_decode_len(self, bucket: int) -> int:
-    """The output limit of a bucket: its length + the extra length (at most `max_len` with
-    learned positions)."""
-    limit = bucket + self.options.max_decode_extra_length
+  def output_limit(self, source_length: int) -> int:
+    """The most output tokens (EOS included) for a source of `source_length` tokens (EOS
+    included): source length + the extra length, at most `max_len` with learned positions."""
+    limit = source_length + self.options.max_decode_extra_length
     if self.model_config.positional_encoding == 'learned':
       limit = min(limit, self.model_config.max_len)
     return limit
+
+  def is_capped(self, source_length: int) -> bool:
+    """Whether `max_len` (learned positions) cuts this source's output limit."""
+    return self.output_limit(source_length) < (source_length
+                                               + self.options.max_decode_extra_length)
+
+  def max_decode_len(self, bucket: int) -> int:
+    """The output size a bucket is compiled for: the limit of its longest source."""
+    return self.output_limit(bucket)
 
   def bucket_for(self, length: int) -> int:
     """The shortest bucket holding a source of `length` tokens."""
@@ -317,19 +384,30 @@ class Translator:
     `jax.ShapeDtypeStruct`s with shardings, to compile without any weights)."""
     key = (rows, bucket)
     if key not in self._compiled:
-      fn = functools.partial(search, self.model_config, options=self.options,
-                             max_decode_len=self.max_decode_len(bucket))
+      max_decode_len = self.max_decode_len(bucket)
+
+      def fn(params, inputs, batch_index):
+        return search(self.model_config, params, inputs, self.options, max_decode_len,
+                      batch_index)
       if self.partitioner is None:
         jitted = jax.jit(fn)
         spec = jax.ShapeDtypeStruct((rows, bucket), jnp.int32)
-        self._compiled[key] = jitted.lower(self.params, spec).compile()
+        index = jax.ShapeDtypeStruct((), jnp.int32)
+        self._compiled[key] = jitted.lower(self.params, spec, index).compile()
       else:
         p = self.partitioner
         jitted = jax.jit(fn, out_shardings=p.replicated)
         spec = jax.ShapeDtypeStruct((rows, bucket), jnp.int32, sharding=p.batch_sharding)
+        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=p.replicated)
         with p.activate():
-          self._compiled[key] = jitted.lower(self.params, spec).compile()
+          self._compiled[key] = jitted.lower(self.params, spec, index).compile()
     return self._compiled[key]
+
+  def _place_index(self, number: int) -> jax.Array:
+    index = np.int32(number)
+    if self.partitioner is None:
+      return jnp.asarray(index)
+    return jax.make_array_from_callback((), self.partitioner.replicated, lambda _: index)
 
   def _place(self, inputs: np.ndarray) -> jax.Array:
     if self.partitioner is None:
@@ -341,19 +419,23 @@ class Translator:
   # --- Translation. ---
 
   def translate_ids(self, sources: Sequence[Sequence[int]],
-                    progress: ProgressFn | None = None) -> tuple[list[Hypothesis], DecodeStats]:
+                    progress: ProgressFn | None = None
+                    ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
     """Translates source ids (each ending with EOS, at most `max_len` long).
 
     Args:
       sources: one id list per sentence.
       progress: called with (0, 0) once compilation is done, then after each batch with
-        (sentences, output tokens) of that batch.
+        (sentences, output tokens of their best hypotheses) of that batch.
 
     Returns:
-      The best hypothesis of each source, in input order, and what the call did.
+      The `n_best` hypotheses of each source (best first), in input order, and what the
+      call did.
     """
     stats = DecodeStats(sentences=len(sources),
-                        source_tokens=sum(len(s) for s in sources))
+                        source_tokens=sum(len(s) for s in sources),
+                        capped=tuple(i for i, s in enumerate(sources)
+                                     if self.is_capped(len(s))))
     if not sources:
       if progress is not None:
         progress(0, 0)
@@ -374,21 +456,26 @@ class Translator:
       progress(0, 0)
 
     start = time.perf_counter()
-    results: list[Hypothesis | None] = [None] * len(sources)
-    for bucket, indices in batches:
+    results: list[tuple[Hypothesis, ...]] = [()] * len(sources)
+    for number, (bucket, indices) in enumerate(batches):
       inputs = np.full((rows, bucket), PAD_ID, np.int32)
       inputs[:, 0] = EOS_ID  # Dummy rows: an empty sentence.
       for row, i in enumerate(indices):
         inputs[row, :] = PAD_ID
         inputs[row, :len(sources[i])] = sources[i]
-      sequences, scores = jax.device_get(compiled[bucket](self.params, self._place(inputs)))
+      sequences, scores, log_probs = jax.device_get(compiled[bucket](
+          self.params, self._place(inputs), self._place_index(number)))
       batch_tokens = 0
       for row, i in enumerate(indices):
-        best = sequences[row, 0]
-        length = int(np.sum(best != PAD_ID))
-        tokens = tuple(int(t) for t in best[:length] if t != EOS_ID)
-        results[i] = Hypothesis(tokens=tokens, score=float(scores[row, 0]), length=length)
-        batch_tokens += length
+        hypotheses = []
+        for k in range(self.options.n_best):
+          output = sequences[row, k]
+          length = int(np.sum(output != PAD_ID))
+          tokens = tuple(int(t) for t in output[:length] if t != EOS_ID)
+          hypotheses.append(Hypothesis(tokens=tokens, score=float(scores[row, k]),
+                                       length=length, log_prob=float(log_probs[row, k])))
+        results[i] = tuple(hypotheses)
+        batch_tokens += hypotheses[0].length
       stats.output_tokens += batch_tokens
       stats.batches += 1
       if progress is not None:
@@ -409,8 +496,15 @@ class Translator:
       progress: see `translate_ids`; blank and failed sentences are reported last.
 
     Returns:
-      The translations and what the call did.
+      The best translation of each sentence and what the call did.
     """
+    n_best, stats = self.translate_n_best(texts, progress)
+    return [hypotheses[0].text for hypotheses in n_best], stats
+
+  def translate_n_best(self, texts: Sequence[str], progress: ProgressFn | None = None
+                       ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
+    """`translate`, with the `n_best` hypotheses of each sentence, best first, their `text`
+    filled (a blank or failed sentence: `n_best` empty hypotheses of score 0)."""
     sources, kept, truncated, failed = [], [], [], []
     for i, text in enumerate(texts):
       if not text.strip():
@@ -424,14 +518,17 @@ class Translator:
       kept.append(i)
       if cut:
         truncated.append(i)
-    hypotheses, stats = self.translate_ids(sources, progress)
+    n_best, stats = self.translate_ids(sources, progress)
     if progress is not None and len(kept) < len(texts):
       progress(len(texts) - len(kept), 0)
-    outputs = [''] * len(texts)
-    for i, hypothesis in zip(kept, hypotheses):
-      outputs[i] = ' '.join(self.tokenizer.decode(hypothesis.tokens).splitlines()).strip()
+    empty = Hypothesis(tokens=(), score=0.0, length=0)
+    outputs = [(empty,) * self.options.n_best] * len(texts)
+    for i, hypotheses in zip(kept, n_best):
+      outputs[i] = tuple(dataclasses.replace(h, text=' '.join(
+          self.tokenizer.decode(h.tokens).splitlines()).strip()) for h in hypotheses)
     stats.sentences = len(texts)
     stats.truncated = tuple(truncated)
+    stats.capped = tuple(kept[i] for i in stats.capped)
     stats.failed = tuple(failed)
     return outputs, stats
 
@@ -439,7 +536,7 @@ class Translator:
 # --- Building a translator from a work directory. ---
 
 
-def load_translator(workdir: str, *, step: int | None = None, average_last: int = 0,
+def load_translator(workdir: str, *, step: int | str | None = None, average_last: int = 0,
                     **overrides: Any) -> tuple['Translator', loading.InferenceCheckpoint]:
   """A `Translator` for a checkpoint (or the average of the last ones) of `workdir`.
 
@@ -448,7 +545,7 @@ def load_translator(workdir: str, *, step: int | None = None, average_last: int 
 
   Args:
     workdir: a training run's work directory (or one written by `average_checkpoints`).
-    step: the checkpoint; None for the latest.
+    step: the checkpoint; None for the latest, 'best' for the best (see `loading.load`).
     average_last: average the last this many checkpoints instead (0: none).
     **overrides: `DecodeOptions` fields; None values are ignored.
 
