@@ -1,63 +1,7 @@
-r"""Trains the Transformer; rerunning the same command resumes from the latest checkpoint.
+"""`python train.py --help`: the command is transformer_jax/commands/train.py (installed as
+`transformer-jax-train`)."""
 
-  python train.py --config=configs/tiny.py --workdir=/tmp/tiny
-  python train.py --config=configs/wmt14_ende_base.py --workdir=$HOME/runs/ende_base \
-      --config.tfds_data_dir=$HOME/tensorflow_datasets --config.mesh.fsdp=8
-
-Several hosts (one process each): add --distributed; on Cloud TPU, SLURM and Open MPI the
-coordinator is found automatically, elsewhere pass --coordinator_address=HOST:PORT
---num_processes=N --process_id=I.
-
-Exit codes: 0 finished or stopped by SIGTERM after saving; 1 an unexpected error or a
-non-finite loss with nonfinite='stop'; 2 a config, flag, data, checkpoint, work-directory or
-full-disk problem (explained in one paragraph; the traceback only with --verbose).
-"""
-
-import sys
-
-from absl import flags
-from absl import logging
-from ml_collections import config_flags
-
-import cli
-from transformer_jax import multihost
-from transformer_jax import train_loop
-
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
-    lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, vocabulary and metrics go here.')
-_DISTRIBUTED = flags.DEFINE_bool(
-    'distributed', False, 'Join a multi-process job through jax.distributed.initialize.')
-_COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', None, 'HOST:PORT of process 0 (autodetected on TPU/SLURM/MPI).')
-_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
-_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1.')
-_HEARTBEAT = flags.DEFINE_integer(
-    'heartbeat_timeout_seconds', 100,
-    'A process silent this long counts as dead; the others then exit instead of hanging.')
-
-
-def main(argv: list[str]) -> None:
-  del argv  # Unused.
-  if _CONFIG.value is None:
-    cli.fail('--config is required, e.g. --config=configs/tiny.py.')
-  if not _WORKDIR.value:
-    cli.fail('--workdir is required: the directory for checkpoints and metrics.')
-  if _DISTRIBUTED.value:
-    multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                         heartbeat_timeout_seconds=_HEARTBEAT.value)
-  try:
-    result = train_loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
-  except train_loop.NonFiniteError as e:
-    print(f'train.py: stopped: {e}', file=sys.stderr)
-    sys.exit(1)
-  if result.stopped_early:
-    logging.info('Stopped at step %d on request; the checkpoint is complete.',
-                 int(result.state.step))
-
-
-flags.adopt_module_key_flags(cli)
+from transformer_jax.commands import train
 
 if __name__ == '__main__':
-  cli.run(main)
+  train.run()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up a fresh machine: the Debian packages of the offline Bible corpus and the Python
-# packages. `--test` also installs the test-only dependencies (a CPU build of PyTorch) and
+# Sets up a fresh machine: the Debian packages of the offline Bible corpus and this package
+# (pip install -e, see pyproject.toml) with its dependencies. `--test` also installs the
+# test extra (pytest and a CPU build of PyTorch) and
 # does what `--aot` does. `--aot` makes .venv-aot, an environment that sees the installed
 # packages plus the compile-only wheels of compile.py (libtpu, the CUDA PJRT plugin, and the
 # cuDNN library, which JAX asks for its version when it traces cuDNN attention even for an
@@ -12,11 +13,13 @@ cd "$(dirname "$0")/.."
 mode="${1:-}"
 if [ "$mode" != "--aot" ]; then
   bash scripts/setup_bible.sh
-  requirements=requirements.txt
+  # The package itself (editable: the checkout is what runs) with TensorBoard's viewer, or
+  # with the test extra; requirements.txt pins the versions CI tests.
+  extras=tensorboard
   if [ "$mode" = "--test" ]; then
-    requirements=requirements-test.txt
+    extras=test,tensorboard
   fi
-  python -m pip install -q --disable-pip-version-check -r "$requirements"
+  python -m pip install -q --disable-pip-version-check -c requirements.txt -e ".[$extras]"
 fi
 if [ "$mode" = "--aot" ] || [ "$mode" = "--test" ]; then
   # The wheels must be of the installed jax's exact version.

@@ -133,7 +133,7 @@ def test_full_disk_is_one_line_naming_the_file(tmp_path):
   script.write_text(textwrap.dedent(f'''
       import errno, sys
       sys.path.insert(0, {REPO!r})
-      import cli
+      from transformer_jax import cli
 
       def main(argv):
         try:
@@ -286,3 +286,39 @@ def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data
     assert step >= 5
   finally:
     subprocess.run(['umount', '-l', str(mount)], check=False)
+
+
+def _installed_script(name: str) -> str:
+  """The console script `name` of the installed package (pip install -e . puts it beside
+  the Python that runs the tests; scripts/setup.sh always installs it)."""
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  try:
+    importlib.metadata.distribution('transformer-jax')
+  except importlib.metadata.PackageNotFoundError:
+    pytest.skip('the package is not installed: pip install -e .[test]')
+  path = shutil.which(name, path=os.path.dirname(sys.executable)) or shutil.which(name)
+  assert path, f'{name} is not installed beside {sys.executable}'
+  return path
+
+
+def test_console_scripts_take_shipped_config_names(tmp_path):
+  """transformer-jax-train finds configs/tiny.py by name from any directory, and its config
+  errors come before anything compiles, as train.py's do."""
+  script = _installed_script('transformer-jax-train')
+  result = subprocess.run(
+      [script, '--config=tiny', f'--workdir={tmp_path / "run"}', '--config.num_train_steps=0'],
+      cwd=str(tmp_path), env=train_testlib.subprocess_env(), capture_output=True, text=True,
+      timeout=300)
+  assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+  message = result.stderr.strip().splitlines()[-1]
+  assert message.startswith('transformer-jax-train: error: num_train_steps=0'), message
+  help_text = subprocess.run([_installed_script('transformer-jax-translate'), '--help'],
+                             cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+  assert '--n_best' in help_text.stdout and '--sampling' in help_text.stdout
+  missing = _command('train.py', '--config=no_such_config', f'--workdir={tmp_path}/w')
+  _assert_user_error(missing, 'does not exist', 'bible_en_es', 'tiny')
+  installed = subprocess.run(
+      [sys.executable, '-c', 'import transformer_jax.configs.tiny as t; '
+       'print(t.get_config().d_model)'], cwd=str(tmp_path), capture_output=True, text=True,
+      timeout=120)
+  assert installed.stdout.strip() == '32', installed.stderr[-2000:]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip('torch', reason='PyTorch (CPU build) is a test-only dependency: '
-                            'pip install -r requirements-test.txt')
+                            "pip install -c requirements.txt -e '.[test]'")
 
 from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig  # noqa: E402
 from transformer_jax.models import Transformer  # noqa: E402

@@ -10,7 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-import cli
+from transformer_jax import cli
 import train_testlib
 from test_translator import MAX_LEN
 from transformer_jax import attention_plot

@@ -1,4 +1,5 @@
-"""What the commands (train.py, evaluate.py, translate.py, average_checkpoints.py) share.
+"""What the commands (`transformer_jax.commands`: train, evaluate, translate, prepare_data,
+average_checkpoints, compile) share.
 
 * `run(main)`: absl's `app.run` with one error policy for every command. A bad flag, config,
   dataset, checkpoint or a full disk (anything that is or wraps an `errors.UserError`) prints
@@ -17,6 +18,7 @@ command needs it, so flag errors come back at once.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging as std_logging
 import os
 import re
@@ -65,12 +67,44 @@ def _config_file_error(argv: list[str], error: BaseException) -> str | None:
     return (f'--config={path} has no get_config() function; a config file defines '
             '`def get_config():` returning an ml_collections.ConfigDict (see configs/tiny.py).')
   if isinstance(error, (FileNotFoundError, IOError)) and not os.path.exists(path):
-    return f'--config={path} does not exist; pass a file such as configs/tiny.py.'
+    shipped = configs_directory()
+    names = sorted(n[:-3] for n in os.listdir(shipped) if n.endswith('.py')
+                   and not n.startswith('_')) if shipped else []
+    return (f'--config={path} does not exist; pass a config file, or the name of a shipped '
+            f'one: {", ".join(names)}.')
   return None
+
+
+def configs_directory() -> str | None:
+  """The shipped config files: the installed `transformer_jax.configs`, or a checkout's
+  `configs/` beside the package."""
+  spec = importlib.util.find_spec('transformer_jax.configs')
+  if spec is not None and spec.submodule_search_locations:
+    return list(spec.submodule_search_locations)[0]
+  checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          'configs')
+  return checkout if os.path.isdir(checkout) else None
+
+
+def _shipped_config(argv: list[str]) -> list[str]:
+  """`--config=NAME` (no such file, no directory part) names a shipped config file:
+  `--config=bible_en_es` is configs/bible_en_es.py wherever the package is installed."""
+  directory = configs_directory()
+  out = []
+  for arg in argv:
+    if arg.startswith('--config='):
+      value = arg.split('=', 1)[1]
+      name = value if value.endswith('.py') else value + '.py'
+      if (directory and not os.path.exists(value) and os.sep not in value
+          and os.path.isfile(os.path.join(directory, name))):
+        arg = f'--config={os.path.join(directory, name)}'
+    out.append(arg)
+  return out
 
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's parsing, with every problem reported by `fail` (exit code 2)."""
+  argv = _shipped_config(argv)
   try:
     remaining = flags.FLAGS(argv)
     if 'config' in flags.FLAGS and flags.FLAGS.config is not None:
@@ -96,6 +130,15 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run(main: Callable[[list[str]], Any]) -> None:
   """Runs `main` as a command under the project's error policy (see the module doc)."""
+
+  # The command's module is not __main__ (that is train.py or a console script): lend
+  # `--help` its docstring and its key flags, which absl looks up under sys.argv[0].
+  command = sys.modules[main.__module__]
+  main_module = sys.modules['__main__']
+  if main_module is not command:
+    main_module.__doc__ = command.__doc__
+    for flag in flags.FLAGS.get_key_flags_for_module(command):
+      flags.FLAGS.register_key_flag_for_module(sys.argv[0], flag)
 
   def guarded(argv: list[str]) -> None:
     if len(argv) > 1:

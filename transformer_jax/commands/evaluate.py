@@ -1,0 +1,120 @@
+r"""Translates a test set with a trained checkpoint and scores it.
+
+  python evaluate.py --workdir=/tmp/tiny
+  python evaluate.py --workdir=$HOME/runs/ende_base --average_last=5      # the paper (base)
+  python evaluate.py --workdir=$HOME/runs/ende_big --average_last=20 \
+      --compare_to=other_system.txt                                       # paired bootstrap
+  python evaluate.py --workdir=DIR --step=best       # the best validation BLEU of the run
+  python evaluate.py --workdir=DIR --step=100000 --source_file=newstest2014.en \
+      --reference_file=newstest2014.de --beam_size=4 --length_penalty=0.6
+
+Reports sacreBLEU (with its signature) and chrF on detokenized output, tokenized BLEU with
+compound splitting (to compare with the paper), sentences/s and tokens/s; writes
+`<split>.hyp.txt` and `<split>.metrics.json` to WORKDIR/eval/<step_N | avgK_step_A-B>/ (or
+--output_dir). Decoding options default to the run's config.
+
+Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory, checkpoint or data problem
+(explained in one paragraph; the traceback only with --verbose).
+"""
+
+import os
+
+from absl import flags
+from absl import logging
+
+from transformer_jax import cli
+
+_CHECKPOINT = cli.define_checkpoint_flags()
+
+_SPLIT = flags.DEFINE_string('split', None, "The dataset split (default: the config's "
+                             'test_split).')
+_SOURCE_FILE = flags.DEFINE_string('source_file', None,
+                                   'Translate this file instead of a split (with '
+                                   '--reference_file), one sentence a line.')
+_REFERENCE_FILE = flags.DEFINE_string('reference_file', None,
+                                      'References for --source_file, line by line.')
+_TFDS_DATA_DIR = flags.DEFINE_string('tfds_data_dir', None,
+                                     "Where the TFDS data is (default: the run's).")
+_MAX_SENTENCES = flags.DEFINE_integer('max_sentences', 0,
+                                      'Only the first N sentences (0: all), for quick checks.')
+_COMPARE_TO = flags.DEFINE_string(
+    'compare_to', None, "Another system's output on the same sentences (one a line): adds a "
+    'paired bootstrap test of this checkpoint against it.')
+_BOOTSTRAP_SAMPLES = flags.DEFINE_integer('bootstrap_samples', 1000,
+                                          'Resamples of the paired bootstrap test.')
+_OUTPUT_DIR = flags.DEFINE_string('output_dir', None,
+                                  'Where results go (default: WORKDIR/eval/<checkpoint>).')
+_PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
+
+
+def main(argv: list[str]) -> None:
+  del argv  # Unused.
+  cli.check_checkpoint_flags(_CHECKPOINT)
+  if _MAX_SENTENCES.value < 0 or _BOOTSTRAP_SAMPLES.value < 1:
+    cli.fail('--max_sentences must be >= 0, --bootstrap_samples >= 1.')
+  if bool(_SOURCE_FILE.value) != bool(_REFERENCE_FILE.value):
+    cli.fail('--source_file and --reference_file go together.')
+  if _SOURCE_FILE.value and (_SPLIT.value or _TFDS_DATA_DIR.value):
+    cli.fail('--source_file replaces the dataset; drop --split and --tfds_data_dir.')
+
+  # Imported here so that flag errors are reported without loading JAX and TFDS.
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from transformer_jax import evaluation
+  from transformer_jax import input_pipeline
+  # pylint: enable=g-import-not-at-top
+  translator, checkpoint = cli.load_translator(_CHECKPOINT)
+  config, steps = checkpoint.config, checkpoint.steps
+
+  if _SOURCE_FILE.value:
+    name = os.path.splitext(os.path.basename(_SOURCE_FILE.value))[0]
+    sources = cli.read_lines(_SOURCE_FILE.value, 'source_file')
+    references = cli.read_lines(_REFERENCE_FILE.value, 'reference_file')
+    if len(sources) != len(references):
+      cli.fail(f'{_SOURCE_FILE.value} has {len(sources)} lines but {_REFERENCE_FILE.value} has '
+            f'{len(references)}.')
+  else:
+    name = _SPLIT.value or config.test_split
+    if _TFDS_DATA_DIR.value:
+      config.tfds_data_dir = _TFDS_DATA_DIR.value  # An existing field: allowed when locked.
+    try:
+      pairs = input_pipeline.open_split(config, name)
+      sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
+    except KeyError as e:  # TFDS: no such split.
+      cli.fail(f'cannot read split {name!r} of {config.dataset}: {e}; pass --split.')
+  if _MAX_SENTENCES.value:
+    sources, references = sources[:_MAX_SENTENCES.value], references[:_MAX_SENTENCES.value]
+  baseline = None
+  if _COMPARE_TO.value:
+    baseline = cli.read_lines(_COMPARE_TO.value, 'compare_to')[:len(references)]
+    if len(baseline) != len(references):
+      cli.fail(f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
+            f'{len(references)} sentences.')
+
+  workdir = _CHECKPOINT.workdir.value
+  info = {'workdir': os.path.abspath(workdir), 'step': checkpoint.step,
+          'checkpoint_steps': steps, 'split': name, 'dataset': config.dataset,
+          'source_lang': config.source_lang, 'target_lang': config.target_lang,
+          'compared_to': os.path.abspath(_COMPARE_TO.value) if _COMPARE_TO.value else None}
+  logging.info('Evaluating %s (steps %s) on %d sentences of %s.', workdir, steps,
+               len(sources), name)
+  result = evaluation.evaluate(translator, sources, references, baseline=baseline,
+                               bootstrap_samples=_BOOTSTRAP_SAMPLES.value,
+                               show_progress=_PROGRESS.value, info=info)
+  output_dir = _OUTPUT_DIR.value or os.path.join(
+      workdir, 'eval', evaluation.result_tag(steps))
+  if jax.process_index() == 0:
+    paths = evaluation.write_results(output_dir, name, result.hypotheses, result.metrics)
+    print(evaluation.summary(result.metrics))
+    print(f'Wrote {paths[0]} and {paths[1]}')
+
+
+flags.adopt_module_key_flags(cli)
+
+def run() -> None:
+  """The console script's entry point."""
+  cli.run(main)
+
+
+if __name__ == '__main__':
+  run()

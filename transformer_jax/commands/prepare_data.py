@@ -1,0 +1,90 @@
+r"""Tokenizes a config's splits once, ahead of training (train.py does it on first use too).
+
+  python prepare_data.py --config=configs/wmt14_ende_base.py --workdir=$HOME/runs/ende_base \
+      --config.tfds_data_dir=$HOME/tensorflow_datasets
+
+Trains the vocabulary if there is none yet, then writes each split's token ids beside it
+(`transformer_jax.token_store`), with one process per CPU core (--workers). Stores that match
+the data and the vocabulary are kept; stale ones are rebuilt. An interrupted run resumes from
+the parts it had written.
+
+Several hosts sharing the work directory's filesystem: run the same command on each with
+--num_hosts=H --host_index=I (after the vocabulary exists: run it once without them first).
+Host I tokenizes parts I, I+H, ...; whichever host finds every part written merges them, and
+a host that finishes early says the merge waits for the others (rerun it, or let train.py
+merge, once they are done).
+
+Exit codes: 0 done (or waiting for other hosts' parts); 2 a config, data or work-directory
+problem, explained in one paragraph.
+"""
+
+import os
+import sys
+import time
+
+from absl import flags
+from ml_collections import config_flags
+
+from transformer_jax import cli
+from transformer_jax import config as config_lib
+from transformer_jax import input_pipeline
+from transformer_jax import token_store
+
+_CONFIG = config_flags.DEFINE_config_file(
+    'config', None, 'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
+    lock_config=True)
+_WORKDIR = flags.DEFINE_string('workdir', None, 'Where train.py will run (the vocabulary '
+                               'lives in its vocab/ unless --config.vocab_path says).')
+_SPLITS = flags.DEFINE_list('splits', None, 'Splits to prepare (default: the config\'s '
+                            'train, eval and test splits).')
+_WORKERS = flags.DEFINE_integer('workers', 0, 'Processes on this host (0: one per core).')
+_NUM_HOSTS = flags.DEFINE_integer('num_hosts', 1, 'Hosts sharing the preparation.')
+_HOST_INDEX = flags.DEFINE_integer('host_index', 0, 'This host, 0..num_hosts-1.')
+
+
+def main(argv: list[str]) -> None:
+  del argv  # Unused.
+  if _CONFIG.value is None:
+    cli.fail('--config is required, e.g. --config=configs/wmt14_ende_base.py.')
+  if not _WORKDIR.value:
+    cli.fail('--workdir is required: the directory train.py will use.')
+  if not 0 <= _HOST_INDEX.value < _NUM_HOSTS.value:
+    cli.fail(f'--host_index={_HOST_INDEX.value} must be in 0..{_NUM_HOSTS.value - 1} '
+             f'(--num_hosts={_NUM_HOSTS.value}).')
+  if _WORKERS.value < 0:
+    cli.fail(f'--workers={_WORKERS.value} must be >= 0 (0: one per core).')
+  config = _CONFIG.value
+  config_lib.validate(config)
+  workers = _WORKERS.value or os.cpu_count() or 1
+  splits = _SPLITS.value or list(dict.fromkeys(
+      (config.train_split, config.eval_split, config.test_split)))
+  train = input_pipeline.open_split(config, config.train_split)
+  tokenizer = input_pipeline.tokenizer_for(config, _WORKDIR.value, train)
+  print(f'vocabulary: {tokenizer.model_path} ({tokenizer.vocab_size} pieces)')
+  for split in splits:
+    pairs = train if split == config.train_split else input_pipeline.open_split(config, split)
+    directory = input_pipeline.store_directory(config, _WORKDIR.value, tokenizer, pairs)
+    start = time.perf_counter()
+    store = token_store.prepare(pairs, tokenizer, directory,
+                                data_fingerprint=pairs.fingerprint, workers=workers,
+                                host_index=_HOST_INDEX.value, host_count=_NUM_HOSTS.value)
+    seconds = time.perf_counter() - start
+    if store is None:
+      print(f'{split}: this host\'s parts are written ({seconds:.0f} s); the merge waits for '
+            'the other hosts\' parts: rerun once they finish (train.py also merges).')
+      continue
+    tokens = store.meta['tokens']
+    print(f'{split}: {len(store):,} pairs, {tokens[0]:,} source and {tokens[1]:,} target '
+          f'tokens, {store.meta["blank"]} with a blank side -> {directory} ({seconds:.0f} s, '
+          f'up to {workers} processes)')
+
+
+flags.adopt_module_key_flags(cli)
+
+def run() -> None:
+  """The console script's entry point."""
+  cli.run(main)
+
+
+if __name__ == '__main__':
+  run()
