@@ -208,13 +208,17 @@ def test_flipped_bytes_in_parameters_are_caught_by_evaluation(run_dir, tmp_path)
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path,
                                                                          data_files):
   """Steps 2 and 4 saved; 4's parameters get flipped bytes; resuming to 6 warns, names both
-  steps, keeps 4 as 4.damaged and trains on from 2."""
+  steps, keeps 4 as 4.damaged and trains on from 2 (now validating with BLEU every 3 steps,
+  so checkpoints with and without metrics alternate)."""
   assert _train(tmp_path, data_files, num_train_steps=4).returncode == 0
   checkpoints = tmp_path / 'run' / 'checkpoints'
   _flip_bytes(str(checkpoints / '4'), 'params')
-  result = _train(tmp_path, data_files, num_train_steps=6)
+  result = _train(tmp_path, data_files, num_train_steps=6, eval_every_steps=3,
+                  eval_bleu_sentences=4)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Checkpoint 4 is damaged, so training resumes from 2' in result.stderr
+  assert 'sacreBLEU' in result.stderr  # The evaluation's log line.
+  assert 'did not provide metrics' not in result.stderr  # Orbax's warning at every save.
   assert (checkpoints / '4.damaged').is_dir()  # Kept, renamed.
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit())[-1] == '6'
 

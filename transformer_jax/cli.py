@@ -170,7 +170,8 @@ def run(main: Callable[[list[str]], Any]) -> None:
 def _quiet_orbax(record: std_logging.LogRecord) -> bool:
   """Drops orbax's INFO lines (dozens a save) and, without --verbose, the errors its
   background threads log (each also reaches the main thread, which reports it); its
-  warnings still show."""
+  warnings still show, but for one that every checkpoint saved between evaluations (without
+  validation metrics, on purpose) would repeat."""
   if '/orbax/' not in record.pathname:
     # An orbax failure can also arrive through asyncio ("Task exception was never
     # retrieved") with orbax's frames in its traceback.
@@ -179,6 +180,8 @@ def _quiet_orbax(record: std_logging.LogRecord) -> bool:
         '/orbax/' in frame.filename for frame in traceback.extract_tb(failure))
     return not from_orbax or VERBOSE.value
   if record.levelno >= std_logging.ERROR:
+    return VERBOSE.value
+  if 'did not provide metrics' in record.getMessage():
     return VERBOSE.value
   return record.levelno >= std_logging.WARNING
 
