@@ -149,8 +149,9 @@ def test_encoder_decoder_keys_and_values_are_kept_apart_from_the_step_cache():
       for i in layers for name in ('key', 'value', 'mask')}
   self_cache = variables['cache']['decoder']['layer_0']['self_attention']
   cross = variables['encoder_cache']['decoder']['layer_0']['encoder_decoder_attention']
-  assert self_cache['cached_key'].shape == (2, 5, 4, 8)  # [batch, output, heads, head_dim]
-  assert cross['cached_key'].shape == cross['cached_value'].shape == (2, 6, 4, 8)
+  # Heads-major, [batch, heads, positions, head_dim], as decode-step attention reads them.
+  assert self_cache['cached_key'].shape == (2, 4, 5, 8)
+  assert cross['cached_key'].shape == cross['cached_value'].shape == (2, 4, 6, 8)
   assert cross['cached_mask'].shape == (2, 1, 1, 6)
 
   # A step gets no encoder output at all, so it can only be using the cached projection:

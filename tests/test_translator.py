@@ -272,13 +272,14 @@ def test_beam_search_loop_carries_no_encoder_keys_and_values(loaded):
   constants = [v.aval.shape for v in
                loop.invars[first_body_const:first_body_const + loop.params['body_nconsts']]]
   carried = [v.aval.shape for v in loop.outvars]
-  rows, heads = batch * beam_size, (cfg.num_heads, cfg.head_dim)
+  rows, heads, head_dim = batch * beam_size, cfg.num_heads, cfg.head_dim
   num_kv = 2 * cfg.num_decoder_layers  # A key and a value per decoder layer.
-  # Encoder-decoder keys and values, tiled once, are loop constants, never gathered...
-  assert constants.count((rows, source_length) + heads) == num_kv
-  assert (rows, source_length) + heads not in carried
+  # Encoder-decoder keys and values, heads-major and tiled once, are loop constants, never
+  # gathered...
+  assert constants.count((rows, heads, source_length, head_dim)) == num_kv
+  assert (rows, heads, source_length, head_dim) not in carried
   # ...while the self-attention cache is carried (and reordered with the beams).
-  assert carried.count((rows, max_decode_len) + heads) == num_kv
+  assert carried.count((rows, heads, max_decode_len, head_dim)) == num_kv
 
 
 def test_cached_greedy_decoding_equals_rerunning_the_full_model(loaded, run_dir):

@@ -111,17 +111,19 @@ def scaled_dot_product_attention(
     dropout_rng: Array | None = None,
     implementation: str | None = None,
     return_weights: bool = False,
+    heads_major_kv: bool = False,
 ) -> tuple[Array, Array | None]:
   """softmax(Q K^T / sqrt(d_k) + bias) V, masked positions excluded.
 
-  Without attention dropout or a request for the weights this goes through
-  `jax.nn.dot_product_attention`, so that a GPU can pick its fused kernel. Otherwise the
-  weights are formed explicitly (softmax in float32 either way).
+  Without attention dropout, a request for the weights or heads-major keys and values this
+  goes through `jax.nn.dot_product_attention`, so that a GPU can pick its fused kernel.
+  Otherwise the weights are formed explicitly (softmax in float32 either way).
 
   Args:
     query: [batch, q_length, heads, head_dim].
-    key: [batch, kv_length, heads, head_dim].
-    value: [batch, kv_length, heads, head_dim].
+    key: [batch, kv_length, heads, head_dim], or [batch, heads, kv_length, head_dim] with
+      `heads_major_kv`.
+    value: shaped as `key`.
     mask: boolean, broadcastable to [batch, heads, q_length, kv_length] (True attends), or
       `Lengths` for right-padded rows.
     bias: float, broadcastable to [batch, heads, q_length, kv_length], or None.
@@ -129,12 +131,16 @@ def scaled_dot_product_attention(
     dropout_rng: PRNG key for that dropout; None means no dropout.
     implementation: passed to `jax.nn.dot_product_attention` ('xla', 'cudnn' or None).
     return_weights: also return the [batch, heads, q_length, kv_length] weights.
+    heads_major_kv: keys and values are [batch, heads, kv_length, head_dim], the layout of
+      the decode caches: XLA's batched products over (batch, heads) read them as they are,
+      where the [batch, kv_length, heads, head_dim] layout is transposed at every call,
+      which in a decode step means copying every layer's whole cache.
 
   Returns:
     ([batch, q_length, heads, head_dim] output in the query's dtype, weights or None).
   """
   use_dropout = dropout_rng is not None and dropout_rate > 0.0
-  if not use_dropout and not return_weights:
+  if not use_dropout and not return_weights and not heads_major_kv:
     if bias is not None:
       bias = bias.astype(query.dtype)
     if isinstance(mask, Lengths):
@@ -149,7 +155,8 @@ def scaled_dot_product_attention(
   if isinstance(mask, Lengths):
     mask = mask.dense(query.shape[1], key.shape[1])
   depth = query.shape[-1]
-  logits = jnp.einsum('bqhd,bkhd->bhqk', query, key,
+  kv = 'bhkd' if heads_major_kv else 'bkhd'
+  logits = jnp.einsum(f'bqhd,{kv}->bhqk', query, key,
                       preferred_element_type=jnp.float32) / np.sqrt(depth).astype(np.float32)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
@@ -160,8 +167,13 @@ def scaled_dot_product_attention(
   if use_dropout:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
     probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-  out = jnp.einsum('bhqk,bkhd->bqhd', probs.astype(value.dtype), value)
+  out = jnp.einsum(f'bhqk,{kv}->bqhd', probs.astype(value.dtype), value)
   return out, (weights if return_weights else None)
+
+
+def _heads_major(x: Array) -> Array:
+  """[batch, length, heads, head_dim] -> [batch, heads, length, head_dim]."""
+  return jnp.swapaxes(x, 1, 2)
 
 
 class MultiHeadAttention(nn.Module):
@@ -171,7 +183,8 @@ class MultiHeadAttention(nn.Module):
   output length in the 'cache' collection and writes one position a call; encoder-decoder
   attention projects the encoder output to keys and values once, when the cache is created,
   and keeps them, with the source mask, in the 'encoder_cache' collection, which decode steps
-  only read (see `Transformer.init_cache`). Decode mode takes XLA's kernel whatever
+  only read (see `Transformer.init_cache`). Cached keys and values are heads-major,
+  [batch, heads, length, head_dim]. Decode mode takes XLA's kernel whatever
   `attention_implementation` says: cuDNN's wants full [q, kv] masks, not a cache's.
 
   Attributes:
@@ -195,6 +208,9 @@ class MultiHeadAttention(nn.Module):
     y = jnp.einsum('bld,dhk->blhk', x, jnp.asarray(kernel, cfg.dtype)) + jnp.asarray(
         bias, cfg.dtype)
     return nn.with_logical_constraint(y, ('batch', 'length', 'heads', 'kv'))
+
+  def _heads_major_projection(self, name: str, x: Array) -> Array:
+    return _heads_major(self._projection(name, x))
 
   @nn.compact
   def __call__(
@@ -235,10 +251,10 @@ class MultiHeadAttention(nn.Module):
     if cached and not self.is_self_attention:
       # Keys and values of the source: projected once, when the cache is created, and the
       # same at every step, so they live apart from the per-step 'cache'.
-      key = self.variable('encoder_cache', 'cached_key', self._projection, 'key',
-                          inputs_kv).value
-      value = self.variable('encoder_cache', 'cached_value', self._projection, 'value',
-                            inputs_kv).value
+      key = self.variable('encoder_cache', 'cached_key', self._heads_major_projection,
+                          'key', inputs_kv).value
+      value = self.variable('encoder_cache', 'cached_value', self._heads_major_projection,
+                            'value', inputs_kv).value
       mask = self.variable('encoder_cache', 'cached_mask', lambda: mask).value
     else:
       key = self._projection('key', inputs_kv)
@@ -249,14 +265,17 @@ class MultiHeadAttention(nn.Module):
         bias = alibi_bias(cfg.num_heads, q_positions, kv_positions)
 
     if cached and self.is_self_attention:
+      # The caches are heads-major, [batch, heads, length, head_dim] (see
+      # `scaled_dot_product_attention`'s `heads_major_kv`).
+      key, value = _heads_major(key), _heads_major(value)
       is_initialized = self.has_variable('cache', 'cached_key')
       cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape, key.dtype)
       cached_value = self.variable('cache', 'cached_value', jnp.zeros, value.shape,
                                    value.dtype)
       if is_initialized:
         # One new token: write its key/value at decode_index, attend to positions <= it.
-        batch, max_length = cached_key.value.shape[:2]
-        start = (0, decode_index, 0, 0)
+        batch, max_length = cached_key.value.shape[0], cached_key.value.shape[2]
+        start = (0, 0, decode_index, 0)
         key = jax.lax.dynamic_update_slice(cached_key.value, key, start)
         value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
         cached_key.value, cached_value.value = key, value
@@ -274,7 +293,7 @@ class MultiHeadAttention(nn.Module):
         query, key, value, mask, bias,
         dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
         implementation=None if cfg.decode else cfg.attention_implementation,
-        return_weights=return_weights)
+        return_weights=return_weights, heads_major_kv=cached)
     if return_weights:
       self.sow('intermediates', 'attention_weights', weights)
 

@@ -348,11 +348,11 @@ class Transformer(nn.Module):
     Two variable collections, every leaf but the scalar `cache_index` batch-major:
 
       * 'cache', what a decode step changes: each decoder layer's self-attention
-        `cached_key` and `cached_value` [batch, max_decode_length, heads, head_dim], with
+        `cached_key` and `cached_value` [batch, heads, max_decode_length, head_dim], with
         room for `max_decode_length` tokens, and the scalar `cache_index` (int32 [], shared
         by all rows). Steps take it with `mutable=['cache']`; beam search reorders its rows.
       * 'encoder_cache', what no step changes: each layer's encoder-decoder attention
-        `cached_key` and `cached_value` [batch, source_length, heads, head_dim], `encoded`
+        `cached_key` and `cached_value` [batch, heads, source_length, head_dim], `encoded`
         projected here, once, and `cached_mask` [batch, 1, 1, source_length], the source's
         padding mask. Steps only read it, and all beams of a sentence share it.
 

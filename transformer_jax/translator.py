@@ -189,11 +189,11 @@ class DecodeStats:
 
 def grow_cache(cache: PyTree, length: int) -> PyTree:
   """The decoder's 'cache' with room for `length` positions (`decode.GrowCache`): the
-  self-attention keys and values [rows, positions, heads, head_dim] padded at the end."""
+  self-attention keys and values [rows, heads, positions, head_dim] padded at the end."""
   def grow(x):
     if jnp.ndim(x) < 2:
       return x  # The cache_index counters.
-    return jnp.pad(x, [(0, 0), (0, length - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    return jnp.pad(x, [(0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)])
   return jax.tree.map(grow, cache)
 
 
