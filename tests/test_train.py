@@ -18,13 +18,15 @@ import train_testlib
 
 from configs import tiny
 from transformer_jax import checkpointing
+from transformer_jax import errors
+from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import loading
 from transformer_jax import models
 from transformer_jax import multihost
 from transformer_jax import optimizer
 from transformer_jax import train_loop
 from transformer_jax import train_steps
-from transformer_jax.config import TransformerConfig, base_config
+from transformer_jax.config import ConfigError, TransformerConfig, base_config
 from transformer_jax.partitioning import Partitioner
 
 VOCAB = 64
@@ -271,6 +273,61 @@ def test_resuming_with_a_different_config_lists_the_fields(finished_run):
   assert 'd_model: checkpoint=32 now=64' in message
   assert 'label_smoothing: checkpoint=0.1 now=0.2' in message
   assert 'num_train_steps' not in message.split('Fields that may change')[0]
+
+
+def test_init_from_starts_a_new_run_from_the_checkpoint_parameters(finished_run, tmp_path):
+  config, workdir, _ = finished_run
+  files = {k: config.text_files[k] for k in config.text_files}
+  # A learning rate of ~0 keeps the parameters where they started, so the run ends with
+  # those of step 4; its own step, optimizer and schedule start at 0.
+  tuned = train_testlib.small_config(files, init_from=workdir, init_from_step='4',
+                                     num_train_steps=2, learning_rate_scale=1e-30,
+                                     label_smoothing=0.0, dropout_rate=0.2)
+  tuned_dir = str(tmp_path / 'tuned')
+  result = train_loop.train_and_evaluate(tuned, tuned_dir)
+  assert int(result.state.step) == 2
+  source, _ = checkpointing.restore_params(workdir, 4)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-12),
+               jax.device_get(result.state.params), jax.device_get(source))
+  # The checkpoint's vocabulary, not a new one trained in the new work directory.
+  assert not os.path.exists(os.path.join(tuned_dir, 'vocab'))
+  meta, _ = checkpointing.read_meta(tuned_dir)
+  assert meta['tokenizer']['sha256'] == checkpointing.read_meta(workdir, 4)[0][
+      'tokenizer']['sha256']
+  assert loading.load(tuned_dir).config.init_from == workdir
+  # Resuming it goes on from its own checkpoint, not from step 4 again.
+  longer = train_testlib.small_config(files, init_from=workdir, init_from_step='4',
+                                      num_train_steps=3, learning_rate_scale=1e-30,
+                                      label_smoothing=0.0, dropout_rate=0.2)
+  assert int(train_loop.train_and_evaluate(longer, tuned_dir).state.step) == 3
+  assert [m['step'] for m in read_metrics(tuned_dir) if m['split'] == 'train'] == [1, 2, 3]
+
+
+def test_init_from_refuses_other_shapes_and_vocabularies_before_compiling(finished_run,
+                                                                        tmp_path):
+  config, workdir, _ = finished_run
+  files = {k: config.text_files[k] for k in config.text_files}
+
+  def start(**overrides):
+    with pytest.raises((ConfigError, errors.CheckpointNotFoundError)) as error:
+      train_loop.train_and_evaluate(train_testlib.small_config(
+          files, init_from=workdir, **overrides), str(tmp_path / 'run'))
+    return str(error.value)
+
+  message = start(d_ff=96, num_decoder_layers=2, dropout_rate=0.3)
+  assert 'd_ff: checkpoint 64, this run 96' in message
+  assert 'num_decoder_layers: checkpoint 1, this run 2' in message
+  assert 'dropout' not in message  # It changes no shape.
+  other = tokenizer_lib.load_or_train_tokenizer(
+      str(tmp_path / 'other.model'), lambda: iter(open(files['train'].split(',')[0])),
+      vocab_size=100, model_type='bpe')
+  assert 'is not the vocabulary of' in start(vocab_path=other.model_path)
+  assert 'does not exist' in start(vocab_path=str(tmp_path / 'missing.model'))
+  assert 'no checkpoint for step 5' in start(init_from_step='5')
+  with pytest.raises(ConfigError, match='needs --config.init_from'):
+    train_loop.train_and_evaluate(train_testlib.small_config(files, init_from_step='4'),
+                                  str(tmp_path / 'run'))
+  assert not os.path.exists(tmp_path / 'run' / 'checkpoints')
 
 
 def test_a_checkpoint_older_than_a_field_counts_as_its_legacy_value():

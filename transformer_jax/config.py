@@ -57,6 +57,7 @@ RESUMABLE_FIELDS = frozenset({
     'data_threads', 'prepare_workers', 'prefetch_batches', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
     'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
     'eval_bleu_sentences', 'best_checkpoint_metric', 'keep_best_checkpoints',
+    'init_from', 'init_from_step',
 })
 
 # Fields added after checkpoints were already being written, with the value that reproduces
@@ -160,6 +161,12 @@ def base_config() -> ml_collections.ConfigDict:
   # `evaluate.py --step=best` picks the best.
   c.best_checkpoint_metric = 'bleu'
   c.keep_best_checkpoints = 1
+  # Fine-tuning: start from the parameters of another run's checkpoint (its work directory,
+  # or one written by average_checkpoints.py) instead of random ones. The optimizer state,
+  # the schedule and the data order start afresh; the vocabulary is the checkpoint's. The
+  # model's shape fields must match it. '' starts from random parameters.
+  c.init_from = ''
+  c.init_from_step = ''  # '' the latest checkpoint, a step number, or 'best'.
   c.mesh = ml_collections.ConfigDict({'data': -1, 'fsdp': 1, 'tensor': 1})
   c.logical_axis_rules = (
       ('batch', ('data', 'fsdp')),
@@ -223,6 +230,12 @@ def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None
            f'best_checkpoint_metric={metric!r} needs validation translations, but '
            'eval_bleu_sentences=0; set --config.eval_bleu_sentences (e.g. 512), or '
            "--config.best_checkpoint_metric=loss (or '' for none).")
+  step = config.init_from_step
+  _require(isinstance(step, str) and (step in ('', 'best') or step.isdigit()),
+           f"init_from_step={step!r} must be '' (the latest), a step number or 'best'.")
+  _require(not step or config.init_from,
+           f'init_from_step={step!r} needs --config.init_from, the work directory to start '
+           'from.')
   _int_at_least(config, 'vocab_size_target', 8,
                 ' (4 ids are taken by pad, bos, eos, unk; the paper: 37000)')
   _require(config.vocab_model_type in VOCAB_MODEL_TYPES,

@@ -58,6 +58,12 @@ def _boxed_param_shapes(model_config: TransformerConfig) -> PyTree:
   return jax.eval_shape(init)
 
 
+def param_shapes(model_config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+  """Every parameter's path and shape (nothing is allocated)."""
+  flat = jax.tree_util.tree_leaves_with_path(nn.unbox(_boxed_param_shapes(model_config)))
+  return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in flat}
+
+
 def param_shardings(model_config: TransformerConfig, partitioner: Partitioner) -> PyTree:
   """The parameters' shardings under `partitioner`'s rules (nothing is allocated)."""
   return partitioner.tree_shardings(_boxed_param_shapes(model_config))

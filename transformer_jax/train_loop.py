@@ -15,6 +15,7 @@ and the best `keep_best_checkpoints` of those are kept besides the latest ones.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -31,6 +32,7 @@ from transformer_jax import config as config_lib
 from transformer_jax import evaluation
 from transformer_jax import flops as model_flops
 from transformer_jax import input_pipeline
+from transformer_jax import loading
 from transformer_jax import metrics_writer
 from transformer_jax import multihost
 from transformer_jax import optimizer
@@ -39,7 +41,7 @@ from transformer_jax import train_steps
 from transformer_jax import translator as translator_lib
 from transformer_jax import workdir_lock
 from transformer_jax.config import ConfigError, TransformerConfig
-from transformer_jax.errors import CheckpointError
+from transformer_jax.errors import CheckpointError, CheckpointNotFoundError
 from transformer_jax.partitioning import Partitioner
 
 class NonFiniteError(RuntimeError):
@@ -172,6 +174,7 @@ def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                         stop_signal: multihost.StopSignal | None) -> TrainResult:
   """`train_and_evaluate` once the work directory is checked and locked."""
+  config, init_source = _init_source(config)
   partitioner = Partitioner.from_config(config)
   rows_multiple = partitioner.rows_multiple(config.grad_accum_steps)
   optimizer_config = optimizer.OptimizerConfig.from_config(config, config.d_model)
@@ -198,7 +201,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       batches = prefetch.DevicePrefetcher(datasets.train, partitioner.shard_batch,
                                           config.prefetch_batches)
       state = _restore_or_initialize(config, checkpointer, datasets, batches, model_config,
-                                     optimizer_config, partitioner)
+                                     optimizer_config, partitioner, init_source)
       tx, schedule = optimizer.create_optimizer(optimizer_config)
       _, shardings = train_steps.abstract_state(model_config, tx, partitioner)
       step_config = train_steps.StepConfig.from_config(config, model_config)
@@ -232,19 +235,92 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         stop_signal.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class _InitSource:
+  """The checkpoint a fine-tuning run (`config.init_from`) takes its parameters from."""
+  workdir: str
+  step: int
+
+
+def _init_source(config: ml_collections.ConfigDict
+                 ) -> tuple[ml_collections.ConfigDict, _InitSource | None]:
+  """Checks `config.init_from` against the config, before anything is compiled.
+
+  Returns the config with `vocab_path` set to the checkpoint's vocabulary (when it was
+  empty), and the checkpoint to start from (None without `init_from`).
+
+  Raises:
+    ConfigError: another vocabulary, or model fields that change parameter shapes.
+    CheckpointNotFoundError: no such work directory, step or best checkpoint.
+  """
+  if not config.init_from:
+    return config, None
+  step = config.init_from_step
+  try:
+    meta, step = checkpointing.read_meta(
+        config.init_from, int(step) if step.isdigit() else (step or None))
+  except CheckpointNotFoundError as e:
+    raise CheckpointNotFoundError(f'--config.init_from has no checkpoint to start from: {e}'
+                                  ) from e
+  where = f'init_from={config.init_from!r} (step {step})'
+  tokenizer = checkpointing.tokenizer_from_meta(meta)
+  if config.vocab_path:
+    if not os.path.isfile(config.vocab_path):
+      raise ConfigError(f'vocab_path={config.vocab_path!r} does not exist; leave '
+                        "--config.vocab_path empty to take the vocabulary of "
+                        f'{where}.')
+    with open(config.vocab_path, 'rb') as f:
+      if hashlib.sha256(f.read()).hexdigest() != meta['tokenizer']['sha256']:
+        raise ConfigError(
+            f'vocab_path={config.vocab_path!r} is not the vocabulary of {where}, whose '
+            f'embeddings are rows of {meta["tokenizer"]["path"]}; leave --config.vocab_path '
+            "empty to take the checkpoint's vocabulary.")
+  else:
+    config = config.copy_and_resolve_references()
+    with config.unlocked():
+      config.vocab_path = tokenizer.model_path
+  vocab_size = meta['vocab_size']
+  source = TransformerConfig.from_config(config_lib.from_saved(meta['config']),
+                                         vocab_size=vocab_size)
+  target = TransformerConfig.from_config(config, vocab_size=vocab_size)
+  shapes = loading.param_shapes(source)
+  if loading.param_shapes(target) != shapes:
+    changed = [f'{field.name}: checkpoint {getattr(source, field.name)!r}, this run '
+               f'{getattr(target, field.name)!r}'
+               for field in dataclasses.fields(TransformerConfig)
+               if getattr(source, field.name) != getattr(target, field.name)
+               and loading.param_shapes(dataclasses.replace(
+                   source, **{field.name: getattr(target, field.name)})) != shapes]
+    raise ConfigError(
+        f'The model of this run has parameters of other shapes than {where}; these fields '
+        'change them:\n  ' + '\n  '.join(changed or ['(several together)'])
+        + "\nSet them to the checkpoint's values to fine-tune it.")
+  return config, _InitSource(config.init_from, step)
+
+
 def _restore_or_initialize(config: ml_collections.ConfigDict,
                            checkpointer: checkpointing.Checkpointer,
                            datasets: input_pipeline.Datasets,
                            batches: prefetch.DevicePrefetcher, model_config: TransformerConfig,
                            optimizer_config: optimizer.OptimizerConfig,
-                           partitioner: Partitioner) -> train_steps.TrainState:
-  """The latest checkpoint's state (after checking its config), or a fresh one."""
+                           partitioner: Partitioner,
+                           init_source: _InitSource | None = None) -> train_steps.TrainState:
+  """The latest checkpoint's state (after checking its config), or a fresh one: random
+  parameters, or those of `init_source` with a fresh optimizer state and step 0."""
   tx, _ = optimizer.create_optimizer(optimizer_config)
   abstract, shardings = train_steps.abstract_state(model_config, tx, partitioner)
   steps = checkpointer.steps()
   if not steps:
-    return train_steps.create_train_state(config.seed, model_config, tx, partitioner,
-                                        shardings)
+    state = train_steps.create_train_state(config.seed, model_config, tx, partitioner,
+                                           shardings)
+    if init_source is None:
+      return state
+    params, _ = checkpointing.restore_params(init_source.workdir, init_source.step,
+                                             shardings=shardings.params)
+    params = jax.tree.map(lambda p, a: p.astype(a.dtype), params, state.params)
+    logging.info('Fine-tuning: parameters from %s, step %d; optimizer, schedule and data '
+                 'order start afresh.', init_source.workdir, init_source.step)
+    return state.replace(params=params)
   damaged = []
   for step in reversed(steps):  # The newest intact checkpoint.
     try:
