@@ -321,13 +321,35 @@ def test_init_from_refuses_other_shapes_and_vocabularies_before_compiling(finish
   other = tokenizer_lib.load_or_train_tokenizer(
       str(tmp_path / 'other.model'), lambda: iter(open(files['train'].split(',')[0])),
       vocab_size=100, model_type='bpe')
-  assert 'is not the vocabulary of' in start(vocab_path=other.model_path)
+  assert 'init_from_map_vocab=True' in start(vocab_path=other.model_path)
   assert 'does not exist' in start(vocab_path=str(tmp_path / 'missing.model'))
   assert 'no checkpoint for step 5' in start(init_from_step='5')
   with pytest.raises(ConfigError, match='needs --config.init_from'):
     train_loop.train_and_evaluate(train_testlib.small_config(files, init_from_step='4'),
                                   str(tmp_path / 'run'))
   assert not os.path.exists(tmp_path / 'run' / 'checkpoints')
+
+  # Asked to, it maps the checkpoint's embeddings onto the other vocabulary by piece.
+  mapped = train_loop.train_and_evaluate(train_testlib.small_config(
+      files, init_from=workdir, vocab_path=other.model_path, init_from_map_vocab=True,
+      num_train_steps=1, learning_rate_scale=1e-30), str(tmp_path / 'mapped'))
+  source, _ = checkpointing.restore_params(workdir)
+  source = jax.device_get(source)
+  params = jax.device_get(mapped.state.params)
+  old_pieces = checkpointing.tokenizer_from_meta(checkpointing.read_meta(workdir)[0]).pieces()
+  new_pieces = other.pieces()
+  shared = [(i, old_pieces.index(p)) for i, p in enumerate(new_pieces) if p in old_pieces]
+  assert 8 < len(shared) < len(new_pieces)  # Some pieces are shared, not all.
+  embedding = params['shared_embedding']['embedding']
+  assert embedding.shape[0] == len(new_pieces)
+  new_ids, old_ids = map(list, zip(*shared))
+  np.testing.assert_allclose(embedding[new_ids],
+                             source['shared_embedding']['embedding'][old_ids], atol=1e-12)
+  unshared = [i for i in range(len(new_pieces)) if new_pieces[i] not in old_pieces]
+  assert not np.allclose(embedding[unshared[0]], 0.0)  # Fresh random rows.
+  np.testing.assert_allclose(params['encoder']['layer_0']['feed_forward']['wi']['kernel'],
+                             source['encoder']['layer_0']['feed_forward']['wi']['kernel'],
+                             atol=1e-12)
 
 
 def test_a_checkpoint_older_than_a_field_counts_as_its_legacy_value():

@@ -57,7 +57,7 @@ RESUMABLE_FIELDS = frozenset({
     'data_threads', 'prepare_workers', 'prefetch_batches', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
     'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
     'eval_bleu_sentences', 'best_checkpoint_metric', 'keep_best_checkpoints',
-    'init_from', 'init_from_step',
+    'init_from', 'init_from_step', 'init_from_map_vocab',
 })
 
 # Fields added after checkpoints were already being written, with the value that reproduces
@@ -167,6 +167,9 @@ def base_config() -> ml_collections.ConfigDict:
   # model's shape fields must match it. '' starts from random parameters.
   c.init_from = ''
   c.init_from_step = ''  # '' the latest checkpoint, a step number, or 'best'.
+  # Fine-tune with this run's own vocabulary (vocab_path, or one trained on its data): pieces
+  # the checkpoint's vocabulary also has keep their embeddings, the others start random.
+  c.init_from_map_vocab = False
   c.mesh = ml_collections.ConfigDict({'data': -1, 'fsdp': 1, 'tensor': 1})
   c.logical_axis_rules = (
       ('batch', ('data', 'fsdp')),
@@ -236,6 +239,10 @@ def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None
   _require(not step or config.init_from,
            f'init_from_step={step!r} needs --config.init_from, the work directory to start '
            'from.')
+  _require(isinstance(config.init_from_map_vocab, bool)
+           and (not config.init_from_map_vocab or config.init_from),
+           f'init_from_map_vocab={config.init_from_map_vocab!r} must be a bool, and True '
+           'only with --config.init_from.')
   _int_at_least(config, 'vocab_size_target', 8,
                 ' (4 ids are taken by pad, bos, eos, unk; the paper: 37000)')
   _require(config.vocab_model_type in VOCAB_MODEL_TYPES,

@@ -38,6 +38,10 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self._sp.get_piece_size()
 
+  def pieces(self) -> list[str]:
+    """Every id's piece, in id order."""
+    return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
   def encode(self, text: str) -> list[int]:
     """Ids of `text`, ending with EOS_ID."""
     return self._sp.encode(text, add_eos=True)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -43,6 +44,7 @@ from transformer_jax import workdir_lock
 from transformer_jax.config import ConfigError, TransformerConfig
 from transformer_jax.errors import CheckpointError, CheckpointNotFoundError
 from transformer_jax.partitioning import Partitioner
+from transformer_jax.tokenizer import Tokenizer
 
 class NonFiniteError(RuntimeError):
   """Training met a non-finite loss or gradient with `nonfinite='stop'`, skipped
@@ -240,6 +242,8 @@ class _InitSource:
   """The checkpoint a fine-tuning run (`config.init_from`) takes its parameters from."""
   workdir: str
   step: int
+  tokenizer: Tokenizer  # The checkpoint's vocabulary.
+  map_vocab: bool  # The run has its own vocabulary, mapped by piece (`_map_vocabulary`).
 
 
 def _init_source(config: ml_collections.ConfigDict
@@ -264,7 +268,9 @@ def _init_source(config: ml_collections.ConfigDict
                                   ) from e
   where = f'init_from={config.init_from!r} (step {step})'
   tokenizer = checkpointing.tokenizer_from_meta(meta)
-  if config.vocab_path:
+  if config.init_from_map_vocab:
+    pass  # The run's own vocabulary; the embeddings are mapped by piece.
+  elif config.vocab_path:
     if not os.path.isfile(config.vocab_path):
       raise ConfigError(f'vocab_path={config.vocab_path!r} does not exist; leave '
                         "--config.vocab_path empty to take the vocabulary of "
@@ -274,7 +280,9 @@ def _init_source(config: ml_collections.ConfigDict
         raise ConfigError(
             f'vocab_path={config.vocab_path!r} is not the vocabulary of {where}, whose '
             f'embeddings are rows of {meta["tokenizer"]["path"]}; leave --config.vocab_path '
-            "empty to take the checkpoint's vocabulary.")
+            "empty to take the checkpoint's vocabulary, or set "
+            '--config.init_from_map_vocab=True to map the embeddings of the pieces both '
+            'vocabularies have.')
   else:
     config = config.copy_and_resolve_references()
     with config.unlocked():
@@ -295,7 +303,31 @@ def _init_source(config: ml_collections.ConfigDict
         f'The model of this run has parameters of other shapes than {where}; these fields '
         'change them:\n  ' + '\n  '.join(changed or ['(several together)'])
         + "\nSet them to the checkpoint's values to fine-tune it.")
-  return config, _InitSource(config.init_from, step)
+  return config, _InitSource(config.init_from, step, tokenizer, config.init_from_map_vocab)
+
+
+def _map_vocabulary(params: Any, fresh: Any, old: Tokenizer, new: Tokenizer) -> Any:
+  """`params` (over `old`'s ids) moved to `new`'s ids: along the vocabulary axis of every
+  parameter that has one, the row of each piece `old` also has is copied; the other rows
+  keep `fresh` (the run's random initialization)."""
+  index = {piece: i for i, piece in enumerate(old.pieces())}
+  new_pieces = new.pieces()
+  rows = np.array([index.get(piece, 0) for piece in new_pieces])
+  known = np.array([piece in index for piece in new_pieces])
+  logging.info('Mapping the vocabulary: %d of this run\'s %d pieces are in the checkpoint\'s '
+               '%d and keep their embeddings; the other %d start random.', known.sum(),
+               len(new_pieces), old.vocab_size, (~known).sum())
+
+  def map_leaf(param, init):
+    if param.shape == init.shape:
+      return param
+    axis = next(a for a in range(param.ndim) if param.shape[a] != init.shape[a])
+    shape = [1] * param.ndim
+    shape[axis] = -1
+    # Under jit, so that arrays spread over several hosts can be mapped too.
+    return jax.jit(lambda p, i: jnp.where(known.reshape(shape), jnp.take(p, rows, axis=axis),
+                                          i), out_shardings=init.sharding)(param, init)
+  return jax.tree.map(map_leaf, params, fresh)
 
 
 def _restore_or_initialize(config: ml_collections.ConfigDict,
@@ -317,6 +349,9 @@ def _restore_or_initialize(config: ml_collections.ConfigDict,
       return state
     params, _ = checkpointing.restore_params(init_source.workdir, init_source.step,
                                              shardings=shardings.params)
+    if init_source.map_vocab:
+      params = _map_vocabulary(params, state.params, init_source.tokenizer,
+                               datasets.tokenizer)
     params = jax.tree.map(lambda p, a: p.astype(a.dtype), params, state.params)
     logging.info('Fine-tuning: parameters from %s, step %d; optimizer, schedule and data '
                  'order start afresh.', init_source.workdir, init_source.step)
