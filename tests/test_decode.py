@@ -238,6 +238,63 @@ def test_wide_beam_finds_the_exhaustive_ranking():
     assert np.all(sequences[row, len(expected):] == PAD_ID)
 
 
+@pytest.mark.parametrize('n,k', [(4096, 8), (5000, 8), (37000, 8), (1000, 3)])
+def test_top_k_equals_lax_top_k_with_ties_and_a_ragged_last_block(n, k):
+  rng = np.random.default_rng(n)
+  x = np.round(rng.normal(size=(6, n)) * 4).astype(np.float32)  # Many ties.
+  x[1] = -np.inf  # A row of nothing.
+  x[2, :] = 0.0
+  x[3, -5:] = 100.0  # The best in the last (partial) block.
+  x[4, ::2] = -np.inf
+  values, indices = jax.jit(decode.top_k_of_rows, static_argnums=1)(x, k)
+  expected_values, expected_indices = lax.top_k(x, k)
+  np.testing.assert_array_equal(values, expected_values)
+  np.testing.assert_array_equal(indices, expected_indices)
+
+
+def reference_beam_search_np(model, source, beam_size, max_len, alpha):
+  """The documented beam search for one row, in numpy float64, over every candidate at once.
+
+  Returns the `beam_size` (output, score) pairs, finished ones first, and the smallest gap
+  between the last candidate kept at a step and the first one dropped (a near-tie there
+  could go either way in float32).
+  """
+  alive, finished, gap = [((BOS_ID,), 0.0)], [], np.inf
+  for step in range(max_len):
+    candidates = []
+    for seq, log_prob in alive:
+      logits = model.step_logits_np(list(seq), source)[-1]
+      log_probs = logits - logits.max() - np.log(np.sum(np.exp(logits - logits.max())))
+      candidates += [(log_prob + log_probs[t], seq + (t,)) for t in range(model.vocab_size)
+                     if t != PAD_ID]
+    candidates.sort(key=lambda c: -c[0])
+    gap = min(gap, candidates[2 * beam_size - 1][0] - candidates[2 * beam_size][0])
+    top = candidates[:2 * beam_size]
+    finished += [(seq[1:], log_prob / lp_np(step + 1, alpha, 'gnmt'))
+                 for log_prob, seq in top[:beam_size] if seq[-1] == EOS_ID]
+    finished = sorted(finished, key=lambda f: -f[1])[:beam_size]
+    alive = [(seq, log_prob) for log_prob, seq in top if seq[-1] != EOS_ID][:beam_size]
+  unfinished = [(seq[1:], log_prob / lp_np(max_len, alpha, 'gnmt')) for seq, log_prob in alive]
+  return (finished + unfinished)[:beam_size], gap
+
+
+def test_beam_search_over_a_vocabulary_wider_than_two_beams_matches_the_reference():
+  # Each beam's candidates are cut to its 2 * beam best before the row's best 2 * beam are
+  # chosen; with 40 tokens that cut is real, and must not change the search.
+  model = ToyDecoder(vocab_size=40, seed=3, eos_bias=2.5)
+  sources = model.sources(3, seed=9)
+  sequences, scores = run_beam(model, sources, beam_size=3, max_len=7, alpha=0.6,
+                               early_stopping=False)
+  finished_rows = 0
+  for row in range(3):
+    expected, gap = reference_beam_search_np(model, sources[row], 3, 7, alpha=0.6)
+    assert gap > 1e-4  # No near-tie that float32 could break the other way.
+    assert [tuple(strip(s)) for s in sequences[row]] == [tuple(o) for o, _ in expected]
+    np.testing.assert_allclose(scores[row], [score for _, score in expected], rtol=1e-4)
+    finished_rows += expected[0][0][-1] == EOS_ID
+  assert finished_rows  # Finished hypotheses are ranked too, not only truncated ones.
+
+
 def _count_steps(model):
   """Wraps the toy so each decoder step bumps a host counter (test-only; not in the search)."""
   calls = []
