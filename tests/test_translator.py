@@ -28,7 +28,6 @@ import pytest
 import sacrebleu
 
 from configs import tiny
-from transformer_jax import averaging
 from transformer_jax import checkpointing
 from transformer_jax import decode
 from transformer_jax import translator as translator_lib
@@ -116,7 +115,7 @@ def build_test_run(root: str) -> str:
     rows = np.random.default_rng(i).integers(0, len(inputs), 64)
     params, opt_state = step(params, opt_state, inputs[rows], targets[rows])
     if i in TRAIN_STEPS:
-      averaging.write_checkpoint(workdir, i, params, meta)
+      checkpointing.write_params_checkpoint(workdir, i, params, meta)
   with open(os.path.join(root, 'READY'), 'w') as f:
     f.write('ok\n')
   return workdir

@@ -3,9 +3,9 @@
 The paper evaluates the average of the parameters of the last checkpoints: 5 for the base
 model, 20 for the big one (written every 10 minutes). `average_params` averages in memory
 (`loading.load(..., average_last=N)` uses it for one evaluation); `average_checkpoints`
-writes the average as a checkpoint of its own, in a new work directory, in the layout
-`checkpointing` reads: `OUT/checkpoints/<step>/` with the
-items `params` and `meta` (the last averaged checkpoint's meta, plus `averaged_steps`). It
+writes the average as a checkpoint of its own, in a new work directory
+(`checkpointing.write_params_checkpoint`): `OUT/checkpoints/<step>/` with the items `params`
+and `meta` (the last averaged checkpoint's meta, plus `averaged_steps`). It
 has no optimizer or data state, so it is for evaluation and translation, not for resuming;
 hence it never goes into the training run's own directory.
 """
@@ -19,10 +19,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import orbax.checkpoint as ocp
 
 from transformer_jax import checkpointing
-from transformer_jax.errors import CheckpointNotFoundError, ConfigError, OutputExistsError
+from transformer_jax.errors import CheckpointNotFoundError, ConfigError
 
 PyTree = Any
 
@@ -78,31 +77,6 @@ def average_params(workdir: str, steps: Sequence[int], *, shardings: PyTree = No
   return jax.jit(lambda t: jax.tree.map(lambda x, d: (x * scale).astype(d), t, dtypes))(total)
 
 
-def write_checkpoint(workdir: str, step: int, params: PyTree, meta: dict[str, Any]) -> str:
-  """Writes `params` and `meta` as `workdir/checkpoints/<step>` (readable by
-  `loading.load`).
-
-  Returns:
-    The step directory.
-
-  Raises:
-    OutputExistsError: that step already exists there.
-  """
-  directory = os.path.join(os.path.abspath(workdir), checkpointing.CHECKPOINT_DIR)
-  if os.path.exists(os.path.join(directory, str(step))):
-    raise OutputExistsError(f'{directory}/{step} already exists; choose another output '
-                            'directory or remove it.')
-  options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-  with ocp.CheckpointManager(directory, options=options) as manager:
-    manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params),
-        meta=ocp.args.JsonSave({**meta, 'checksums': checkpointing.checksums(
-            {'params': params})})),
-                 force=True)
-    manager.wait_until_finished()
-  return os.path.join(directory, str(step))
-
-
 def average_checkpoints(workdir: str, output_workdir: str, num: int) -> tuple[str, list[int]]:
   """Averages the last `num` checkpoints of `workdir` into a checkpoint in `output_workdir`.
 
@@ -132,4 +106,4 @@ def average_checkpoints(workdir: str, output_workdir: str, num: int) -> tuple[st
   meta = copy.deepcopy(meta)
   meta['averaged_steps'] = steps
   meta['averaged_from'] = os.path.abspath(workdir)
-  return write_checkpoint(output_workdir, last, params, meta), steps
+  return checkpointing.write_params_checkpoint(output_workdir, last, params, meta), steps

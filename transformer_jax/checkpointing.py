@@ -38,8 +38,8 @@ from jax.experimental import multihost_utils
 from transformer_jax.config import (BEST_CHECKPOINT_METRICS, LEGACY_VALUES, RESUMABLE_FIELDS,
                                     ConfigError)
 from transformer_jax.errors import (CheckpointError, CheckpointNotFoundError, DiskFullError,
-                                    UserError, find_user_error)
-from transformer_jax.tokenizer import Tokenizer
+                                    OutputExistsError, UserError, find_user_error)
+from transformer_jax.tokenizer import Tokenizer, load_tokenizer
 
 CHECKPOINT_DIR = 'checkpoints'
 META_FORMAT = 1
@@ -463,6 +463,31 @@ def restore_params(workdir: str, step: int | str | None = None, *,
   return params, step
 
 
+def write_params_checkpoint(workdir: str, step: int, params: Any, meta: dict[str, Any]) -> str:
+  """Writes `params` and `meta` as `workdir/checkpoints/<step>` (readable by
+  `loading.load` and `init_from`): no optimizer or data state, so not a run to resume.
+
+  Returns:
+    The step directory.
+
+  Raises:
+    OutputExistsError: that step already exists there.
+  """
+  directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+  if os.path.exists(os.path.join(directory, str(step))):
+    raise OutputExistsError(f'{directory}/{step} already exists; choose another output '
+                            'directory or remove it.')
+  options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
+  with ocp.CheckpointManager(directory, options=options) as manager:
+    manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave(params),
+        meta=ocp.args.JsonSave({**meta, 'checksums': checksums(
+            {'params': params})})),
+                 force=True)
+    manager.wait_until_finished()
+  return os.path.join(directory, str(step))
+
+
 def read_meta(workdir: str, step: int | str | None = None) -> tuple[dict[str, Any], int]:
   """The `meta` item of a checkpoint (config, vocabulary) and its step (`step`: an int, None
   for the latest, `BEST` for the best)."""
@@ -483,7 +508,7 @@ def tokenizer_from_meta(meta: Mapping[str, Any]) -> Tokenizer:
   if os.path.exists(path):
     with open(path, 'rb') as f:
       if hashlib.sha256(f.read()).hexdigest() == info['sha256']:
-        return Tokenizer(path)
+        return load_tokenizer(path)
   cache = os.path.join(tempfile.gettempdir(), 'transformer_jax_vocab')
   os.makedirs(cache, exist_ok=True)
   path = os.path.join(cache, f'{info["sha256"][:16]}.model')
@@ -492,7 +517,7 @@ def tokenizer_from_meta(meta: Mapping[str, Any]) -> Tokenizer:
     with open(tmp, 'wb') as f:
       f.write(base64.b64decode(info['model_base64']))
     os.replace(tmp, path)
-  return Tokenizer(path)
+  return load_tokenizer(path)
 
 
 def is_writable(path: str) -> bool:
