@@ -172,11 +172,13 @@ def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: ja
 
   batch_size = inputs.shape[0]
   if beam_size == 1:
-    sequences, _ = decode.greedy_search(tokens_to_logits, cache, batch_size,
-                                        output_length, grow_cache=translator.grow_cache)
+    sequences, _ = decode.greedy_search(tokens_to_logits, cache, batch_size, output_length,
+                                        bos_id=model_config.decoder_start_id,
+                                        grow_cache=translator.grow_cache)
     return sequences
   sequences, _ = decode.beam_search(tokens_to_logits, cache, batch_size,
                                     beam_size, output_length, alpha=alpha,
+                                    bos_id=model_config.decoder_start_id,
                                     grow_cache=translator.grow_cache)
   return sequences[:, 0]
 

@@ -29,7 +29,15 @@ EOS_ID = 2
 UNK_ID = 3
 
 POSITIONAL_ENCODINGS = ('sinusoidal', 'learned', 'rope', 'alibi')
+# How sinusoidal positions lay out their sines and cosines: alternating, as the paper writes
+# PE(pos, 2i) and PE(pos, 2i+1), or [all sines | all cosines] (tensor2tensor, Marian).
+SINUSOID_LAYOUTS = ('interleaved', 'concatenated')
 NORM_POSITIONS = ('post', 'pre')
+# The feed-forward nonlinearity: the paper's ReLU, or Marian's others ('swish' is
+# x * sigmoid(x); 'gelu' is the exact, erf-based one).
+ACTIVATIONS = ('relu', 'swish', 'gelu')
+# The decoder's first input: BOS (this project), or PAD (Marian, Hugging Face's MarianMTModel).
+DECODER_STARTS = {'bos': BOS_ID, 'pad': PAD_ID}
 # Computation dtypes. 'auto': bfloat16 on GPU and TPU, float32 on CPU (where bfloat16 is
 # emulated and slower). float16 is refused: without loss scaling its 5-bit exponent
 # underflows small gradients to zero.
@@ -92,6 +100,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.share_embeddings = True  # One matrix for source and target embeddings.
   c.tie_output_embedding = True  # Pre-softmax projection = the target embedding.
   c.positional_encoding = 'sinusoidal'  # 'sinusoidal' | 'learned' | 'rope' | 'alibi'.
+  c.sinusoid_layout = 'interleaved'  # 'interleaved' (paper) | 'concatenated' (Marian).
+  c.activation = 'relu'  # Feed-forward nonlinearity: 'relu' (paper) | 'swish' | 'gelu'.
+  c.logits_bias = False  # A learned bias on the output logits (Marian's final_logits_bias).
+  c.decoder_start = 'bos'  # The decoder's first input: 'bos' | 'pad' (Marian).
   c.max_len = 256  # Longest sequence (in tokens) the position tables cover.
   # Computation dtype: 'auto' (bfloat16 on GPU/TPU, float32 on CPU) | 'bfloat16' | 'float32'.
   # Parameters, optimizer state, softmax and loss stay float32.
@@ -318,6 +330,10 @@ class TransformerConfig:
   share_embeddings: bool = True
   tie_output_embedding: bool = True
   positional_encoding: str = 'sinusoidal'
+  sinusoid_layout: str = 'interleaved'
+  activation: str = 'relu'
+  logits_bias: bool = False
+  decoder_start: str = 'bos'
   max_len: int = 256
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
@@ -359,6 +375,13 @@ class TransformerConfig:
              f'{POSITIONAL_ENCODINGS}; set --config.positional_encoding to one of them.')
     _require(self.layer_norm_epsilon > 0,
              f'layer_norm_epsilon={self.layer_norm_epsilon!r} must be > 0.')
+    for name, choices in (('sinusoid_layout', SINUSOID_LAYOUTS), ('activation', ACTIVATIONS),
+                          ('decoder_start', tuple(DECODER_STARTS))):
+      value = getattr(self, name)
+      _require(value in choices, f'{name}={value!r} is not one of {choices}; set '
+               f'--config.{name} to one of them.')
+    _require(isinstance(self.logits_bias, bool),
+             f'logits_bias={self.logits_bias!r} must be True or False.')
     _require(self.attention_implementation in (None,) + ATTENTION_IMPLEMENTATIONS[1:],
              f'attention_implementation={self.attention_implementation!r} must be '
              "'' (automatic), 'xla' or 'cudnn'.")
@@ -368,6 +391,11 @@ class TransformerConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def decoder_start_id(self) -> int:
+    """The id fed to the decoder first (training's shifted targets and every search)."""
+    return DECODER_STARTS[self.decoder_start]
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict,
@@ -415,6 +443,10 @@ class TransformerConfig:
         share_embeddings=config.share_embeddings,
         tie_output_embedding=config.tie_output_embedding,
         positional_encoding=config.positional_encoding,
+        sinusoid_layout=config.sinusoid_layout,
+        activation=config.activation,
+        logits_bias=config.logits_bias,
+        decoder_start=config.decoder_start,
         max_len=config.max_len,
         dtype=DTYPES[dtype_name],
         attention_implementation=attention.implementation,

@@ -30,21 +30,26 @@ _REMAT_POLICIES = {
 }
 
 
-def sinusoidal_positions(positions: Array, d_model: int) -> Array:
+def sinusoidal_positions(positions: Array, d_model: int,
+                         layout: str = 'interleaved') -> Array:
   """The paper's PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same).
 
-  Interleaved as in the paper (tensor2tensor and Marian concatenate [sines | cosines]
-  instead). Computed from the positions, so any length and packed rows work.
+  'interleaved' lays them out as the paper writes them; 'concatenated' puts all the sines
+  first, then all the cosines, as tensor2tensor and Marian do. Computed from the positions,
+  so any length and packed rows work.
 
   Args:
     positions: [batch, length] integer positions.
     d_model: model width (even).
+    layout: 'interleaved' | 'concatenated' (`config.SINUSOID_LAYOUTS`).
 
   Returns:
     [batch, length, d_model] float32.
   """
   inv_freq = 1.0 / (10000.0 ** (np.arange(0, d_model, 2, dtype=np.float32) / d_model))
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [batch, length, d/2]
+  if layout == 'concatenated':
+    return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
   pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [batch, length, d/2, 2]
   return pe.reshape(positions.shape + (d_model,))
 
@@ -82,7 +87,8 @@ class AddPositions(nn.Module):
   def __call__(self, x: Array, positions: Array) -> Array:
     cfg = self.config
     if cfg.positional_encoding == 'sinusoidal':
-      return x + sinusoidal_positions(positions, cfg.d_model).astype(cfg.dtype)
+      return x + sinusoidal_positions(positions, cfg.d_model,
+                                      cfg.sinusoid_layout).astype(cfg.dtype)
     if cfg.positional_encoding == 'learned':
       table = self.param('position_embedding', nn.with_logical_partitioning(
           nn.initializers.normal(stddev=cfg.d_model ** -0.5), (None, 'embed')),
@@ -101,8 +107,16 @@ def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:
       name=name)
 
 
+_ACTIVATIONS = {
+    'relu': nn.relu,
+    'swish': nn.swish,  # x * sigmoid(x), also called SiLU.
+    'gelu': lambda x: nn.gelu(x, approximate=False),
+}
+
+
 class FeedForward(nn.Module):
-  """The position-wise feed-forward block, max(0, x W1 + b1) W2 + b2."""
+  """The position-wise feed-forward block, max(0, x W1 + b1) W2 + b2 (or another activation,
+  `config.activation`, in place of max(0, .))."""
 
   config: TransformerConfig
 
@@ -113,7 +127,7 @@ class FeedForward(nn.Module):
         features, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name,
         kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
         bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
-    h = nn.relu(dense(cfg.d_ff, ('embed', 'mlp'), 'wi')(x))  # [batch, length, d_ff]
+    h = _ACTIVATIONS[cfg.activation](dense(cfg.d_ff, ('embed', 'mlp'), 'wi')(x))
     h = nn.with_logical_constraint(h, ('batch', 'length', 'mlp'))
     y = dense(cfg.d_model, ('mlp', 'embed'), 'wo')(h)  # [batch, length, d_model]
     return nn.with_logical_constraint(y, ('batch', 'length', 'embed'))
@@ -239,6 +253,10 @@ class Decoder(nn.Module):
           kernel_init=nn.with_logical_partitioning(
               nn.initializers.xavier_uniform(), ('embed', 'vocab')),
           name='output_projection')(y)
+    if cfg.logits_bias:
+      bias = self.param('logits_bias', nn.with_logical_partitioning(
+          nn.initializers.zeros_init(), ('vocab',)), (cfg.vocab_size,), cfg.param_dtype)
+      logits = logits + jnp.asarray(bias, cfg.dtype)
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
 
 
@@ -264,11 +282,11 @@ def _lengths(segments: Array) -> Array:
   return (segments > 0).sum(axis=-1, dtype=jnp.int32)
 
 
-def shift_right(targets: Array, segmentation: Array) -> Array:
-  """Decoder inputs: targets shifted right, with BOS at the start of every segment."""
-  shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=BOS_ID)[:, :-1]
+def shift_right(targets: Array, segmentation: Array, start_id: int = BOS_ID) -> Array:
+  """Decoder inputs: targets shifted right, with `start_id` at the start of every segment."""
+  shifted = jnp.pad(targets, ((0, 0), (1, 0)), constant_values=start_id)[:, :-1]
   previous_segment = jnp.pad(segmentation, ((0, 0), (1, 0)))[:, :-1]
-  return jnp.where(segmentation != previous_segment, BOS_ID, shifted)
+  return jnp.where(segmentation != previous_segment, start_id, shifted)
 
 
 class Transformer(nn.Module):
@@ -331,7 +349,7 @@ class Transformer(nn.Module):
     positions, target_segments = _default_positions_and_segments(
         targets, targets_positions, targets_segmentation)
     _, source_segments = _default_positions_and_segments(inputs, None, inputs_segmentation)
-    decoder_inputs = shift_right(targets, target_segments)
+    decoder_inputs = shift_right(targets, target_segments, cfg.decoder_start_id)
     if cfg.attention_lengths:
       source, target = _lengths(source_segments), _lengths(target_segments)
       return self.decoder(decoder_inputs, encoded, positions, Lengths(target, target, True),

@@ -38,7 +38,7 @@ import numpy as np
 
 from transformer_jax.config import PAD_ID
 from transformer_jax.errors import DataError
-from transformer_jax.tokenizer import Tokenizer
+from transformer_jax.tokenizer import Tokenizer, load_tokenizer
 
 FORMAT = 1
 PART_SIZE = 20_000  # Examples a part: a few seconds of one core.
@@ -169,7 +169,7 @@ def _encode_range(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, start:
     block = read(chunk, stop) if read else [pairs[i] for i in range(chunk, stop)]
     for side, out in ((0, sources), (1, targets)):
       texts = [pair[side] for pair in block]
-      encoded = tokenizer.encode_batch(texts)
+      encoded = tokenizer.encode_batch(texts, ('source', 'target')[side])
       for j, (text, ids) in enumerate(zip(texts, encoded)):
         if not text.strip():  # A blank side is kept as no ids, and skipped by readers.
           ids = []
@@ -189,7 +189,8 @@ _WORKER: dict[str, Any] = {}
 def _init_worker(pairs, tokenizer: Tokenizer | str) -> None:
   """What `_write_part` reads; a spawned worker gets the tokenizer's path and loads it."""
   _WORKER['pairs'] = pairs
-  _WORKER['tokenizer'] = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer(tokenizer)
+  _WORKER['tokenizer'] = (tokenizer if isinstance(tokenizer, Tokenizer)
+                          else load_tokenizer(tokenizer))
 
 
 def _write_part(task: tuple[str, int, int]) -> int:

@@ -1,16 +1,23 @@
-"""A shared SentencePiece vocabulary: trained once on the training split, cached, reused.
+"""Vocabularies: a shared SentencePiece model (trained once on the training split, cached,
+reused), or an imported model's two (`SplitTokenizer`).
 
 Special ids are fixed for the whole project (see `config.py`): 0 <pad>, 1 <s> (BOS),
 2 </s> (EOS), 3 <unk>. Padding never shares an id with <unk>. `encode` appends EOS and
 never adds BOS: the decoder shifts targets right itself.
+
+A vocabulary is one file, whatever its kind (`load_tokenizer` tells them apart), so that a
+checkpoint carries it whole and the token store knows when it changed.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
+import re
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from absl import logging
 import sentencepiece as spm
@@ -42,24 +49,119 @@ class Tokenizer:
     """Every id's piece, in id order."""
     return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
 
-  def encode(self, text: str) -> list[int]:
-    """Ids of `text`, ending with EOS_ID."""
+  def encode(self, text: str, side: str = 'source') -> list[int]:
+    """Ids of `text`, ending with EOS_ID. `side`: 'source' or 'target' (one model serves
+    both here)."""
     return self._sp.encode(text, add_eos=True)
 
-  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+  def encode_batch(self, texts: Sequence[str], side: str = 'source') -> list[list[int]]:
     """Ids of each text, each ending with EOS_ID."""
     return self._sp.encode(list(texts), add_eos=True)
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids` up to the first EOS; PAD and BOS are ignored."""
-    pieces = []
-    for i in ids:
-      i = int(i)
-      if i == EOS_ID:
-        break
-      if i not in (PAD_ID, BOS_ID):
-        pieces.append(i)
-    return self._sp.decode(pieces)
+    return self._sp.decode(_until_eos(ids, (PAD_ID, BOS_ID)))
+
+
+def _until_eos(ids: Iterable[int], skipped: Container[int]) -> list[int]:
+  """`ids` up to the first EOS, without those in `skipped`."""
+  kept = []
+  for i in ids:
+    i = int(i)
+    if i == EOS_ID:
+      break
+    if i not in skipped:
+      kept.append(i)
+  return kept
+
+
+SPLIT_FORMAT = 'transformer_jax.split_sentencepiece/1'
+_LANGUAGE_CODE = re.compile('>>.+<<')  # As Hugging Face's MarianTokenizer matches it.
+
+
+class SplitTokenizer(Tokenizer):
+  """Separate source and target SentencePiece models over one id map (Marian's vocabulary).
+
+  SentencePiece cuts the text into pieces, each side with its own model; the pieces' ids
+  come from one list shared by both sides (unknown pieces are <unk>), as Hugging Face's
+  `MarianTokenizer` does with `source.spm`, `target.spm` and `vocab.json`. Decoding skips
+  the special pieces (<pad>, </s>, <unk>) as its `skip_special_tokens` does; id 1 is BOS only
+  in a vocabulary whose piece 1 is '<s>' (a model whose decoder starts from <pad> may use
+  id 1 for an ordinary piece).
+
+  The file is JSON: {"format", "pieces": [piece of id 0, 1, ...], "source_model" and
+  "target_model": the SentencePiece models, base64} (`write_split_vocabulary`).
+  """
+
+  def __init__(self, model_path: str):  # pylint: disable=super-init-not-called
+    self.model_path = model_path
+    with open(model_path, 'rb') as f:
+      data = f.read()
+    self.fingerprint = hashlib.sha256(data).hexdigest()[:16]
+    try:
+      bundle = json.loads(data)
+      if bundle.get('format') != SPLIT_FORMAT:
+        raise ValueError(f'format {bundle.get("format")!r} is not {SPLIT_FORMAT!r}')
+      self._pieces = list(bundle['pieces'])
+      self._models = {side: spm.SentencePieceProcessor(
+          model_proto=base64.b64decode(bundle[f'{side}_model'])) for side in ('source',
+                                                                               'target')}
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+      raise ConfigError(f'{model_path} is not a readable split vocabulary ({e}); import the '
+                        'model again to rewrite it.') from None
+    expected = {PAD_ID: '<pad>', EOS_ID: '</s>', UNK_ID: '<unk>'}
+    if any(self._pieces[i] != piece for i, piece in expected.items()):
+      raise ConfigError(f'{model_path} has pieces {self._pieces[:4]} at ids 0-3; the project '
+                        'needs <pad> at 0, </s> at 2 and <unk> at 3.')
+    self._ids = {piece: i for i, piece in enumerate(self._pieces)}
+    self._skipped = {PAD_ID, EOS_ID, UNK_ID} | ({BOS_ID} if self._pieces[BOS_ID] == '<s>'
+                                                else set())
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self._pieces)
+
+  def pieces(self) -> list[str]:
+    return list(self._pieces)
+
+  def encode(self, text: str, side: str = 'source') -> list[int]:
+    return self.encode_batch([text], side)[0]
+
+  def encode_batch(self, texts: Sequence[str], side: str = 'source') -> list[list[int]]:
+    # A leading language code (">>fr<<" in multilingual models) is one piece of its own.
+    codes = [_LANGUAGE_CODE.match(text) for text in texts]
+    pieces = self._models[side].encode(
+        [_LANGUAGE_CODE.sub('', text) for text in texts], out_type=str)
+    return [[self._ids.get(p, UNK_ID) for p in ([code.group(0)] if code else []) + row]
+            + [EOS_ID] for code, row in zip(codes, pieces)]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of `ids` up to the first EOS, without special pieces, by the target model."""
+    pieces = [self._pieces[i] for i in _until_eos(ids, self._skipped)]
+    # As `MarianTokenizer`: pieces the target model lacks come out as they are, so every
+    # word boundary left is turned into a space.
+    return self._models['target'].decode_pieces(pieces).replace('\u2581', ' ').strip()
+
+
+def write_split_vocabulary(path: str, pieces: Sequence[str], source_model: bytes,
+                           target_model: bytes) -> SplitTokenizer:
+  """Writes a `SplitTokenizer` file atomically and loads it."""
+  directory = os.path.dirname(os.path.abspath(path))
+  os.makedirs(directory, exist_ok=True)
+  data = {'format': SPLIT_FORMAT, 'pieces': list(pieces),
+          'source_model': base64.b64encode(source_model).decode('ascii'),
+          'target_model': base64.b64encode(target_model).decode('ascii')}
+  with tempfile.NamedTemporaryFile('w', dir=directory, delete=False, suffix='.tmp') as f:
+    json.dump(data, f, ensure_ascii=False)
+  os.replace(f.name, path)
+  return SplitTokenizer(path)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+  """The vocabulary in `path`: a SentencePiece model or a `SplitTokenizer` file."""
+  with open(path, 'rb') as f:
+    is_json = f.read(1) == b'{'  # A SentencePiece model is a protobuf, never JSON.
+  return SplitTokenizer(path) if is_json else Tokenizer(path)
 
 
 def train_tokenizer(sentences: Iterable[str], model_path: str, *, vocab_size: int,
@@ -122,6 +224,6 @@ def load_or_train_tokenizer(model_path: str, sentences_fn, *, vocab_size: int,
   """
   if os.path.exists(model_path):
     logging.info('Loading the vocabulary %s', model_path)
-    return Tokenizer(model_path)
+    return load_tokenizer(model_path)
   return train_tokenizer(sentences_fn(), model_path, vocab_size=vocab_size,
                          model_type=model_type)

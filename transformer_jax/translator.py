@@ -281,11 +281,13 @@ def search(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
       sequences, log_probs = decode.sample(
           tokens_to_logits, decode.tile_beams(cache, n), rng, batch_size * n, max_decode_len,
           temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
-          grow_cache=grow_cache, max_lengths=decode.tile_beams(max_lengths, n))
+          bos_id=model_config.decoder_start_id, grow_cache=grow_cache,
+          max_lengths=decode.tile_beams(max_lengths, n))
     else:
-      sequences, log_probs = decode.greedy_search(tokens_to_logits, cache, batch_size,
-                                                  max_decode_len, grow_cache=grow_cache,
-                                                  max_lengths=max_lengths)
+      sequences, log_probs = decode.greedy_search(
+          tokens_to_logits, cache, batch_size, max_decode_len,
+          bos_id=model_config.decoder_start_id, grow_cache=grow_cache,
+          max_lengths=max_lengths)
     sequences = sequences.reshape(batch_size, n, max_decode_len)
     log_probs = log_probs.reshape(batch_size, n)
     scores = log_probs / penalty(sequences)
@@ -296,7 +298,7 @@ def search(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
   sequences, scores = decode.beam_search(
       tokens_to_logits, cache, batch_size, options.beam_size, max_decode_len,
       alpha=options.length_penalty, length_penalty_form=options.length_penalty_form,
-      grow_cache=grow_cache, max_lengths=max_lengths)
+      bos_id=model_config.decoder_start_id, grow_cache=grow_cache, max_lengths=max_lengths)
   sequences, scores = sequences[:, :options.n_best], scores[:, :options.n_best]
   return sequences, scores, scores * penalty(sequences)
 

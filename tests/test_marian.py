@@ -1,0 +1,332 @@
+"""Hugging Face Marian models in this project: the model options Marian needs, against
+`MarianMTModel` itself (random weights, built here; nothing is downloaded).
+
+Each Marian option is a config field (`sinusoid_layout`, `logits_bias`, `activation`,
+`decoder_start`, `layer_norm_epsilon`); `marian.params_from_state_dict` maps the weights.
+The reference is transformers' own PyTorch code, so a mapping or an option that differs from
+Marian's anywhere changes the logits.
+"""
+
+import functools
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip('torch', reason='PyTorch (CPU build) is a test-only dependency: '
+                            "pip install -c requirements.txt -e '.[test]'")
+transformers = pytest.importorskip('transformers', reason='transformers is a test-only '
+                                   "dependency: pip install -c requirements.txt -e '.[test]'")
+
+import train_testlib  # noqa: E402
+
+from transformer_jax import checkpointing, marian, translator  # noqa: E402
+from transformer_jax import translator as translator_lib  # noqa: E402
+from transformer_jax.errors import OutputExistsError  # noqa: E402
+from transformer_jax.config import (ConfigError, EOS_ID, PAD_ID,  # noqa: E402
+                                    TransformerConfig)
+from transformer_jax.models import Transformer, sinusoidal_positions  # noqa: E402
+
+VOCAB, D, MAX_LEN = 60, 64, 64
+
+
+def random_marian(activation: str = 'swish', eos_bias: float = 0.0, seed: int = 0, **kwargs):
+  """A random `MarianMTModel` with this project's special ids (pad 0, eos 2; Marian starts the
+  decoder from pad) and non-trivial norms and logits bias."""
+  torch.manual_seed(seed)
+  config = transformers.MarianConfig(
+      vocab_size=VOCAB, d_model=D, encoder_layers=2, decoder_layers=2,
+      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+      decoder_ffn_dim=128, activation_function=activation, max_position_embeddings=MAX_LEN,
+      scale_embedding=True, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
+      decoder_start_token_id=PAD_ID, forced_eos_token_id=None, bos_token_id=None,
+      dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+      init_std=0.3,  # Logits that depend on the input, not on the bias alone.
+      **kwargs)
+  model = transformers.MarianMTModel(config).eval()
+  generator = torch.Generator().manual_seed(seed + 1)
+  with torch.no_grad():
+    for name, tensor in model.named_parameters():
+      if 'layer_norm' in name or name.endswith('.bias'):
+        tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator))
+    model.final_logits_bias.copy_(0.1 * torch.randn(model.final_logits_bias.shape,
+                                                    generator=generator))
+    model.final_logits_bias[0, EOS_ID] += eos_bias
+  return model
+
+
+def imported(model) -> tuple[TransformerConfig, dict]:
+  fields = marian.config_fields(model.config.to_dict())
+  config = TransformerConfig(**fields, deterministic=True)
+  state = {name: tensor.detach().numpy() for name, tensor in model.state_dict().items()}
+  return config, jax.tree.map(jnp.asarray, marian.params_from_state_dict(state, config))
+
+
+def sources(seed: int = 0, rows: int = 3, length: int = 9) -> np.ndarray:
+  ids = np.random.default_rng(seed).integers(4, VOCAB, (rows, length))
+  ids[:, -1] = EOS_ID
+  ids[1, 5:] = PAD_ID
+  ids[1, 4] = EOS_ID
+  return ids
+
+
+def test_concatenated_sinusoids_are_marians_position_table():
+  model = random_marian()
+  table = model.model.encoder.embed_positions.weight.detach().numpy()  # [MAX_LEN, D]
+  ours = sinusoidal_positions(jnp.arange(MAX_LEN)[None], D, 'concatenated')[0]
+  np.testing.assert_allclose(ours, table, atol=2e-5)
+  interleaved = sinusoidal_positions(jnp.arange(MAX_LEN)[None], D)[0]
+  np.testing.assert_array_equal(interleaved[:, 0::2], ours[:, :D // 2])
+
+
+@pytest.mark.parametrize('activation', ['swish', 'gelu', 'relu'])
+def test_imported_marian_gives_marians_logits(activation):
+  model = random_marian(activation)
+  config, params = imported(model)
+  assert (config.activation, config.sinusoid_layout, config.decoder_start, config.logits_bias,
+          config.layer_norm_epsilon) == ({'swish': 'swish', 'gelu': 'gelu', 'relu': 'relu'}[
+              activation], 'concatenated', 'pad', True, 1e-5)
+  # Every parameter of the model is mapped, with its shape, and nothing else.
+  expected = jax.eval_shape(lambda: nn.unbox(Transformer(config).init(
+      jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))['params']))
+  assert (jax.tree.map(lambda x: x.shape, params)
+          == jax.tree.map(lambda x: x.shape, expected))
+
+  inputs = sources()
+  targets = np.random.default_rng(1).integers(4, VOCAB, (3, 7))
+  targets[:, -1] = EOS_ID
+  logits = np.asarray(Transformer(config).apply({'params': params}, inputs, targets))
+  decoder_inputs = np.concatenate([np.full((3, 1), PAD_ID), targets[:, :-1]], axis=1)
+  with torch.no_grad():
+    expected = model(input_ids=torch.from_numpy(inputs),
+                     attention_mask=torch.from_numpy((inputs != PAD_ID).astype(np.int64)),
+                     decoder_input_ids=torch.from_numpy(decoder_inputs)).logits.numpy()
+  relative_error = np.abs(logits - expected).max() / np.abs(expected).max()
+  assert relative_error < 1e-5, relative_error
+
+
+def _ours(config, params, inputs, beam_size, max_len, alpha=0.0, form='power'):
+  options = translator.DecodeOptions(beam_size=beam_size, length_penalty=alpha,
+                                     length_penalty_form=form, max_decode_extra_length=max_len)
+  search = jax.jit(functools.partial(translator.search, config, options=options,
+                                     max_decode_len=max_len))
+  sequences, scores, _ = search(params, jnp.asarray(inputs))
+  return np.asarray(sequences[:, 0]), np.asarray(scores[:, 0])
+
+
+def _theirs(model, inputs, max_len, **kwargs):
+  with torch.no_grad():
+    out = model.generate(
+        input_ids=torch.from_numpy(inputs),
+        attention_mask=torch.from_numpy((inputs != PAD_ID).astype(np.int64)),
+        max_new_tokens=max_len, bad_words_ids=[[PAD_ID]], do_sample=False,
+        **kwargs).numpy()[:, 1:]  # Without the decoder start.
+  return np.pad(out, ((0, 0), (0, max_len - out.shape[1])), constant_values=PAD_ID)
+
+
+def _strip(row) -> list[int]:
+  row = list(row)
+  return row[:row.index(EOS_ID) + 1] if EOS_ID in row else [t for t in row if t != PAD_ID]
+
+
+@pytest.mark.parametrize('eos_bias', [0.0, 3.0])
+def test_imported_marian_greedy_search_gives_generates_outputs(eos_bias):
+  model = random_marian('swish', eos_bias=eos_bias, seed=3)
+  config, params = imported(model)
+  inputs = sources(seed=5, rows=4)
+  ours, _ = _ours(config, params, inputs, beam_size=1, max_len=16)
+  theirs = _theirs(model, inputs, 16, num_beams=1)
+  assert [_strip(r) for r in ours] == [_strip(r) for r in theirs]
+  assert len({tuple(_strip(r)) for r in ours}) == len(ours)  # Outputs follow the inputs.
+  if eos_bias:
+    assert any(EOS_ID in r for r in ours)  # Both stop at EOS, not only at the limit.
+
+
+def test_imported_marian_beam_search_gives_generates_best_hypothesis():
+  # Hugging Face with early_stopping='never' searches until no running beam can beat the
+  # finished ones, with the length penalty |Y|^alpha, as this project's beam search does.
+  # One difference: at the length limit, Hugging Face ranks the beams still running together
+  # with the finished hypotheses, where this project puts every finished hypothesis first
+  # (the paper's and tensor2tensor's choice: a translation ends with EOS). So rows agree
+  # whenever Hugging Face's best has finished; where it has not, it is a truncated output.
+  model = random_marian('swish', eos_bias=3.0, seed=3)
+  config, params = imported(model)
+  inputs = sources(seed=5, rows=4)
+  ours, _ = _ours(config, params, inputs, beam_size=4, max_len=16, alpha=0.6)
+  theirs = _theirs(model, inputs, 16, num_beams=4, length_penalty=0.6,
+                   early_stopping='never')
+  ours, theirs = [_strip(r) for r in ours], [_strip(r) for r in theirs]
+  assert all(r[-1] == EOS_ID for r in ours)
+  agree = [t[-1] == EOS_ID for t in theirs]
+  assert [o for o, a in zip(ours, agree) if a] == [t for t, a in zip(theirs, agree) if a]
+  assert all(len(t) == 16 for t, a in zip(theirs, agree) if not a)
+  assert sum(agree) >= 3 and len({tuple(o) for o in ours}) == len(ours)
+
+
+def test_marian_config_that_cannot_be_imported_is_refused_with_the_reason():
+  config = random_marian().config.to_dict()
+  for change, words in ((dict(activation_function='gelu_new'), 'activation_function'),
+                        (dict(scale_embedding=False), 'scale_embedding'),
+                        (dict(decoder_ffn_dim=256), 'decoder_ffn_dim'),
+                        (dict(model_type='bart'), 'model_type')):
+    with pytest.raises(ConfigError, match=words):
+      marian.config_fields({**config, **change})
+
+
+@pytest.mark.parametrize('field,value', [('activation', 'tanh'), ('sinusoid_layout', 'split'),
+                                         ('decoder_start', 'eos'), ('logits_bias', 'yes')])
+def test_model_option_fields_refuse_unknown_values(field, value):
+  with pytest.raises(ConfigError, match=field):
+    TransformerConfig(vocab_size=VOCAB, **{field: value})
+
+
+# --- A whole model directory, as OPUS-MT publishes them (built here, offline). ---
+
+SOURCE_TEXT = ['the cat sat on the mat', 'a dog ran in the park', 'the bird sings at dawn',
+               'my friend reads a book', 'we walk to the river', 'the sun is warm today']
+TARGET_TEXT = ['le chat est assis sur le tapis', 'un chien court dans le parc',
+               "l'oiseau chante a l'aube", 'mon ami lit un livre',
+               'nous marchons vers la riviere', "le soleil est chaud aujourd'hui"]
+
+
+def _train_spm(path_prefix: str, lines: list[str]) -> str:
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  spm.SentencePieceTrainer.train(sentence_iterator=iter(lines * 20), model_prefix=path_prefix,
+                                 vocab_size=40, model_type='unigram', minloglevel=2,
+                                 hard_vocab_limit=False)
+  return path_prefix + '.model'
+
+
+@pytest.fixture(scope='module')
+def opus_mt_dir(tmp_path_factory):
+  """A random Marian model saved as Hugging Face saves OPUS-MT models: eos 0, unk 1, pad
+  last and the decoder starting from it, swish, its own source and target SentencePiece."""
+  root = tmp_path_factory.mktemp('opus')
+  models = {side: _train_spm(str(root / side), text)
+            for side, text in (('source', SOURCE_TEXT), ('target', TARGET_TEXT))}
+  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  pieces = []
+  for path in models.values():
+    processor = spm.SentencePieceProcessor(model_file=path)
+    pieces += [processor.id_to_piece(i) for i in range(processor.get_piece_size())
+               if not processor.is_control(i) and not processor.is_unknown(i)]
+  vocab = {'</s>': 0, '<unk>': 1}
+  for piece in pieces:
+    vocab.setdefault(piece, len(vocab))
+  vocab['<pad>'] = len(vocab)
+  (root / 'vocab.json').write_text(json.dumps(vocab))
+  tokenizer = transformers.MarianTokenizer(
+      source_spm=models['source'], target_spm=models['target'], vocab=str(root / 'vocab.json'),
+      source_lang='en', target_lang='fr')
+  size, pad = len(vocab), vocab['<pad>']
+  torch.manual_seed(7)
+  config = transformers.MarianConfig(
+      vocab_size=size, d_model=D, encoder_layers=2, decoder_layers=2,
+      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+      decoder_ffn_dim=128, activation_function='swish', max_position_embeddings=128,
+      scale_embedding=True, pad_token_id=pad, eos_token_id=0, decoder_start_token_id=pad,
+      forced_eos_token_id=None, bos_token_id=None, init_std=0.3)
+  model = transformers.MarianMTModel(config).eval()
+  with torch.no_grad():
+    model.final_logits_bias[0, 0] += 1.0  # Some outputs end before the limit.
+  model.generation_config.bad_words_ids = [[pad]]
+  directory = root / 'opus-mt-en-fr'
+  model.save_pretrained(directory)
+  tokenizer.save_pretrained(directory)
+  return directory, model, tokenizer
+
+
+EXTRA = 10
+
+
+def test_imported_opus_mt_directory_translates_as_hugging_face_does(opus_mt_dir, tmp_path):
+  directory, model, tokenizer = opus_mt_dir
+  workdir = tmp_path / 'imported'
+  marian.import_model(str(directory), str(workdir))
+  translator, checkpoint = translator_lib.load_translator(
+      str(workdir), beam_size=1, max_decode_extra_length=EXTRA)
+  assert checkpoint.model_config.decoder_start == 'pad'
+  assert checkpoint.tokenizer.vocab_size == model.config.vocab_size
+  sentences = SOURCE_TEXT + ['the dog sings', 'a word it has never seen: zyx', '>>fr<< the cat']
+
+  # The same pieces, in this project's ids.
+  vocab = tokenizer.get_vocab()
+  order = marian.vocabulary_order(vocab, model.config.to_dict())
+  for text in sentences:
+    theirs = tokenizer(text).input_ids
+    assert checkpoint.tokenizer.encode(text) == [order.index(i) for i in theirs]
+
+  ours, _ = translator.translate(sentences)
+  theirs = []
+  for text in sentences:  # Each with this project's limit: source length + EXTRA.
+    with torch.no_grad():
+      batch = tokenizer([text], return_tensors='pt')
+      generated = model.generate(**batch, num_beams=1, do_sample=False,
+                                 max_new_tokens=batch.input_ids.shape[1] + EXTRA)
+    theirs += tokenizer.batch_decode(generated, skip_special_tokens=True)
+  assert ours == theirs
+  assert len(set(ours)) > len(ours) // 2  # Translations that follow their sources.
+
+
+def test_import_refuses_a_used_workdir_and_an_incomplete_directory(opus_mt_dir, tmp_path):
+  directory, _, _ = opus_mt_dir
+  workdir = tmp_path / 'imported'
+  marian.import_model(str(directory), str(workdir))
+  with pytest.raises(OutputExistsError, match='already has checkpoints'):
+    marian.import_model(str(directory), str(workdir))
+  broken = tmp_path / 'broken'
+  shutil.copytree(directory, broken)
+  (broken / 'target.spm').unlink()
+  with pytest.raises(ConfigError, match='target.spm does not exist'):
+    marian.import_model(str(broken), str(tmp_path / 'other'))
+
+
+def test_imported_model_fine_tunes_from_its_config_file(opus_mt_dir, tmp_path):
+  directory, model, _ = opus_mt_dir
+  imported_dir = tmp_path / 'imported'
+  marian.import_model(str(directory), str(imported_dir))
+  files = {}
+  for split in ('train', 'validation'):
+    for side, lines in (('src', SOURCE_TEXT), ('tgt', TARGET_TEXT)):
+      (tmp_path / f'{split}.{side}').write_text('\n'.join(lines) + '\n')
+    files[split] = f'{tmp_path}/{split}.src,{tmp_path}/{split}.tgt'
+  spec = importlib.util.spec_from_file_location(
+      'finetune', imported_dir / marian.FINETUNE_CONFIG_FILE)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for split, value in files.items():
+    config.text_files[split] = value
+  config.update(dict(num_train_steps=2, warmup_steps=1, tokens_per_batch=128,
+                     bucket_boundaries=(), max_source_length=32, max_target_length=32,
+                     eval_every_steps=0, log_every_steps=1, checkpoint_every_steps=2,
+                     eval_bleu_sentences=0, best_checkpoint_metric=''))
+  from transformer_jax import train_loop  # pylint: disable=g-import-not-at-top
+  result = train_loop.train_and_evaluate(config, str(tmp_path / 'tuned'))
+  assert int(result.state.step) == 2
+  # It started from the imported parameters and moved from them.
+  start, _ = checkpointing.restore_params(str(imported_dir), 0)
+  moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                       jax.device_get(result.state.params), jax.device_get(start))
+  assert 0 < max(jax.tree.leaves(moved)) < 1.0
+  translator, checkpoint = translator_lib.load_translator(str(tmp_path / 'tuned'))
+  assert checkpoint.tokenizer.vocab_size == model.config.vocab_size
+  assert len(translator.translate(['the cat sat'])[0]) == 1
+
+
+def test_import_command_reports_a_bad_directory_in_one_paragraph(tmp_path):
+  result = subprocess.run(
+      [sys.executable, os.path.join(train_testlib.REPO, 'import_marian.py'),
+       f'--model_dir={tmp_path}', f'--workdir={tmp_path / "out"}'],
+      capture_output=True, text=True, timeout=300, env=train_testlib.subprocess_env())
+  assert result.returncode == 2, result.stderr
+  assert 'config.json does not exist' in result.stderr
+  assert 'Traceback' not in result.stderr
