@@ -172,6 +172,7 @@ def test_user_errors_are_found_through_wrapping_exceptions():
     ('train.py', ('--config', '--workdir', '--verbose')),
     ('average_checkpoints.py', ('--workdir', '--output_workdir', '--verbose')),
     ('import_marian.py', ('--model_dir', '--workdir', '--verbose')),
+    ('export_marian.py', ('--workdir', '--step', '--output_dir', '--verbose')),
 ])
 def test_help_lists_each_commands_own_flags(script, own_flags):
   result = _command(script, '--help', timeout=120)

@@ -28,7 +28,8 @@ transformers = pytest.importorskip('transformers', reason='transformers is a tes
 
 import train_testlib  # noqa: E402
 
-from transformer_jax import checkpointing, marian, translator  # noqa: E402
+from transformer_jax import checkpointing, loading, marian, translator  # noqa: E402
+from transformer_jax.tokenizer import train_tokenizer  # noqa: E402
 from transformer_jax import translator as translator_lib  # noqa: E402
 from transformer_jax.errors import OutputExistsError  # noqa: E402
 from transformer_jax.config import (ConfigError, EOS_ID, PAD_ID,  # noqa: E402
@@ -122,13 +123,28 @@ def _ours(config, params, inputs, beam_size, max_len, alpha=0.0, form='power'):
   return np.asarray(sequences[:, 0]), np.asarray(scores[:, 0])
 
 
-def _theirs(model, inputs, max_len, **kwargs):
+def _generate(model, **kwargs) -> np.ndarray:
+  """`model.generate`'s sequences. For greedy search, also checks that no step chose between
+  two tokens closer than 1e-3 in logit: the fixtures' outputs then do not depend on the last
+  bits of a CPU's floats, which differ from machine to machine."""
   with torch.no_grad():
-    out = model.generate(
-        input_ids=torch.from_numpy(inputs),
-        attention_mask=torch.from_numpy((inputs != PAD_ID).astype(np.int64)),
-        max_new_tokens=max_len, bad_words_ids=[[PAD_ID]], do_sample=False,
-        **kwargs).numpy()[:, 1:]  # Without the decoder start.
+    out = model.generate(do_sample=False, output_scores=True, return_dict_in_generate=True,
+                         **kwargs)
+  if kwargs.get('num_beams', 1) == 1:
+    eos = model.generation_config.eos_token_id
+    for row, sequence in enumerate(out.sequences[:, 1:].tolist()):
+      steps = sequence.index(eos) + 1 if eos in sequence else len(sequence)
+      for step in range(steps):
+        top = torch.topk(out.scores[step][row].float(), 2).values
+        assert float(top[0] - top[1]) > 1e-3, f'near-tie at row {row}, step {step}'
+  return out.sequences.numpy()
+
+
+def _theirs(model, inputs, max_len, **kwargs):
+  out = _generate(
+      model, input_ids=torch.from_numpy(inputs),
+      attention_mask=torch.from_numpy((inputs != PAD_ID).astype(np.int64)),
+      max_new_tokens=max_len, bad_words_ids=[[PAD_ID]], **kwargs)[:, 1:]  # No start.
   return np.pad(out, ((0, 0), (0, max_len - out.shape[1])), constant_values=PAD_ID)
 
 
@@ -237,6 +253,7 @@ def opus_mt_dir(tmp_path_factory):
   model = transformers.MarianMTModel(config).eval()
   with torch.no_grad():
     model.final_logits_bias[0, 0] += 1.0  # Some outputs end before the limit.
+    model.model.shared.weight[pad] = 0.0  # As in OPUS-MT models: Marian starts from zeros.
   model.generation_config.bad_words_ids = [[pad]]
   directory = root / 'opus-mt-en-fr'
   model.save_pretrained(directory)
@@ -245,6 +262,8 @@ def opus_mt_dir(tmp_path_factory):
 
 
 EXTRA = 10
+OPUS_SENTENCES = SOURCE_TEXT + ['the dog sings', 'a word it has never seen: zyx',
+                                '>>fr<< the cat']
 
 
 def test_imported_opus_mt_directory_translates_as_hugging_face_does(opus_mt_dir, tmp_path):
@@ -255,7 +274,7 @@ def test_imported_opus_mt_directory_translates_as_hugging_face_does(opus_mt_dir,
       str(workdir), beam_size=1, max_decode_extra_length=EXTRA)
   assert checkpoint.model_config.decoder_start == 'pad'
   assert checkpoint.tokenizer.vocab_size == model.config.vocab_size
-  sentences = SOURCE_TEXT + ['the dog sings', 'a word it has never seen: zyx', '>>fr<< the cat']
+  sentences = OPUS_SENTENCES
 
   # The same pieces, in this project's ids.
   vocab = tokenizer.get_vocab()
@@ -267,10 +286,9 @@ def test_imported_opus_mt_directory_translates_as_hugging_face_does(opus_mt_dir,
   ours, _ = translator.translate(sentences)
   theirs = []
   for text in sentences:  # Each with this project's limit: source length + EXTRA.
-    with torch.no_grad():
-      batch = tokenizer([text], return_tensors='pt')
-      generated = model.generate(**batch, num_beams=1, do_sample=False,
-                                 max_new_tokens=batch.input_ids.shape[1] + EXTRA)
+    batch = tokenizer([text], return_tensors='pt')
+    generated = _generate(model, **batch, num_beams=1,
+                          max_new_tokens=batch.input_ids.shape[1] + EXTRA)
     theirs += tokenizer.batch_decode(generated, skip_special_tokens=True)
   assert ours == theirs
   assert len(set(ours)) > len(ours) // 2  # Translations that follow their sources.
@@ -330,3 +348,136 @@ def test_import_command_reports_a_bad_directory_in_one_paragraph(tmp_path):
   assert result.returncode == 2, result.stderr
   assert 'config.json does not exist' in result.stderr
   assert 'Traceback' not in result.stderr
+
+
+# --- Export: this project's checkpoints as Marian directories, and back. ---
+
+
+def _own_checkpoint(root, **fields) -> str:
+  """A random post-norm model of this project with its own SentencePiece vocabulary,
+  written as a checkpoint (what a training run leaves)."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  tokenizer = train_tokenizer(SOURCE_TEXT * 10 + TARGET_TEXT * 10, str(root / 'vocab.model'),
+                              vocab_size=48)
+  config = tiny.get_config()
+  config.update(dict(dataset='text', vocab_path=tokenizer.model_path, source_lang='en',
+                     target_lang='fr', max_len=64, **fields))
+  model_config = TransformerConfig.from_config(config, tokenizer.vocab_size)
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = nn.unbox(Transformer(model_config).init(jax.random.key(3), tokens, tokens)['params'])
+  # Larger, non-trivial weights: outputs that depend on the input.
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x * 3 + 0.1 * jax.random.normal(jax.random.key(len(str(path))), x.shape),
+      params)
+  workdir = str(root / 'run')
+  checkpointing.write_params_checkpoint(workdir, 7, params,
+                                        checkpointing.make_meta(config, tokenizer))
+  return workdir
+
+
+@pytest.fixture(scope='module')
+def exported(tmp_path_factory):
+  root = tmp_path_factory.mktemp('export')
+  workdir = _own_checkpoint(root)
+  return workdir, marian.export_model(workdir, str(root / 'marian'))
+
+
+def _hf_greedy(model, tokenizer, sentences):
+  outputs = []
+  for text in sentences:  # Each with this project's limit: source length + EXTRA.
+    batch = tokenizer([text], return_tensors='pt')
+    generated = _generate(model, **batch, num_beams=1,
+                          max_new_tokens=batch.input_ids.shape[1] + EXTRA)
+    outputs.append(generated[0].tolist())
+  return outputs
+
+
+def test_exported_model_translates_in_hugging_face_as_here(exported):
+  workdir, directory = exported
+  translator, checkpoint = translator_lib.load_translator(
+      workdir, beam_size=1, max_decode_extra_length=EXTRA)
+  model = transformers.MarianMTModel.from_pretrained(directory).eval()
+  tokenizer = transformers.MarianTokenizer.from_pretrained(directory)
+  sentences = SOURCE_TEXT + ['the dog sings at the river']
+  size = checkpoint.model_config.vocab_size
+
+  def ours(marian_ids):  # The export puts <pad> last and the others one lower.
+    return [0 if i == size - 1 else i + 1 for i in marian_ids]
+  for text in sentences:
+    assert ours(tokenizer(text).input_ids) == checkpoint.tokenizer.encode(text)
+  hyps, _ = translator.translate_n_best(sentences)
+  theirs = _hf_greedy(model, tokenizer, sentences)
+  for (hyp,), ids in zip(hyps, theirs):
+    assert ours(ids)[0] == checkpoint.model_config.decoder_start_id
+    assert _strip(hyp.tokens) == _strip(ours(ids[1:]))
+  assert len({tuple(_strip(h.tokens)) for (h,) in hyps}) > len(hyps) // 2
+
+
+def test_exported_model_converts_to_ctranslate2_and_translates_as_here(opus_mt_dir, tmp_path):
+  # CTranslate2's Marian converter starts the decoder from a zero embedding, as Marian does:
+  # exact for a model whose decoder starts from a zero <pad> row, as OPUS-MT models do.
+  ctranslate2 = pytest.importorskip('ctranslate2', reason='CTranslate2 is a bench extra')
+  directory, _, _ = opus_mt_dir
+  workdir = str(tmp_path / 'imported')
+  marian.import_model(str(directory), workdir)
+  exported_dir = marian.export_model(workdir, str(tmp_path / 'marian'))
+  converted = ctranslate2.converters.TransformersConverter(exported_dir).convert(
+      str(tmp_path / 'ct2'))
+  ct2 = ctranslate2.Translator(converted, device='cpu')
+  translator, checkpoint = translator_lib.load_translator(
+      workdir, beam_size=1, max_decode_extra_length=EXTRA)
+  pieces = checkpoint.tokenizer.pieces()
+  sentences = OPUS_SENTENCES  # Without near-ties (checked against Hugging Face above).
+  hyps, _ = translator.translate_n_best(sentences)
+  for text, (hyp,) in zip(sentences, hyps):
+    source = [pieces[i] for i in checkpoint.tokenizer.encode(text)]
+    # min_decoding_length=0: CTranslate2 otherwise never gives an empty output (its default
+    # is 1); this project and Hugging Face end at an EOS chosen first.
+    result = ct2.translate_batch([source], beam_size=1, min_decoding_length=0,
+                                 max_decoding_length=len(source) + EXTRA)[0]
+    assert result.hypotheses[0] == [pieces[i] for i in _strip(hyp.tokens) if i != EOS_ID]
+  assert len({tuple(_strip(h.tokens)) for (h,) in hyps}) > len(hyps) // 2
+
+
+def test_export_then_import_gives_the_same_parameters_bit_for_bit(exported, tmp_path):
+  workdir, directory = exported
+  marian.import_model(directory, str(tmp_path / 'back'))
+  original = loading.load(workdir)
+  back = loading.load(str(tmp_path / 'back'))
+  for field in ('d_model', 'num_heads', 'd_ff', 'activation', 'sinusoid_layout',
+                'logits_bias', 'decoder_start', 'share_embeddings', 'tie_output_embedding'):
+    assert getattr(back.model_config, field) == getattr(original.model_config, field), field
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               back.params, original.params)
+  assert back.tokenizer.pieces() == original.tokenizer.pieces()
+  assert back.tokenizer.encode('the cat sat') == original.tokenizer.encode('the cat sat')
+
+
+def test_import_then_export_gives_the_marian_weights_back(opus_mt_dir, tmp_path):
+  directory, model, _ = opus_mt_dir
+  marian.import_model(str(directory), str(tmp_path / 'imported'))
+  out = marian.export_model(str(tmp_path / 'imported'), str(tmp_path / 'again'))
+  again = transformers.MarianMTModel.from_pretrained(out).state_dict()
+  # Both vocabularies have <pad> last; the pieces between may come in another order.
+  original_ids = json.loads((directory / 'vocab.json').read_text())
+  exported_ids = json.loads((tmp_path / 'again' / 'vocab.json').read_text())
+  assert sorted(original_ids) == sorted(exported_ids)
+  rows = np.argsort([original_ids[piece] for piece in sorted(exported_ids,
+                                                             key=exported_ids.get)])
+  for name, tensor in model.state_dict().items():
+    expected, got = tensor.numpy(), again[name].numpy()
+    if 'embed_positions' in name:
+      np.testing.assert_allclose(got, expected, atol=2e-5)
+      continue
+    if name == 'final_logits_bias':
+      got = got[:, rows]
+    elif name in ('lm_head.weight', 'model.shared.weight') or 'embed_tokens' in name:
+      got = got[rows]
+    np.testing.assert_array_equal(got, expected, err_msg=name)
+
+
+def test_export_refuses_what_marian_lacks_naming_the_field(tmp_path):
+  workdir = _own_checkpoint(tmp_path, norm_position='pre')
+  with pytest.raises(ConfigError, match="norm_position='pre'"):
+    marian.export_model(workdir, str(tmp_path / 'out'))
+  assert not os.path.exists(tmp_path / 'out')

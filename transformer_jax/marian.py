@@ -28,11 +28,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from absl import logging
 import numpy as np
 
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
-from transformer_jax.config import ConfigError, TransformerConfig
+from transformer_jax.config import EOS_ID, PAD_ID, ConfigError, TransformerConfig
 from transformer_jax.errors import OutputExistsError
 from transformer_jax.tokenizer import write_split_vocabulary
 
@@ -42,6 +43,8 @@ FINETUNE_CONFIG_FILE = 'finetune_config.py'  # In the work directory: train.py -
 _RUN_FIELDS = ('source_lang', 'target_lang', 'dataset', 'vocab_path', 'max_source_length',
                'max_target_length')
 
+# The key of config.json under which an export records the fields Marian has no name for.
+EXPORT_KEY = 'transformer_jax'
 # Hugging Face's names of the activations this project has.
 _ACTIVATIONS = {'relu': 'relu', 'swish': 'swish', 'silu': 'swish', 'gelu': 'gelu'}
 
@@ -70,6 +73,8 @@ def config_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     need(get(enc) == get(dec), f'{enc}={get(enc)} and {dec}={get(dec)} differ '
          f'(this project has one {ours})')
   pad, start = get('pad_token_id'), get('decoder_start_token_id', get('pad_token_id'))
+  # What an export from this project records of itself (Marian has no field for it).
+  own = get(EXPORT_KEY) or {}
   return dict(
       vocab_size=int(get('vocab_size')),
       d_model=int(get('d_model')),
@@ -84,9 +89,9 @@ def config_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
       share_embeddings=bool(get('share_encoder_decoder_embeddings', True)),
       tie_output_embedding=bool(get('tie_word_embeddings', True)),
       positional_encoding='sinusoidal',
-      sinusoid_layout='concatenated',
+      sinusoid_layout=own.get('sinusoid_layout', 'concatenated'),
       activation=_ACTIVATIONS[activation],
-      logits_bias=True,
+      logits_bias=bool(own.get('logits_bias', True)),
       decoder_start='pad' if start == pad else 'bos',
       max_len=int(get('max_position_embeddings', 512)),
   )
@@ -145,7 +150,8 @@ def params_from_state_dict(state: Mapping[str, np.ndarray],
     params['target_embedding'] = {'embedding': state['model.decoder.embed_tokens.weight']}
   if not config.tie_output_embedding:
     params['decoder']['output_projection'] = {'kernel': state['lm_head.weight'].T}
-  params['decoder']['logits_bias'] = state['final_logits_bias'].reshape(-1)
+  if config.logits_bias:
+    params['decoder']['logits_bias'] = state['final_logits_bias'].reshape(-1)
   return params
 
 
@@ -220,7 +226,8 @@ def _reorder_vocabulary(params: dict[str, Any], order: np.ndarray) -> dict[str, 
     if name in params:
       params[name] = {'embedding': params[name]['embedding'][order]}
   decoder = dict(params['decoder'])
-  decoder['logits_bias'] = decoder['logits_bias'][order]
+  if 'logits_bias' in decoder:
+    decoder['logits_bias'] = decoder['logits_bias'][order]
   if 'output_projection' in decoder:
     decoder['output_projection'] = {'kernel': decoder['output_projection']['kernel'][:, order]}
   params['decoder'] = decoder
@@ -312,3 +319,177 @@ def _write_finetune_config(path: str, model_dir: str, workdir: str,
       '  return c\n')
   with open(path, 'w', encoding='utf-8') as f:
     f.write(text)
+
+
+# --- Export: a checkpoint of this project as a Marian model directory. ---
+
+_HF_ACTIVATIONS = {'relu': 'relu', 'swish': 'swish', 'gelu': 'gelu'}
+
+
+def state_dict_from_params(params: Mapping[str, Any], config: TransformerConfig
+                           ) -> dict[str, np.ndarray]:
+  """A `MarianMTModel` state dict (float32 numpy) from this project's parameters: the inverse
+  of `params_from_state_dict`, with the position tables Marian stores as weights."""
+  d = config.d_model
+  state: dict[str, np.ndarray] = {}
+
+  def linear(name, p):
+    state[f'{name}.weight'] = np.asarray(p['kernel']).T
+    state[f'{name}.bias'] = np.asarray(p['bias'])
+
+  def norm(name, p):
+    state[f'{name}.weight'] = np.asarray(p['norm']['scale'])
+    state[f'{name}.bias'] = np.asarray(p['norm']['bias'])
+
+  def attention(name, p):
+    for ours, theirs in (('query', 'q_proj'), ('key', 'k_proj'), ('value', 'v_proj')):
+      state[f'{name}.{theirs}.weight'] = np.asarray(p[f'{ours}_kernel']).reshape(d, d).T
+      state[f'{name}.{theirs}.bias'] = np.asarray(p[f'{ours}_bias']).reshape(d)
+    state[f'{name}.out_proj.weight'] = np.asarray(p['out_kernel']).reshape(d, d).T
+    state[f'{name}.out_proj.bias'] = np.asarray(p['out_bias'])
+
+  from transformer_jax.models import sinusoidal_positions  # pylint: disable=g-import-not-at-top
+  table = np.asarray(sinusoidal_positions(np.arange(config.max_len)[None], d,
+                                          config.sinusoid_layout)[0])
+  for stack, layers in (('encoder', config.num_encoder_layers),
+                        ('decoder', config.num_decoder_layers)):
+    state[f'model.{stack}.embed_positions.weight'] = table
+    for i in range(layers):
+      p, name = params[stack][f'layer_{i}'], f'model.{stack}.layers.{i}'
+      attention(f'{name}.self_attn', p['self_attention'])
+      norm(f'{name}.self_attn_layer_norm', p['self_attention_block'])
+      if stack == 'decoder':
+        attention(f'{name}.encoder_attn', p['encoder_decoder_attention'])
+        norm(f'{name}.encoder_attn_layer_norm', p['encoder_decoder_attention_block'])
+      linear(f'{name}.fc1', p['feed_forward']['wi'])
+      linear(f'{name}.fc2', p['feed_forward']['wo'])
+      norm(f'{name}.final_layer_norm', p['feed_forward_block'])
+  if config.share_embeddings:
+    shared = np.asarray(params['shared_embedding']['embedding'])
+    state['model.shared.weight'] = shared
+    source = target = shared
+  else:
+    source = np.asarray(params['source_embedding']['embedding'])
+    target = np.asarray(params['target_embedding']['embedding'])
+  state['model.encoder.embed_tokens.weight'] = source
+  state['model.decoder.embed_tokens.weight'] = target
+  state['lm_head.weight'] = (target if config.tie_output_embedding else
+                             np.asarray(params['decoder']['output_projection']['kernel']).T)
+  bias = (np.asarray(params['decoder']['logits_bias']) if config.logits_bias
+          else np.zeros(config.vocab_size, np.float32))
+  state['final_logits_bias'] = bias.reshape(1, -1)
+  return {name: np.ascontiguousarray(value, np.float32) for name, value in state.items()}
+
+
+def exportable(config: TransformerConfig) -> None:
+  """Raises ConfigError unless Marian has everything `config` uses."""
+  for name, value, allowed in (('norm_position', config.norm_position, ('post',)),
+                               ('positional_encoding', config.positional_encoding,
+                                ('sinusoidal',))):
+    if value not in allowed:
+      raise ConfigError(f'This model cannot be exported to Marian: {name}={value!r}, and '
+                        f'Marian has only {allowed[0]!r} (a model trained with another '
+                        f'{name} has nothing to map it to).')
+
+
+def _hf_config(config: TransformerConfig, run_config: Any) -> dict[str, Any]:
+  """config.json of `MarianMTModel` for `config`, this project's special ids kept."""
+  start = _exported_id(config.decoder_start_id, config.vocab_size)
+  return {
+      'architectures': ['MarianMTModel'], 'model_type': 'marian',
+      'vocab_size': config.vocab_size, 'd_model': config.d_model,
+      'encoder_layers': config.num_encoder_layers, 'decoder_layers': config.num_decoder_layers,
+      'encoder_attention_heads': config.num_heads, 'decoder_attention_heads': config.num_heads,
+      'encoder_ffn_dim': config.d_ff, 'decoder_ffn_dim': config.d_ff,
+      'activation_function': _HF_ACTIVATIONS[config.activation],
+      'dropout': config.dropout_rate, 'attention_dropout': config.attention_dropout_rate,
+      'activation_dropout': 0.0, 'encoder_layerdrop': 0.0, 'decoder_layerdrop': 0.0,
+      'max_position_embeddings': config.max_len, 'scale_embedding': True,
+      'share_encoder_decoder_embeddings': config.share_embeddings,
+      'tie_word_embeddings': config.tie_output_embedding,
+      'pad_token_id': _exported_id(PAD_ID, config.vocab_size),
+      'eos_token_id': _exported_id(EOS_ID, config.vocab_size), 'decoder_start_token_id': start,
+      'bos_token_id': None, 'forced_eos_token_id': None, 'init_std': 0.02,
+      'is_encoder_decoder': True, 'use_cache': True, 'num_beams': run_config.beam_size,
+      'max_length': config.max_len,
+      EXPORT_KEY: {'sinusoid_layout': config.sinusoid_layout,
+                   'logits_bias': config.logits_bias},
+  }
+
+
+def _exported_id(i: int, vocab_size: int) -> int:
+  """Marian's id of this project's id `i` in an export: <pad> goes last, as Marian's and
+  CTranslate2's converter (which drops the last row as <pad>) have it; the others keep
+  their order, one lower. `vocabulary_order` undoes it on import."""
+  return vocab_size - 1 if i == PAD_ID else i - 1
+
+
+def export_model(workdir: str, output_dir: str, *, step: int | str | None = None) -> str:
+  """Writes a checkpoint of `workdir` as a Marian model directory in Hugging Face's layout.
+
+  `MarianMTModel.from_pretrained` and `MarianTokenizer.from_pretrained` load it, and
+  CTranslate2's `TransformersConverter` converts it. <pad> goes last, as in Marian's own
+  vocabularies (`_exported_id`); the position table is written as the weights Marian keeps
+  it in, so the paper's interleaved layout works too. Greedy outputs in `MarianMTModel` are
+  this project's exactly; in CTranslate2 where the decoder starts from a zero embedding, as
+  CTranslate2 assumes of every Marian model (a warning says when it does not).
+
+  Returns:
+    `output_dir`.
+
+  Raises:
+    ConfigError: the model uses what Marian lacks (pre-norm, positions other than
+      sinusoidal), named with the field.
+    OutputExistsError: `output_dir` already holds a model.
+  """
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  from transformer_jax import loading  # pylint: disable=g-import-not-at-top
+  meta, _ = checkpointing.read_meta(workdir, step)
+  exportable(TransformerConfig.from_config(config_lib.from_saved(meta['config']),
+                                           meta['vocab_size']))
+  if os.path.exists(os.path.join(output_dir, 'config.json')):
+    raise OutputExistsError(f'{output_dir} already holds a model (config.json); choose a new '
+                            '--output_dir.')
+  checkpoint = loading.load(workdir, step=step)
+  config = checkpoint.model_config
+  order = np.roll(np.arange(config.vocab_size), -1)  # Marian id j is this project's order[j].
+  params = _reorder_vocabulary(jax_to_numpy(checkpoint.params), order)
+  state = state_dict_from_params(params, config)
+  start_row = state['model.decoder.embed_tokens.weight'][-1 if config.decoder_start == 'pad'
+                                                         else 0]
+  if config.decoder_start != 'pad' or np.any(start_row):
+    logging.warning(
+        'CTranslate2 would not translate this export as this project does: its Marian '
+        'converter starts the decoder from a zero embedding, and this model starts from '
+        "the embedding of %s, which is not zero (Hugging Face's MarianMTModel is exact).",
+        '<pad>' if config.decoder_start == 'pad' else 'id 1 (<s>)')
+  os.makedirs(output_dir, exist_ok=True)
+  save_file(state, os.path.join(output_dir, 'model.safetensors'), metadata={'format': 'pt'})
+  hf_config = _hf_config(config, checkpoint.config)
+  pieces = checkpoint.tokenizer.pieces()
+  files = {
+      'config.json': hf_config,
+      'generation_config.json': {
+          key: hf_config[key] for key in ('decoder_start_token_id', 'eos_token_id',
+                                           'pad_token_id', 'forced_eos_token_id')} | {
+          'bad_words_ids': [[hf_config['pad_token_id']]],
+          'max_length': config.max_len, 'num_beams': checkpoint.config.beam_size},
+      'vocab.json': {pieces[i]: j for j, i in enumerate(order)},
+      'tokenizer_config.json': {
+          'tokenizer_class': 'MarianTokenizer', 'source_lang': checkpoint.config.source_lang,
+          'target_lang': checkpoint.config.target_lang, 'model_max_length': config.max_len,
+          'eos_token': '</s>', 'unk_token': '<unk>', 'pad_token': '<pad>'},
+  }
+  for name, content in files.items():
+    with open(os.path.join(output_dir, name), 'w', encoding='utf-8') as f:
+      json.dump(content, f, ensure_ascii=False, indent=1)
+  for side, model in checkpoint.tokenizer.sentencepiece_models().items():
+    with open(os.path.join(output_dir, f'{side}.spm'), 'wb') as f:
+      f.write(model)
+  return output_dir
+
+
+def jax_to_numpy(tree: Any) -> Any:
+  """Every leaf as a host numpy array (gathered from its devices)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.tree.map(np.asarray, jax.device_get(tree))

@@ -49,6 +49,12 @@ class Tokenizer:
     """Every id's piece, in id order."""
     return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
 
+  def sentencepiece_models(self) -> dict[str, bytes]:
+    """The serialized SentencePiece model of each side ('source', 'target')."""
+    with open(self.model_path, 'rb') as f:
+      model = f.read()
+    return {'source': model, 'target': model}
+
   def encode(self, text: str, side: str = 'source') -> list[int]:
     """Ids of `text`, ending with EOS_ID. `side`: 'source' or 'target' (one model serves
     both here)."""
@@ -103,9 +109,10 @@ class SplitTokenizer(Tokenizer):
       if bundle.get('format') != SPLIT_FORMAT:
         raise ValueError(f'format {bundle.get("format")!r} is not {SPLIT_FORMAT!r}')
       self._pieces = list(bundle['pieces'])
-      self._models = {side: spm.SentencePieceProcessor(
-          model_proto=base64.b64decode(bundle[f'{side}_model'])) for side in ('source',
-                                                                               'target')}
+      self._model_bytes = {side: base64.b64decode(bundle[f'{side}_model'])
+                           for side in ('source', 'target')}
+      self._models = {side: spm.SentencePieceProcessor(model_proto=model)
+                      for side, model in self._model_bytes.items()}
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
       raise ConfigError(f'{model_path} is not a readable split vocabulary ({e}); import the '
                         'model again to rewrite it.') from None
@@ -123,6 +130,9 @@ class SplitTokenizer(Tokenizer):
 
   def pieces(self) -> list[str]:
     return list(self._pieces)
+
+  def sentencepiece_models(self) -> dict[str, bytes]:
+    return dict(self._model_bytes)
 
   def encode(self, text: str, side: str = 'source') -> list[int]:
     return self.encode_batch([text], side)[0]

@@ -1,0 +1,53 @@
+r"""Exports a checkpoint as a Hugging Face Marian model directory (and so to CTranslate2).
+
+  python export_marian.py --workdir=workdir/bible_en_es --step=best --output_dir=bible-marian
+  python -c "import transformers as t; m = t.MarianMTModel.from_pretrained('bible-marian')"
+  ct2-transformers-converter --model bible-marian --output_dir bible-ct2
+
+OUTPUT_DIR gets config.json, generation_config.json, model.safetensors, vocab.json,
+source.spm, target.spm and tokenizer_config.json: what `MarianMTModel.from_pretrained`,
+`MarianTokenizer.from_pretrained` and CTranslate2's converter read. Greedy translations are
+this project's. Marian has no pre-norm and only sinusoidal positions: such a model is
+refused, with the field named.
+
+Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory or checkpoint problem
+(explained in one paragraph; the traceback only with --verbose).
+"""
+
+import os
+
+from absl import flags
+
+from transformer_jax import cli
+
+_WORKDIR = flags.DEFINE_string('workdir', None, 'The run (or import) to export.')
+_STEP = flags.DEFINE_string('step', None, "The checkpoint: a step, 'best', or the latest.")
+_OUTPUT_DIR = flags.DEFINE_string('output_dir', None, 'A new directory for the model.')
+
+
+def main(argv: list[str]) -> None:
+  del argv  # Unused.
+  if not _WORKDIR.value or not _OUTPUT_DIR.value:
+    cli.fail('--workdir and --output_dir are required.')
+  if not os.path.isdir(_WORKDIR.value):
+    cli.fail(f'--workdir={_WORKDIR.value} does not exist.')
+  step = _STEP.value
+  if step is not None and step != 'best':
+    if not step.isdigit():
+      cli.fail(f"--step={step} must be a step number or 'best'.")
+    step = int(step)
+  from transformer_jax import marian  # pylint: disable=g-import-not-at-top
+  path = marian.export_model(_WORKDIR.value, _OUTPUT_DIR.value, step=step)
+  print(f'Exported {_WORKDIR.value} to {path}')
+
+
+flags.adopt_module_key_flags(cli)
+
+
+def run() -> None:
+  """The console script's entry point."""
+  cli.run(main)
+
+
+if __name__ == '__main__':
+  run()
