@@ -260,7 +260,7 @@ def import_model(model_dir: str, workdir: str) -> str:
                         'target.spm (SentencePiece models).')
     with open(path, 'rb') as f:
       spm_bytes[side] = f.read()
-  if checkpointing.list_steps(workdir) if os.path.isdir(workdir) else False:
+  if os.path.isdir(workdir) and checkpointing.list_steps(workdir):
     raise OutputExistsError(f'{workdir} already has checkpoints; import into a new '
                             '--workdir.')
   order = np.asarray(vocabulary_order(vocab, hf_config))
@@ -442,6 +442,7 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
       sinusoidal), named with the field.
     OutputExistsError: `output_dir` already holds a model.
   """
+  import jax  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   from transformer_jax import loading  # pylint: disable=g-import-not-at-top
   meta, _ = checkpointing.read_meta(workdir, step)
@@ -453,7 +454,8 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   checkpoint = loading.load(workdir, step=step)
   config = checkpoint.model_config
   order = np.roll(np.arange(config.vocab_size), -1)  # Marian id j is this project's order[j].
-  params = _reorder_vocabulary(jax_to_numpy(checkpoint.params), order)
+  params = _reorder_vocabulary(jax.tree.map(np.asarray, jax.device_get(checkpoint.params)),
+                               order)
   state = state_dict_from_params(params, config)
   start_row = state['model.decoder.embed_tokens.weight'][-1 if config.decoder_start == 'pad'
                                                          else 0]
@@ -487,9 +489,3 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
     with open(os.path.join(output_dir, f'{side}.spm'), 'wb') as f:
       f.write(model)
   return output_dir
-
-
-def jax_to_numpy(tree: Any) -> Any:
-  """Every leaf as a host numpy array (gathered from its devices)."""
-  import jax  # pylint: disable=g-import-not-at-top
-  return jax.tree.map(np.asarray, jax.device_get(tree))
