@@ -10,6 +10,7 @@ Marian's anywhere changes the logits.
 import functools
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -272,7 +273,8 @@ def test_imported_opus_mt_directory_translates_as_hugging_face_does(opus_mt_dir,
   marian.import_model(str(directory), str(workdir))
   translator, checkpoint = translator_lib.load_translator(
       str(workdir), beam_size=1, max_decode_extra_length=EXTRA)
-  assert checkpoint.model_config.decoder_start == 'pad'
+  # OPUS-MT's <pad> row is zero: Marian starts from a zero vector, and so does the import.
+  assert checkpoint.model_config.decoder_start == 'zero'
   assert checkpoint.tokenizer.vocab_size == model.config.vocab_size
   sentences = OPUS_SENTENCES
 
@@ -369,6 +371,9 @@ def _own_checkpoint(root, **fields) -> str:
   params = jax.tree_util.tree_map_with_path(
       lambda path, x: x * 3 + 0.1 * jax.random.normal(jax.random.key(len(str(path))), x.shape),
       params)
+  if model_config.decoder_start == 'zero':  # As training keeps it (`models.Embed`).
+    params['shared_embedding']['embedding'] = (
+        params['shared_embedding']['embedding'].at[PAD_ID].set(0))
   workdir = str(root / 'run')
   checkpointing.write_params_checkpoint(workdir, 7, params,
                                         checkpointing.make_meta(config, tokenizer))
@@ -413,21 +418,14 @@ def test_exported_model_translates_in_hugging_face_as_here(exported):
   assert len({tuple(_strip(h.tokens)) for (h,) in hyps}) > len(hyps) // 2
 
 
-def test_exported_model_converts_to_ctranslate2_and_translates_as_here(opus_mt_dir, tmp_path):
-  # CTranslate2's Marian converter starts the decoder from a zero embedding, as Marian does:
-  # exact for a model whose decoder starts from a zero <pad> row, as OPUS-MT models do.
+def _ct2_translates_as_here(workdir, exported_dir, tmp_path, sentences):
   ctranslate2 = pytest.importorskip('ctranslate2', reason='CTranslate2 is a bench extra')
-  directory, _, _ = opus_mt_dir
-  workdir = str(tmp_path / 'imported')
-  marian.import_model(str(directory), workdir)
-  exported_dir = marian.export_model(workdir, str(tmp_path / 'marian'))
   converted = ctranslate2.converters.TransformersConverter(exported_dir).convert(
       str(tmp_path / 'ct2'))
   ct2 = ctranslate2.Translator(converted, device='cpu')
   translator, checkpoint = translator_lib.load_translator(
       workdir, beam_size=1, max_decode_extra_length=EXTRA)
   pieces = checkpoint.tokenizer.pieces()
-  sentences = OPUS_SENTENCES  # Without near-ties (checked against Hugging Face above).
   hyps, _ = translator.translate_n_best(sentences)
   for text, (hyp,) in zip(sentences, hyps):
     source = [pieces[i] for i in checkpoint.tokenizer.encode(text)]
@@ -437,6 +435,35 @@ def test_exported_model_converts_to_ctranslate2_and_translates_as_here(opus_mt_d
                                  max_decoding_length=len(source) + EXTRA)[0]
     assert result.hypotheses[0] == [pieces[i] for i in _strip(hyp.tokens) if i != EOS_ID]
   assert len({tuple(_strip(h.tokens)) for (h,) in hyps}) > len(hyps) // 2
+
+
+def test_exported_model_converts_to_ctranslate2_and_translates_as_here(opus_mt_dir, tmp_path):
+  # CTranslate2's Marian converter starts the decoder from a zero vector, as Marian does:
+  # exact for a model whose decoder starts from a zero <pad> row, as OPUS-MT models do.
+  directory, _, _ = opus_mt_dir
+  workdir = str(tmp_path / 'imported')
+  marian.import_model(str(directory), workdir)
+  exported_dir = marian.export_model(workdir, str(tmp_path / 'marian'))
+  # Without near-ties (checked against Hugging Face above).
+  _ct2_translates_as_here(workdir, exported_dir, tmp_path, OPUS_SENTENCES)
+
+
+def test_own_model_trained_to_start_from_zero_exports_exactly_to_both(tmp_path, caplog):
+  """decoder_start='zero' is what CTranslate2 assumes of every Marian model: such a model of
+  this project translates there, and in Hugging Face, as here; one that starts from <s>
+  is exported with a warning that CTranslate2 would differ."""
+  workdir = _own_checkpoint(tmp_path, decoder_start='zero')
+  with caplog.at_level(logging.WARNING):
+    exported_dir = marian.export_model(workdir, str(tmp_path / 'marian'))
+  assert 'CTranslate2 would not' not in caplog.text
+  sentences = SOURCE_TEXT + ['the dog sings at the river']
+  _ct2_translates_as_here(workdir, exported_dir, tmp_path, sentences)
+  marian.import_model(exported_dir, str(tmp_path / 'back'))
+  assert loading.load(str(tmp_path / 'back')).model_config.decoder_start == 'zero'
+
+  with caplog.at_level(logging.WARNING):
+    marian.export_model(_own_checkpoint(tmp_path / 'bos'), str(tmp_path / 'bos_marian'))
+  assert 'CTranslate2 would not' in caplog.text and 'decoder_start=zero' in caplog.text
 
 
 def test_export_then_import_gives_the_same_parameters_bit_for_bit(exported, tmp_path):

@@ -252,6 +252,38 @@ def test_remat_policies_give_the_same_gradients():
                            reference)
 
 
+@pytest.mark.parametrize('shared', [True, False])
+def test_zero_decoder_start_holds_the_pad_row_at_zero(shared):
+  """decoder_start='zero': <pad>'s embedding row starts at zero and gets no gradient, so it
+  stays zero through training, and what is stored in it never changes an output."""
+  cfg = dataclasses.replace(TINY, decoder_start='zero', share_embeddings=shared,
+                            tie_output_embedding=shared)
+  rng = np.random.default_rng(11)
+  inputs, targets = _tokens(rng, 2, 6), _tokens(rng, 2, 5)
+  inputs, targets = inputs.at[0, 4:].set(PAD_ID), targets.at[1, 3:].set(PAD_ID)
+  params = nn.unbox(_init(cfg, inputs, targets))
+  names = ['shared_embedding'] if shared else ['source_embedding', 'target_embedding']
+  for name in names:
+    table = np.asarray(params[name]['embedding'])
+    assert not table[PAD_ID].any() and table[1:].any(axis=1).all(), name
+
+  def loss(p, cfg):
+    logits = Transformer(cfg).apply({'params': p}, inputs, targets)
+    return losses.compute_metrics(logits, targets, targets > 0)['loss']
+
+  grads = jax.grad(loss)(params, cfg)
+  for name in names:
+    assert not np.asarray(grads[name]['embedding'][PAD_ID]).any(), name
+  # Starting from <pad>'s own embedding ('pad', Hugging Face's way) trains that row.
+  grads = jax.grad(loss)(params, dataclasses.replace(cfg, decoder_start='pad'))
+  assert np.asarray(grads[names[-1]]['embedding'][PAD_ID]).any()
+
+  filled = {**params, **{name: {'embedding': params[name]['embedding'].at[PAD_ID].set(5.0)}
+                         for name in names}}
+  np.testing.assert_array_equal(Transformer(cfg).apply({'params': filled}, inputs, targets),
+                                Transformer(cfg).apply({'params': params}, inputs, targets))
+
+
 def test_loss_sums_aggregate_and_label_smoothing_matches_definition():
   rng = np.random.default_rng(10)
   logits = jnp.asarray(rng.normal(size=(2, 3, 7)), jnp.float32)

@@ -36,8 +36,10 @@ NORM_POSITIONS = ('post', 'pre')
 # The feed-forward nonlinearity: the paper's ReLU, or Marian's others ('swish' is
 # x * sigmoid(x); 'gelu' is the exact, erf-based one).
 ACTIVATIONS = ('relu', 'swish', 'gelu')
-# The decoder's first input: BOS (this project), or PAD (Marian, Hugging Face's MarianMTModel).
-DECODER_STARTS = {'bos': BOS_ID, 'pad': PAD_ID}
+# The decoder's first input, by the id fed: BOS (this project); PAD, with its learned embedding
+# (Hugging Face's MarianMTModel); or a zero vector (Marian itself, CTranslate2, tensor2tensor),
+# fed as PAD with <pad>'s embedding row held at zero.
+DECODER_STARTS = {'bos': BOS_ID, 'pad': PAD_ID, 'zero': PAD_ID}
 # Computation dtypes. 'auto': bfloat16 on GPU and TPU, float32 on CPU (where bfloat16 is
 # emulated and slower). float16 is refused: without loss scaling its 5-bit exponent
 # underflows small gradients to zero.
@@ -103,7 +105,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.sinusoid_layout = 'interleaved'  # 'interleaved' (paper) | 'concatenated' (Marian).
   c.activation = 'relu'  # Feed-forward nonlinearity: 'relu' (paper) | 'swish' | 'gelu'.
   c.logits_bias = False  # A learned bias on the output logits (Marian's final_logits_bias).
-  c.decoder_start = 'bos'  # The decoder's first input: 'bos' | 'pad' (Marian).
+  # The decoder's first input: 'bos' | 'pad' (<pad>'s embedding, as MarianMTModel) | 'zero' (a
+  # zero vector, as Marian, CTranslate2 and tensor2tensor: <pad>'s embedding held at zero).
+  c.decoder_start = 'bos'
   c.max_len = 256  # Longest sequence (in tokens) the position tables cover.
   # Computation dtype: 'auto' (bfloat16 on GPU/TPU, float32 on CPU) | 'bfloat16' | 'float32'.
   # Parameters, optimizer state, softmax and loss stay float32.

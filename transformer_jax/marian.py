@@ -6,7 +6,8 @@ Transformer with a few differences, each a config field here:
   * positions are [sines | cosines] (`sinusoid_layout='concatenated'`);
   * the logits get a bias, `final_logits_bias` (`logits_bias=True`);
   * the feed-forward nonlinearity may be swish or gelu (`activation`);
-  * the decoder starts from the pad token (`decoder_start='pad'`);
+  * the decoder starts from the pad token (`decoder_start='pad'`), whose embedding is zero in
+    OPUS-MT models, where Marian itself starts from a zero vector (`decoder_start='zero'`);
   * layer norm's epsilon is 1e-5 (`layer_norm_epsilon`).
 
 Weights: Hugging Face's `nn.Linear` stores [out, in]; this project's kernels are [in, out],
@@ -18,7 +19,7 @@ pytorch_model.bin, source.spm, target.spm, vocab.json) and writes a work directo
 evaluate.py, translate.py and train.py (`init_from`) take. This project's special ids are
 fixed (0 pad, 2 eos, 3 unk; 1 is BOS where the decoder starts from it), so the import
 reorders the vocabulary: those four first, then every other id in Marian's order. With
-`decoder_start='pad'` id 1 is an ordinary piece (the first of the others).
+`decoder_start='pad'` or `'zero'` id 1 is an ordinary piece (the first of the others).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def config_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
       sinusoid_layout=own.get('sinusoid_layout', 'concatenated'),
       activation=_ACTIVATIONS[activation],
       logits_bias=bool(own.get('logits_bias', True)),
-      decoder_start='pad' if start == pad else 'bos',
+      decoder_start=own.get('decoder_start', 'pad' if start == pad else 'bos'),
       max_len=int(get('max_position_embeddings', 512)),
   )
 
@@ -272,6 +273,7 @@ def import_model(model_dir: str, workdir: str) -> str:
     raise ConfigError(f'The weights in {model_dir} lack {e}: not a MarianMTModel with this '
                       'config.json.') from None
   params = _reorder_vocabulary(params, order)
+  fields['decoder_start'] = _decoder_start(fields, hf_config, params)
 
   pieces_by_id = {i: piece for piece, i in vocab.items()}
   tokenizer = write_split_vocabulary(
@@ -295,6 +297,17 @@ def import_model(model_dir: str, workdir: str) -> str:
   _write_finetune_config(os.path.join(workdir, FINETUNE_CONFIG_FILE), model_dir, workdir,
                          {name: config[name] for name in tuple(fields) + _RUN_FIELDS})
   return path
+
+
+def _decoder_start(fields: Mapping[str, Any], hf_config: Mapping[str, Any],
+                   params: Mapping[str, Any]) -> str:
+  """'zero' for a model that starts from a <pad> whose embedding is zero (OPUS-MT models:
+  Marian starts from a zero vector), so that fine-tuning keeps it zero; else as imported."""
+  recorded = (hf_config.get(EXPORT_KEY) or {}).get('decoder_start')
+  if recorded or fields['decoder_start'] != 'pad':
+    return fields['decoder_start']
+  table = (params.get('shared_embedding') or params['target_embedding'])['embedding']
+  return 'pad' if np.any(table[PAD_ID]) else 'zero'
 
 
 def _write_finetune_config(path: str, model_dir: str, workdir: str,
@@ -413,7 +426,7 @@ def _hf_config(config: TransformerConfig, run_config: Any) -> dict[str, Any]:
       'is_encoder_decoder': True, 'use_cache': True, 'num_beams': run_config.beam_size,
       'max_length': config.max_len,
       EXPORT_KEY: {'sinusoid_layout': config.sinusoid_layout,
-                   'logits_bias': config.logits_bias},
+                   'logits_bias': config.logits_bias, 'decoder_start': config.decoder_start},
   }
 
 
@@ -431,8 +444,9 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   CTranslate2's `TransformersConverter` converts it. <pad> goes last, as in Marian's own
   vocabularies (`_exported_id`); the position table is written as the weights Marian keeps
   it in, so the paper's interleaved layout works too. Greedy outputs in `MarianMTModel` are
-  this project's exactly; in CTranslate2 where the decoder starts from a zero embedding, as
-  CTranslate2 assumes of every Marian model (a warning says when it does not).
+  this project's exactly; in CTranslate2 where the decoder starts from a zero vector, as
+  CTranslate2 assumes of every Marian model (`decoder_start='zero'`, or a zero start row: a
+  warning says when it is not).
 
   Returns:
     `output_dir`.
@@ -454,17 +468,23 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   checkpoint = loading.load(workdir, step=step)
   config = checkpoint.model_config
   order = np.roll(np.arange(config.vocab_size), -1)  # Marian id j is this project's order[j].
-  params = _reorder_vocabulary(jax.tree.map(np.asarray, jax.device_get(checkpoint.params)),
-                               order)
+  params = dict(jax.tree.map(np.asarray, jax.device_get(checkpoint.params)))
+  if config.decoder_start == 'zero':  # Its <pad> rows count as zero (`models.Embed`).
+    for name in ('shared_embedding', 'source_embedding', 'target_embedding'):
+      if name in params:
+        table = np.array(params[name]['embedding'])
+        table[PAD_ID] = 0
+        params[name] = {'embedding': table}
+  params = _reorder_vocabulary(params, order)
   state = state_dict_from_params(params, config)
-  start_row = state['model.decoder.embed_tokens.weight'][-1 if config.decoder_start == 'pad'
-                                                         else 0]
-  if config.decoder_start != 'pad' or np.any(start_row):
+  start = _exported_id(config.decoder_start_id, config.vocab_size)
+  if np.any(state['model.decoder.embed_tokens.weight'][start]):
     logging.warning(
-        'CTranslate2 would not translate this export as this project does: its Marian '
-        'converter starts the decoder from a zero embedding, and this model starts from '
-        "the embedding of %s, which is not zero (Hugging Face's MarianMTModel is exact).",
-        '<pad>' if config.decoder_start == 'pad' else 'id 1 (<s>)')
+        "CTranslate2 would not translate this export as this project does: its Marian "
+        "converter starts the decoder from a zero vector, and this model starts from the "
+        "embedding of %s, which is not zero (Hugging Face's MarianMTModel is exact). Models "
+        "trained with --config.decoder_start=zero export exactly to both.",
+        '<pad>' if config.decoder_start_id == PAD_ID else 'id 1 (<s>)')
   os.makedirs(output_dir, exist_ok=True)
   save_file(state, os.path.join(output_dir, 'model.safetensors'), metadata={'format': 'pt'})
   hf_config = _hf_config(config, checkpoint.config)

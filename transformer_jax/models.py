@@ -55,27 +55,45 @@ def sinusoidal_positions(positions: Array, d_model: int,
 
 
 class Embed(nn.Module):
-  """A token embedding whose matrix can also serve as the pre-softmax projection."""
+  """A token embedding whose matrix can also serve as the pre-softmax projection.
+
+  With `decoder_start='zero'` the row of <pad> is held at zero: it starts at zero, lookups of
+  <pad> give zero and its logit is zero, so no gradient reaches it and it stays zero through
+  training. The decoder then starts from a zero vector (plus position 0), as Marian and
+  CTranslate2 start every Marian model and tensor2tensor its own.
+  """
 
   config: TransformerConfig
 
   def setup(self):
     cfg = self.config
     # N(0, d^-1/2) so that the sqrt(d)-scaled embeddings have unit variance.
+    normal = nn.initializers.normal(stddev=cfg.d_model ** -0.5)
+
+    def init(rng, shape, dtype):
+      table = normal(rng, shape, dtype)
+      return table.at[PAD_ID].set(0) if self._zero_pad else table
+
     self.embedding = self.param(
-        'embedding', nn.with_logical_partitioning(
-            nn.initializers.normal(stddev=cfg.d_model ** -0.5), ('vocab', 'embed')),
+        'embedding', nn.with_logical_partitioning(init, ('vocab', 'embed')),
         (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+
+  @property
+  def _zero_pad(self) -> bool:
+    return self.config.decoder_start == 'zero'
 
   def __call__(self, tokens: Array) -> Array:
     """[batch, length] ids -> [batch, length, d_model] embeddings times sqrt(d_model)."""
     cfg = self.config
     x = jnp.take(jnp.asarray(self.embedding, cfg.dtype), tokens, axis=0)
+    if self._zero_pad:
+      x = jnp.where((tokens == PAD_ID)[..., None], jnp.zeros((), x.dtype), x)
     return x * jnp.asarray(np.sqrt(cfg.d_model), cfg.dtype)
 
   def attend(self, x: Array) -> Array:
     """[batch, length, d_model] -> [batch, length, vocab] logits against the embedding."""
-    return jnp.einsum('bld,vd->blv', x, jnp.asarray(self.embedding, self.config.dtype))
+    logits = jnp.einsum('bld,vd->blv', x, jnp.asarray(self.embedding, self.config.dtype))
+    return logits.at[..., PAD_ID].set(0) if self._zero_pad else logits
 
 
 class AddPositions(nn.Module):
