@@ -10,17 +10,21 @@ masked, so that every system generates exactly the requested number of tokens.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from bench import marian as bench_marian
 from bench import worker
-from transformer_jax import aot, decode, flops, models, optimizer, train_steps, translator
+from transformer_jax import aot, decode, flops, marian, models, optimizer, train_steps
+from transformer_jax import translator
 from transformer_jax import config as config_lib
 from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig, base_config
 from transformer_jax.models import Transformer
@@ -184,15 +188,23 @@ def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: ja
 
 
 class DecodeTask:
-  """Greedy or beam search over a batch of random sources, fixed output length."""
+  """Greedy or beam search over a batch of random sources, fixed output length.
+
+  The model starts its decoder from a zero vector (`decoder_start='zero'`), as CTranslate2
+  starts every Marian model. With `export_dir` it is also written there as a Marian
+  directory (`marian.write_model`, what users export), with the sources in the exported ids,
+  for the reference systems to decode; the outputs, in those ids, come with the setup facts.
+  """
 
   def __init__(self, model: str = 'base', dtype: str = 'float32', batch: int = 32,
                source_length: int = 32, output_length: int = 32, beam_size: int = 1,
-               vocab_size: int = 37000, attention: str = ''):
+               vocab_size: int = 37000, attention: str = '', export_dir: str = ''):
     config = run_config(model, vocab_size, dtype, attention=attention)
+    config.decoder_start = 'zero'
     self.model_config = TransformerConfig.from_config(config, deterministic=True)
     self.shape = (batch, source_length, output_length)
     self.beam_size = beam_size
+    self.export_dir = export_dir
 
   def setup(self) -> dict[str, Any]:
     batch, source_length, output_length = self.shape
@@ -213,11 +225,30 @@ class DecodeTask:
     lengths = (out != PAD_ID).sum(axis=1)
     if not (lengths == output_length).all() or (out == EOS_ID).any():
       raise AssertionError(f'outputs are not all {output_length} tokens: {lengths}')
-    return {'compile_s': compile_s, 'first_s': first_s,
+    info = {'compile_s': compile_s, 'first_s': first_s,
             'generated_tokens': int(lengths.sum()),
             'fused_attention_calls': aot.fused_attention_calls(self.compiled.as_text()),
             'device_memory': device_memory_stats(),
             'device': jax.devices()[0].device_kind}
+    if self.export_dir:
+      self._export()
+      info['outputs'] = self._exported_ids(out).tolist()
+    return info
+
+  def _exported_ids(self, ids: np.ndarray) -> np.ndarray:
+    vocab_size = self.model_config.vocab_size
+    return np.asarray([marian.exported_id(i, vocab_size) for i in range(vocab_size)])[ids]
+
+  def _export(self) -> None:
+    """The model and the sources for the reference systems (once per worker)."""
+    if os.path.exists(os.path.join(self.export_dir, 'config.json')):
+      return
+    pieces = ['<pad>', '<s>', '</s>', '<unk>'] + [
+        f't{i}' for i in range(FIRST_ORDINARY_ID, self.model_config.vocab_size)]
+    marian.write_model(self.export_dir, nn.unbox(self.params), self.model_config, pieces, {},
+                       source_lang='src', target_lang='tgt', beam_size=self.beam_size)
+    np.save(os.path.join(self.export_dir, bench_marian.SOURCES_FILE),
+            self._exported_ids(np.asarray(self.inputs)))
 
   def run(self) -> None:
     self.output = self.compiled(self.params, self.inputs)

@@ -1,21 +1,23 @@
-"""The reference side: Hugging Face `MarianMTModel` (PyTorch) and CTranslate2, same dimensions.
+"""The reference side: Hugging Face `MarianMTModel` (PyTorch) and CTranslate2.
 
-`MarianMTModel` is the Transformer of the paper as Marian trains it: post-norm, ReLU,
-sinusoidal positions, embeddings scaled by sqrt(d_model) and one matrix shared by the source
-and target embeddings and the output projection. It is built from a `MarianConfig` with
-random weights (nothing is downloaded). CTranslate2 gets the same model through its
-Transformers converter, from a copy saved to a temporary directory.
+Decoding runs this project's own benchmark model in both: the JAX side exports its random
+weights with `marian.write_model` (the export users serve with), `MarianMTModel` loads that
+directory and CTranslate2 converts it with its own converter, so the three systems decode
+the same sources with the same weights, and each reports its outputs (the same tokens as
+ours wherever no near-tie splits them). The model starts its decoder from a zero vector
+(`decoder_start='zero'`), as CTranslate2 starts every Marian model.
 
-Differences that do not change the work measured: Marian keeps its pad id last
-(`vocab_size - 1`) and starts the decoder from it, where this project uses ids 0 (pad) and
-1 (bos); CTranslate2's converter drops that last pad row, so its vocabulary is one smaller;
-Marian adds a (frozen) bias to the logits.
+The training step runs a `MarianMTModel` of the same dimensions built from a `MarianConfig`
+with random weights (nothing is downloaded): the paper's Transformer as Marian trains it,
+post-norm, ReLU, sinusoidal positions, embeddings scaled by sqrt(d_model) and one matrix
+shared by the source and target embeddings and the output projection.
 
 Run by `bench.run` as a worker process (see `bench/worker.py`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
@@ -27,6 +29,7 @@ from bench import worker
 
 EOS_ID = 2  # As in this project; Marian's pad is vocab_size - 1.
 FIRST_ORDINARY_ID = 4
+SOURCES_FILE = 'bench_sources.npy'  # Beside the exported model: the decoding bench's inputs.
 
 MODEL_SIZES = {
     'base': dict(d_model=512, heads=8, d_ff=2048, layers=6),
@@ -123,46 +126,55 @@ class TorchTrainTask:
     self.loss = float(loss.detach())
 
 
-class GenerateTask:
-  """`MarianMTModel.generate`: greedy or beam search with exactly `output_length` tokens."""
+def exported_sources(model_dir: str) -> np.ndarray:
+  """The bench's sources, in the exported model's ids (written by the JAX side)."""
+  return np.load(os.path.join(model_dir, SOURCES_FILE))
 
-  def __init__(self, model: str = 'base', batch: int = 32, source_length: int = 32,
-               output_length: int = 32, beam_size: int = 1, vocab_size: int = 37000,
+
+class GenerateTask:
+  """`MarianMTModel.generate` on the exported model: greedy or beam search with exactly
+  `output_length` tokens."""
+
+  def __init__(self, model_dir: str, output_length: int = 32, beam_size: int = 1,
                alpha: float = 0.6):
-    self.args = (model, batch, source_length, output_length, beam_size, vocab_size, alpha)
+    self.model_dir = model_dir
+    self.output_length, self.beam_size, self.alpha = output_length, beam_size, alpha
 
   def setup(self) -> dict[str, Any]:
     torch = _torch()
-    model, batch, source_length, output_length, beam_size, vocab_size, _ = self.args
-    self.model = marian_model(model, vocab_size).eval()
-    self.inputs = torch.from_numpy(random_ids(batch, source_length, vocab_size))
+    import transformers
+    self.model = transformers.MarianMTModel.from_pretrained(self.model_dir).eval()
+    self.inputs = torch.from_numpy(exported_sources(self.model_dir))
     start = time.perf_counter()
     self.run()
     first_s = time.perf_counter() - start
-    generated = self.output.shape[1] - 1  # The decoder start token comes first.
-    if generated != output_length:
-      raise AssertionError(f'generate produced {generated} tokens, not {output_length}.')
-    return {'first_s': first_s, 'generated_tokens': batch * generated,
-            'attn_implementation': self.model.config._attn_implementation}
+    outputs = self.output[:, 1:].numpy()  # The decoder start token comes first.
+    if outputs.shape[1] != self.output_length:
+      raise AssertionError(f'generate produced {outputs.shape[1]} tokens, not '
+                           f'{self.output_length}.')
+    return {'first_s': first_s, 'generated_tokens': outputs.size,
+            'attn_implementation': self.model.config._attn_implementation,
+            'outputs': outputs.tolist()}
 
   def run(self) -> None:
     torch = _torch()
-    _, _, _, output_length, beam_size, _, alpha = self.args
     with torch.inference_mode():
       self.output = self.model.generate(
           input_ids=self.inputs, attention_mask=torch.ones_like(self.inputs),
-          num_beams=beam_size, do_sample=False, max_new_tokens=output_length,
-          min_new_tokens=output_length, num_return_sequences=1,
-          **(dict(length_penalty=alpha, early_stopping=False) if beam_size > 1 else {}))
+          num_beams=self.beam_size, do_sample=False, max_new_tokens=self.output_length,
+          min_new_tokens=self.output_length, num_return_sequences=1,
+          **(dict(length_penalty=self.alpha, early_stopping=False) if self.beam_size > 1
+             else {}))
 
 
-class _VocabularyOnly:
-  """What the CTranslate2 converter reads from a tokenizer; a random model has none."""
+class _Vocabulary:
+  """What the CTranslate2 converter reads from a tokenizer: the exported vocab.json (the
+  bench's export has no SentencePiece models for `MarianTokenizer` to load)."""
 
-  def __init__(self, vocab_size: int):
-    tokens = [f't{i}' for i in range(vocab_size)]
-    tokens[EOS_ID], tokens[3], tokens[vocab_size - 1] = '</s>', '<unk>', '<pad>'
-    self.tokens = tokens
+  def __init__(self, model_dir: str):
+    with open(os.path.join(model_dir, 'vocab.json'), encoding='utf-8') as f:
+      vocab = json.load(f)
+    self.tokens = sorted(vocab, key=vocab.get)
     self.eos_token, self.unk_token, self.pad_token, self.bos_token = (
         '</s>', '<unk>', '<pad>', None)
 
@@ -170,57 +182,55 @@ class _VocabularyOnly:
     return {token: i for i, token in enumerate(self.tokens)}
 
 
-def convert_to_ctranslate2(model, vocab_size: int, output_dir: str) -> str:
-  """Saves `model` and converts it with `ctranslate2.converters.TransformersConverter`."""
+def convert_to_ctranslate2(model_dir: str, output_dir: str) -> str:
+  """Converts a Marian directory with `ctranslate2.converters.TransformersConverter`."""
   import ctranslate2
-  source_dir = os.path.join(output_dir, 'marian')
-  model.save_pretrained(source_dir)
 
   class Converter(ctranslate2.converters.TransformersConverter):
     def load_tokenizer(self, tokenizer_class, model_name_or_path, **kwargs):
-      return _VocabularyOnly(vocab_size)
+      return _Vocabulary(model_dir)
 
-  return Converter(source_dir).convert(os.path.join(output_dir, 'ct2'), force=True)
+  return Converter(model_dir).convert(output_dir, force=True)
 
 
 class CTranslate2Task:
-  """`ctranslate2.Translator.translate_batch` with exactly `output_length` tokens."""
+  """`ctranslate2.Translator.translate_batch` on the exported model, converted by
+  CTranslate2's own converter, with exactly `output_length` tokens."""
 
-  def __init__(self, model: str = 'base', batch: int = 32, source_length: int = 32,
-               output_length: int = 32, beam_size: int = 1, vocab_size: int = 37000,
+  def __init__(self, model_dir: str, output_length: int = 32, beam_size: int = 1,
                alpha: float = 0.6, compute_type: str = 'float32'):
-    self.args = (model, batch, source_length, output_length, beam_size, vocab_size, alpha)
+    self.model_dir = model_dir
+    self.output_length, self.beam_size, self.alpha = output_length, beam_size, alpha
     self.compute_type = compute_type
 
   def setup(self) -> dict[str, Any]:
     import ctranslate2
-    model, batch, source_length, output_length, _, vocab_size, _ = self.args
     self.tmp = tempfile.TemporaryDirectory(prefix='bench_ct2_')
     start = time.perf_counter()
-    ct2_dir = convert_to_ctranslate2(marian_model(model, vocab_size), vocab_size,
-                                     self.tmp.name)
+    ct2_dir = convert_to_ctranslate2(self.model_dir, os.path.join(self.tmp.name, 'ct2'))
     convert_s = time.perf_counter() - start
     self.translator = ctranslate2.Translator(
         ct2_dir, device='cpu', compute_type=self.compute_type, inter_threads=1,
         intra_threads=THREADS)
-    vocab = _VocabularyOnly(vocab_size).tokens
-    self.sources = [[vocab[i] for i in row]
-                    for row in random_ids(batch, source_length, vocab_size)]
+    vocab = _Vocabulary(self.model_dir)
+    self.sources = [[vocab.tokens[i] for i in row]
+                    for row in exported_sources(self.model_dir)]
     start = time.perf_counter()
     self.run()
     first_s = time.perf_counter() - start
     lengths = [len(r.hypotheses[0]) for r in self.results]
-    if set(lengths) != {output_length}:
+    if set(lengths) != {self.output_length}:
       raise AssertionError(f'CTranslate2 produced lengths {sorted(set(lengths))}, not '
-                           f'{output_length}.')
+                           f'{self.output_length}.')
+    ids = vocab.get_vocab()
     return {'convert_s': convert_s, 'first_s': first_s, 'generated_tokens': sum(lengths),
-            'ctranslate2': ctranslate2.__version__, 'compute_type': self.compute_type}
+            'ctranslate2': ctranslate2.__version__, 'compute_type': self.compute_type,
+            'outputs': [[ids[t] for t in r.hypotheses[0]] for r in self.results]}
 
   def run(self) -> None:
-    _, _, _, output_length, beam_size, _, alpha = self.args
     self.results = self.translator.translate_batch(
-        self.sources, beam_size=beam_size, max_decoding_length=output_length,
-        min_decoding_length=output_length, length_penalty=alpha, max_batch_size=0,
+        self.sources, beam_size=self.beam_size, max_decoding_length=self.output_length,
+        min_decoding_length=self.output_length, length_penalty=self.alpha, max_batch_size=0,
         return_scores=False)
 
 

@@ -254,38 +254,54 @@ def run_cpu_train(args, s, results, log_dir, jenv, tenv, has_torch, machine_peak
   results['train'] = train
 
 
+def same_rows(ours: list[list[int]] | None, theirs: list[list[int]] | None) -> int | None:
+  """How many sentences got exactly our output tokens."""
+  if ours is None or theirs is None:
+    return None
+  return sum(a == b for a, b in zip(ours, theirs))
+
+
 def run_cpu_decode(args, s, results, log_dir, jenv, tenv, has_torch, has_ct2):
-  """Decoding: batch, fixed output length, greedy and beam 4."""
-  dec = dict(model=s.model, batch=s.decode_batch, source_length=s.decode_source,
-             output_length=s.decode_output, vocab_size=s.vocab)
+  """Decoding: batch, fixed output length, greedy and beam 4, one model in every system.
+
+  The JAX worker exports its model (`marian.write_model`) and the sources; Hugging Face
+  loads that directory and CTranslate2 converts it, so all three decode the same sentences
+  with the same weights.
+  """
+  dec = dict(batch=s.decode_batch, source_length=s.decode_source,
+             output_length=s.decode_output)
   beams = {'greedy': 1, 'beam4': 4}
+  model_dir = os.path.join(log_dir, 'exported_model')
   workers = {'jax': Worker('decode_jax', 'bench.jax_side', [
-      dict(name=k, kind='decode', beam_size=b, **dec) for k, b in beams.items()], jenv,
-                           log_dir)}
-  if has_torch:
-    workers['hf'] = Worker('decode_hf', 'bench.marian', [
-        dict(name=k, kind='hf_generate', beam_size=b, **dec) for k, b in beams.items()],
-                           tenv, log_dir)
-  if has_ct2:
-    workers['ct2'] = Worker('decode_ct2', 'bench.marian', [
-        dict(name=k, kind='ct2_translate', beam_size=b, **dec) for k, b in beams.items()],
-                            tenv, log_dir)
-  decoding = {'shape': dec}
+      dict(name=k, kind='decode', beam_size=b, model=s.model, vocab_size=s.vocab,
+           export_dir=model_dir, **dec) for k, b in beams.items()], jenv, log_dir)}
+  refs = {'hf': ('hf_generate', has_torch), 'ct2': ('ct2_translate', has_ct2)}
+  for name, (kind, available) in refs.items():
+    if available and workers['jax'].ok('greedy'):
+      workers[name] = Worker(f'decode_{name}', 'bench.marian', [
+          dict(name=k, kind=kind, beam_size=b, model_dir=model_dir,
+               output_length=s.decode_output) for k, b in beams.items()], tenv, log_dir)
+  decoding = {'shape': dict(dec, model=s.model, vocab_size=s.vocab)}
   for search in beams:
     times = interleave({name: (w, search) for name, w in workers.items()}, s.rounds,
                        s.decode_iters)
     entry = {}
+    ours = workers['jax'].ready[search].pop('outputs', None)
     for name, w in workers.items():
       st = summarize(times[name])
+      outputs = w.ready[search].pop('outputs', None)
       e = {'setup': w.ready[search], 'times': st}
       if st:
         e['tokens_per_s'] = s.decode_batch * s.decode_output / st['median_s']
+      extra = w.ready[search].get('run_peak_extra_bytes')
+      if extra is not None:
+        e['memory_per_sentence_bytes'] = extra / s.decode_batch
+      if name != 'jax':
+        e['same_tokens_as_ours'] = same_rows(ours, outputs)
       entry[name] = e
-    entry['speedup_vs_hf'] = paired_speedup(entry['jax']['times'],
-                                            entry.get('hf', {}).get('times'))
-    entry['speedup_vs_ct2'] = paired_speedup(entry['jax']['times'],
-                                             entry.get('ct2', {}).get('times'))
     for ref in ('hf', 'ct2'):
+      entry[f'speedup_vs_{ref}'] = paired_speedup(entry['jax']['times'],
+                                                  entry.get(ref, {}).get('times'))
       entry[f'best_speedup_vs_{ref}'] = best_speedup(entry['jax']['times'],
                                                      entry.get(ref, {}).get('times'))
     decoding[search] = entry
@@ -458,6 +474,17 @@ def table(results: dict[str, Any]) -> str:
     add(row5.format('peak RSS GiB', *[_fmt(d['exit'].get(k, {}).get('peak_rss_bytes'), '.2f',
                                            1 / GIB) for k in ('jax', 'hf', 'ct2')], '', '',
                     ''))
+    for search in ('greedy', 'beam4'):
+      e = d[search]
+      add(row5.format(f'{search} MiB/sentence',
+                      *[_fmt(e.get(k, {}).get('memory_per_sentence_bytes'), '.1f', 1 / 2**20)
+                        for k in ('jax', 'hf', 'ct2')], '', '', ''))
+      same = [e.get(k, {}).get('same_tokens_as_ours') for k in ('hf', 'ct2')]
+      add(row5.format(f'{search} same as ours', '', *[
+          '-' if n is None else f"{n}/{d['shape']['batch']}" for n in same], '', '', ''))
+    add(f"  One model in all three: ours exported (marian.write_model); Hugging Face loads "
+        f"it, CTranslate2 converts it. MiB/sentence: the memory one more search adds at its "
+        f"peak, over the batch.")
   if env['plan'] == 'gpu':
     add(row.format('Training step, bf16', 'tokens/s', 'MFU', 'compile s', 'peak GiB'))
     for model, e in results['train'].items():

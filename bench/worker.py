@@ -11,6 +11,10 @@ one JSON line `{"ready": {task: info}}`, then answers JSON commands read from st
     {"task": name, "iters": n}  ->  {"times": [seconds of each of the n iterations]}
     {"exit": true}              ->  {"peak_rss_bytes": ..., ...} and the process ends.
 
+Each task's setup facts include `run_peak_extra_bytes`: the memory one more iteration adds
+at its peak over what the process held before it (weights and caches kept between runs
+excluded), measured alike for every system.
+
 The protocol has its own file descriptor (a duplicate of the original stdout); stdout itself
 is pointed at stderr, so that library chatter, even from C++, cannot corrupt it. Rounds of two
 systems are interleaved by the parent, so that a noisy, shared machine slows both alike.
@@ -40,6 +44,31 @@ class Task(Protocol):
 def peak_rss_bytes() -> int:
   """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _proc_status_bytes(field: str) -> int | None:
+  try:
+    with open('/proc/self/status') as f:
+      for line in f:
+        if line.startswith(field + ':'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def run_peak_extra_bytes(task: Task) -> int | None:
+  """Resident memory one `task.run()` adds at its peak over what the process held before
+  (Linux: the high-water mark is reset through /proc/self/clear_refs); None elsewhere."""
+  try:
+    with open('/proc/self/clear_refs', 'w') as f:
+      f.write('5')
+  except OSError:
+    return None
+  before = _proc_status_bytes('VmRSS')
+  task.run()
+  peak = _proc_status_bytes('VmHWM')
+  return None if before is None or peak is None else max(peak - before, 0)
 
 
 def serve(factories: Mapping[str, Callable[..., Task]],
@@ -73,6 +102,7 @@ def serve(factories: Mapping[str, Callable[..., Task]],
       ready[name] = {'error': f'{type(e).__name__}: {str(e)[:300]}'}
       continue
     info.setdefault('setup_s', time.perf_counter() - start)
+    info['run_peak_extra_bytes'] = run_peak_extra_bytes(task)
     info['rss_after_setup_bytes'] = peak_rss_bytes()
     tasks[name] = task
     ready[name] = info

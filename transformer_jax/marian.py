@@ -405,9 +405,9 @@ def exportable(config: TransformerConfig) -> None:
                         f'{name} has nothing to map it to).')
 
 
-def _hf_config(config: TransformerConfig, run_config: Any) -> dict[str, Any]:
+def _hf_config(config: TransformerConfig, beam_size: int) -> dict[str, Any]:
   """config.json of `MarianMTModel` for `config`, this project's special ids kept."""
-  start = _exported_id(config.decoder_start_id, config.vocab_size)
+  start = exported_id(config.decoder_start_id, config.vocab_size)
   return {
       'architectures': ['MarianMTModel'], 'model_type': 'marian',
       'vocab_size': config.vocab_size, 'd_model': config.d_model,
@@ -420,17 +420,17 @@ def _hf_config(config: TransformerConfig, run_config: Any) -> dict[str, Any]:
       'max_position_embeddings': config.max_len, 'scale_embedding': True,
       'share_encoder_decoder_embeddings': config.share_embeddings,
       'tie_word_embeddings': config.tie_output_embedding,
-      'pad_token_id': _exported_id(PAD_ID, config.vocab_size),
-      'eos_token_id': _exported_id(EOS_ID, config.vocab_size), 'decoder_start_token_id': start,
+      'pad_token_id': exported_id(PAD_ID, config.vocab_size),
+      'eos_token_id': exported_id(EOS_ID, config.vocab_size), 'decoder_start_token_id': start,
       'bos_token_id': None, 'forced_eos_token_id': None, 'init_std': 0.02,
-      'is_encoder_decoder': True, 'use_cache': True, 'num_beams': run_config.beam_size,
+      'is_encoder_decoder': True, 'use_cache': True, 'num_beams': beam_size,
       'max_length': config.max_len,
       EXPORT_KEY: {'sinusoid_layout': config.sinusoid_layout,
                    'logits_bias': config.logits_bias, 'decoder_start': config.decoder_start},
   }
 
 
-def _exported_id(i: int, vocab_size: int) -> int:
+def exported_id(i: int, vocab_size: int) -> int:
   """Marian's id of this project's id `i` in an export: <pad> goes last, as Marian's and
   CTranslate2's converter (which drops the last row as <pad>) have it; the others keep
   their order, one lower. `vocabulary_order` undoes it on import."""
@@ -441,12 +441,7 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   """Writes a checkpoint of `workdir` as a Marian model directory in Hugging Face's layout.
 
   `MarianMTModel.from_pretrained` and `MarianTokenizer.from_pretrained` load it, and
-  CTranslate2's `TransformersConverter` converts it. <pad> goes last, as in Marian's own
-  vocabularies (`_exported_id`); the position table is written as the weights Marian keeps
-  it in, so the paper's interleaved layout works too. Greedy outputs in `MarianMTModel` are
-  this project's exactly; in CTranslate2 where the decoder starts from a zero vector, as
-  CTranslate2 assumes of every Marian model (`decoder_start='zero'`, or a zero start row: a
-  warning says when it is not).
+  CTranslate2's `TransformersConverter` converts it (see `write_model`).
 
   Returns:
     `output_dir`.
@@ -456,8 +451,6 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
       sinusoidal), named with the field.
     OutputExistsError: `output_dir` already holds a model.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   from transformer_jax import loading  # pylint: disable=g-import-not-at-top
   meta, _ = checkpointing.read_meta(workdir, step)
   exportable(TransformerConfig.from_config(config_lib.from_saved(meta['config']),
@@ -466,9 +459,35 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
     raise OutputExistsError(f'{output_dir} already holds a model (config.json); choose a new '
                             '--output_dir.')
   checkpoint = loading.load(workdir, step=step)
-  config = checkpoint.model_config
+  run = checkpoint.config
+  return write_model(output_dir, checkpoint.params, checkpoint.model_config,
+                     checkpoint.tokenizer.pieces(),
+                     checkpoint.tokenizer.sentencepiece_models(),
+                     source_lang=run.source_lang, target_lang=run.target_lang,
+                     beam_size=run.beam_size)
+
+
+def write_model(output_dir: str, params: Any, config: TransformerConfig, pieces: list[str],
+                sentencepiece_models: Mapping[str, bytes], *, source_lang: str,
+                target_lang: str, beam_size: int) -> str:
+  """Writes `params` of `config` as a Marian model directory in Hugging Face's layout.
+
+  <pad> goes last, as in Marian's own vocabularies (`exported_id`); the position table is
+  written as the weights Marian keeps it in, so the paper's interleaved layout works too.
+  Greedy outputs in `MarianMTModel` are this project's exactly; in CTranslate2 where the
+  decoder starts from a zero vector, as CTranslate2 assumes of every Marian model
+  (`decoder_start='zero'`, or a zero start row: a warning says when it is not).
+
+  Args:
+    pieces: the vocabulary, this project's id i is `pieces[i]`.
+    sentencepiece_models: 'source' and 'target' model bytes, written as source.spm and
+      target.spm ({} writes none: a directory for the model alone, as the bench's).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  exportable(config)
   order = np.roll(np.arange(config.vocab_size), -1)  # Marian id j is this project's order[j].
-  params = dict(jax.tree.map(np.asarray, jax.device_get(checkpoint.params)))
+  params = dict(jax.tree.map(np.asarray, jax.device_get(params)))
   if config.decoder_start == 'zero':  # Its <pad> rows count as zero (`models.Embed`).
     for name in ('shared_embedding', 'source_embedding', 'target_embedding'):
       if name in params:
@@ -477,7 +496,7 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
         params[name] = {'embedding': table}
   params = _reorder_vocabulary(params, order)
   state = state_dict_from_params(params, config)
-  start = _exported_id(config.decoder_start_id, config.vocab_size)
+  start = exported_id(config.decoder_start_id, config.vocab_size)
   if np.any(state['model.decoder.embed_tokens.weight'][start]):
     logging.warning(
         "CTranslate2 would not translate this export as this project does: its Marian "
@@ -487,25 +506,24 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
         '<pad>' if config.decoder_start_id == PAD_ID else 'id 1 (<s>)')
   os.makedirs(output_dir, exist_ok=True)
   save_file(state, os.path.join(output_dir, 'model.safetensors'), metadata={'format': 'pt'})
-  hf_config = _hf_config(config, checkpoint.config)
-  pieces = checkpoint.tokenizer.pieces()
+  hf_config = _hf_config(config, beam_size)
   files = {
       'config.json': hf_config,
       'generation_config.json': {
           key: hf_config[key] for key in ('decoder_start_token_id', 'eos_token_id',
                                            'pad_token_id', 'forced_eos_token_id')} | {
           'bad_words_ids': [[hf_config['pad_token_id']]],
-          'max_length': config.max_len, 'num_beams': checkpoint.config.beam_size},
+          'max_length': config.max_len, 'num_beams': beam_size},
       'vocab.json': {pieces[i]: j for j, i in enumerate(order)},
       'tokenizer_config.json': {
-          'tokenizer_class': 'MarianTokenizer', 'source_lang': checkpoint.config.source_lang,
-          'target_lang': checkpoint.config.target_lang, 'model_max_length': config.max_len,
+          'tokenizer_class': 'MarianTokenizer', 'source_lang': source_lang,
+          'target_lang': target_lang, 'model_max_length': config.max_len,
           'eos_token': '</s>', 'unk_token': '<unk>', 'pad_token': '<pad>'},
   }
   for name, content in files.items():
     with open(os.path.join(output_dir, name), 'w', encoding='utf-8') as f:
       json.dump(content, f, ensure_ascii=False, indent=1)
-  for side, model in checkpoint.tokenizer.sentencepiece_models().items():
+  for side, model in sentencepiece_models.items():
     with open(os.path.join(output_dir, f'{side}.spm'), 'wb') as f:
       f.write(model)
   return output_dir
