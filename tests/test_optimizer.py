@@ -51,6 +51,28 @@ def test_cooldown_comes_from_the_config_and_reaches_the_chain():
       float(optimizer.learning_rate_schedule(32, config.warmup_steps)(19)) / 5, rel=1e-6)
 
 
+def test_constant_schedule_holds_the_peak_then_cools_down():
+  paper = optimizer.learning_rate_schedule(128, 10)
+  wsd = optimizer.learning_rate_schedule(128, 10, num_train_steps=100, cooldown_steps=40,
+                                         after_warmup='constant')
+  peak = 128 ** -0.5 * 10 ** -0.5
+  for count in range(10):  # The warmup is the paper's.
+    np.testing.assert_allclose(float(wsd(count)), float(paper(count)), rtol=1e-6)
+  for count in (9, 30, 60):
+    np.testing.assert_allclose(float(wsd(count)), peak, rtol=1e-6)
+  for count in (61, 80, 99):
+    np.testing.assert_allclose(float(wsd(count)), peak * (100 - count) / 40, rtol=1e-6)
+  assert float(wsd(100)) == 0.0
+
+
+def test_schedule_comes_from_the_config():
+  config = tiny.get_config()
+  config.lr_schedule = 'constant'
+  _, schedule = optimizer.create_optimizer(optimizer.OptimizerConfig.from_config(config, 32))
+  late = config.warmup_steps * 50
+  assert float(schedule(late)) == pytest.approx(float(schedule(config.warmup_steps - 1)))
+
+
 def adam_reference(grads_seq, params, lr_fn, b1=0.9, b2=0.98, eps=1e-9):
   """Kingma & Ba's Adam with bias correction, in numpy."""
   m = np.zeros_like(params)
@@ -114,7 +136,7 @@ def test_weight_decay_shrinks_matrices_but_not_vectors():
 @pytest.mark.parametrize('field,value', [
     ('warmup_steps', 0), ('learning_rate_scale', 0.0), ('adam_b2', 1.0), ('adam_eps', 0.0),
     ('weight_decay', -1.0), ('grad_clip_norm', -0.1), ('lr_cooldown_steps', -1),
-    ('lr_cooldown_steps', 10**9)])
+    ('lr_cooldown_steps', 10**9), ('lr_schedule', 'cosine')])
 def test_bad_fields_raise_config_error_naming_them(field, value):
   config = tiny.get_config()
   config[field] = value

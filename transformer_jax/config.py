@@ -76,6 +76,7 @@ RESUMABLE_FIELDS = frozenset({
 LEGACY_VALUES = {
     'dropout_rng_impl': 'threefry2x32',
     'lr_cooldown_steps': 0,
+    'lr_schedule': 'rsqrt',
 }
 
 
@@ -152,6 +153,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.num_train_steps = 100_000
   c.warmup_steps = 4000
   c.learning_rate_scale = 1.0  # Multiplies d_model^-0.5 * min(step^-0.5, step*warmup^-1.5).
+  # After the warmup: 'rsqrt' (the paper) | 'constant' (hold the peak; with a cooldown, the
+  # warmup-stable-decay schedule).
+  c.lr_schedule = 'rsqrt'
   c.lr_cooldown_steps = 0  # Linear fall to ~0 over the run's last N steps (0: the paper).
   c.adam_b1 = 0.9
   c.adam_b2 = 0.98

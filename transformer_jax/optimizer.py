@@ -5,8 +5,10 @@ Section 5.3 of the paper: Adam with beta1 = 0.9, beta2 = 0.98, eps = 1e-9 and
     lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5),
 
 a linear rise for `warmup_steps` steps, then inverse-square-root decay. Optional extras for
-runs that want them: a linear cooldown to zero over the last `lr_cooldown_steps` steps, gradient clipping by global norm and decoupled weight decay
-(AdamW).
+runs that want them: a constant rate after the warmup instead of the decay (`lr_schedule`), a
+linear cooldown to zero over the last `lr_cooldown_steps` steps (the two together are the
+warmup-stable-decay schedule of short runs), gradient clipping by global norm and decoupled
+weight decay (AdamW).
 Gradient accumulation is not an optax wrapper here; the train step sums microbatch gradients
 itself (see `train_steps.py` for why).
 """
@@ -22,6 +24,9 @@ import optax
 
 from transformer_jax.config import ConfigError
 
+# After the warmup: 'rsqrt', the paper's inverse-square-root decay; 'constant', the peak rate.
+SCHEDULES = ('rsqrt', 'constant')
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
@@ -30,6 +35,7 @@ class OptimizerConfig:
   d_model: int
   warmup_steps: int = 4000
   learning_rate_scale: float = 1.0
+  schedule: str = 'rsqrt'
   num_train_steps: int = 0
   cooldown_steps: int = 0
   b1: float = 0.9
@@ -45,6 +51,8 @@ class OptimizerConfig:
         (self.learning_rate_scale > 0,
          f'learning_rate_scale={self.learning_rate_scale!r} must be > 0 (1.0 is the '
          "paper's schedule)."),
+        (self.schedule in SCHEDULES,
+         f'lr_schedule={self.schedule!r} must be one of {SCHEDULES} (\'rsqrt\': the paper).'),
         (isinstance(self.cooldown_steps, int)
          and 0 <= self.cooldown_steps <= max(self.num_train_steps, 0),
          f'lr_cooldown_steps={self.cooldown_steps!r} must be an int in [0, num_train_steps='
@@ -73,6 +81,7 @@ class OptimizerConfig:
         d_model=d_model,
         warmup_steps=config.warmup_steps,
         learning_rate_scale=float(config.learning_rate_scale),
+        schedule=config.lr_schedule,
         num_train_steps=config.num_train_steps,
         cooldown_steps=config.lr_cooldown_steps,
         b1=float(config.adam_b1),
@@ -84,8 +93,8 @@ class OptimizerConfig:
 
 
 def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0,
-                           num_train_steps: int = 0,
-                           cooldown_steps: int = 0) -> optax.Schedule:
+                           num_train_steps: int = 0, cooldown_steps: int = 0,
+                           after_warmup: str = 'rsqrt') -> optax.Schedule:
   """The paper's schedule as an optax schedule of the update count.
 
   optax counts updates from 0 and the paper counts steps from 1, so update `count` uses
@@ -98,12 +107,16 @@ def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0,
   linear fall to 1/cooldown_steps of the paper's rate at the last update. Changing
   `num_train_steps` on resume moves the cooldown with it.
 
+  With `after_warmup='constant'` the rate holds the peak after the warmup instead of
+  decaying; with a cooldown that is the warmup-stable-decay schedule.
+
   Args:
     d_model: the model width.
     warmup_steps: steps of linear warmup.
     scale: a factor on the whole schedule.
     num_train_steps: the run's length; read only with `cooldown_steps`.
     cooldown_steps: updates of linear cooldown at the end (0: none, the paper).
+    after_warmup: one of `SCHEDULES`.
 
   Returns:
     A function from the update count (int array) to the learning rate (float32).
@@ -111,8 +124,9 @@ def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0,
   def schedule(count: jax.Array) -> jax.Array:
     count = jnp.asarray(count, jnp.float32)
     step = count + 1.0
-    rate = (scale * d_model ** -0.5) * jnp.minimum(
-        jax.lax.rsqrt(step), step * float(warmup_steps) ** -1.5)
+    after = (jax.lax.rsqrt(step) if after_warmup == 'rsqrt'
+             else jnp.float32(float(warmup_steps) ** -0.5))
+    rate = (scale * d_model ** -0.5) * jnp.minimum(after, step * float(warmup_steps) ** -1.5)
     if cooldown_steps:
       rate *= jnp.clip((num_train_steps - count) / cooldown_steps, 0.0, 1.0)
     return rate
@@ -135,7 +149,7 @@ def create_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation
     (the optax transformation, its learning-rate schedule, for logging).
   """
   schedule = learning_rate_schedule(cfg.d_model, cfg.warmup_steps, cfg.learning_rate_scale,
-                                    cfg.num_train_steps, cfg.cooldown_steps)
+                                    cfg.num_train_steps, cfg.cooldown_steps, cfg.schedule)
   if cfg.weight_decay > 0:
     adam = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                        weight_decay=cfg.weight_decay, mask=_decay_mask)
