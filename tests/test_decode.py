@@ -252,6 +252,18 @@ def test_top_k_equals_lax_top_k_with_ties_and_a_ragged_last_block(n, k):
   np.testing.assert_array_equal(indices, expected_indices)
 
 
+@pytest.mark.parametrize('n', [37000, 300, 100])
+def test_argmax_of_rows_is_jnp_argmax_first_index_on_ties(n):
+  rng = np.random.default_rng(n)
+  x = np.round(rng.normal(size=(5, n)) * 3).astype(np.float32)  # Many tied maxima.
+  x[1, :] = 0.0  # All tied: index 0.
+  x[2, -1] = 50.0  # The best in the last (partial) block.
+  x[3, ::3] = np.inf  # Several infinite maxima: the first.
+  got = jax.jit(decode.argmax_of_rows)(x)
+  np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+  assert got.dtype == jnp.int32
+
+
 def reference_beam_search_np(model, source, beam_size, max_len, alpha):
   """The documented beam search for one row, in numpy float64, over every candidate at once.
 
