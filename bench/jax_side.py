@@ -168,7 +168,7 @@ def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: ja
     int32 [batch, output_length], the best hypothesis of each row.
   """
   model_step, cache = translator.start_decoding(
-      model_config, params, inputs, decode.cache_lengths(output_length)[0], beam_size)
+      model_config, params, inputs, decode.cache_lengths(output_length)[0])
 
   def tokens_to_logits(tokens, cache):
     logits, cache = model_step(tokens, cache)

@@ -149,8 +149,6 @@ def _model_level_searches(cfg, params, inputs, max_decode_len, beam_size):
   """Greedy search and beam search (alpha 0) through the real model's cache."""
   tokens_to_logits, cache = translator_lib.start_decoding(cfg, params, inputs, max_decode_len)
   greedy = decode.greedy_search(tokens_to_logits, cache, inputs.shape[0], max_decode_len)
-  tokens_to_logits, cache = translator_lib.start_decoding(cfg, params, inputs, max_decode_len,
-                                                          beam_size)
   beam = decode.beam_search(tokens_to_logits, cache, inputs.shape[0], beam_size,
                             max_decode_len, alpha=0.0)
   return greedy, beam
@@ -179,7 +177,7 @@ def test_search_in_phases_of_growing_cache_equals_one_loop(loaded, run_dir):
   phased = jax.jit(translator_lib.search, static_argnums=(0, 3, 4))(
       checkpoint.model_config, checkpoint.params, inputs, options, 40)
   tokens_to_logits, cache = translator_lib.start_decoding(
-      checkpoint.model_config, checkpoint.params, inputs, 40, 3)
+      checkpoint.model_config, checkpoint.params, inputs, 40)
   one = decode.beam_search(tokens_to_logits, cache, 4, 3, 40, alpha=0.6)
   np.testing.assert_array_equal(phased[0], one[0])
   np.testing.assert_allclose(phased[1], one[1], rtol=1e-5)
@@ -228,7 +226,8 @@ def test_beam_hypotheses_are_ordered_and_scored_by_the_full_forward_pass(loaded,
 def _beam_search_gathering_the_encoder_cache(cfg, params, inputs, max_decode_len, beam_size):
   """Beam search with the encoder-decoder keys and values in the searched cache, so that
   `beam_search` tiles them itself and gathers them with the beams every step (the reference
-  for `start_decoding`'s closure over a once-tiled 'encoder_cache')."""
+  for `start_decoding`'s closure over one 'encoder_cache' row a sentence, which the beams
+  attend to as query positions)."""
   model = Transformer(dataclasses.replace(cfg, decode=True, deterministic=True))
   encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
   _, variables = model.apply({'params': params}, encoded, inputs, max_decode_len,
@@ -273,10 +272,12 @@ def test_beam_search_loop_carries_no_encoder_keys_and_values(loaded):
   carried = [v.aval.shape for v in loop.outvars]
   rows, heads, head_dim = batch * beam_size, cfg.num_heads, cfg.head_dim
   num_kv = 2 * cfg.num_decoder_layers  # A key and a value per decoder layer.
-  # Encoder-decoder keys and values, heads-major and tiled once, are loop constants, never
-  # gathered...
-  assert constants.count((rows, heads, source_length, head_dim)) == num_kv
-  assert (rows, heads, source_length, head_dim) not in carried
+  # Encoder-decoder keys and values, heads-major and one row a sentence (not tiled to the
+  # beams), are loop constants, never gathered...
+  assert constants.count((batch, heads, source_length, head_dim)) == num_kv
+  assert not [s for s in constants + carried if s[2:] == (source_length, head_dim)
+              and s[0] == rows]
+  assert (batch, heads, source_length, head_dim) not in carried
   # ...while the self-attention cache is carried (and reordered with the beams).
   assert carried.count((rows, heads, max_decode_len, head_dim)) == num_kv
 

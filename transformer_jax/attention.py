@@ -183,7 +183,9 @@ class MultiHeadAttention(nn.Module):
   output length in the 'cache' collection and writes one position a call; encoder-decoder
   attention projects the encoder output to keys and values once, when the cache is created,
   and keeps them, with the source mask, in the 'encoder_cache' collection, which decode steps
-  only read (see `Transformer.init_cache`). Cached keys and values are heads-major,
+  only read (see `Transformer.init_cache`); with n decoder rows a sentence (beams or
+  samples, rows b * n + j) it stays one row a sentence, and the n rows attend to it as n
+  query positions. Cached keys and values are heads-major,
   [batch, heads, length, head_dim]. Decode mode takes XLA's kernel whatever
   `attention_implementation` says: cuDNN's wants full [q, kv] masks, not a cache's.
 
@@ -289,11 +291,18 @@ class MultiHeadAttention(nn.Module):
     if not cfg.deterministic and cfg.attention_dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
     return_weights = self.is_mutable_collection('intermediates')
+    rows = query.shape[0]
+    if cached and not self.is_self_attention and rows != key.shape[0]:
+      # n queries a sentence (beams or samples, rows b * n + j) over the sentence's one
+      # copy of the source: they become n query positions of row b, so each product reads
+      # the source's keys and values once for all n, not once a beam.
+      query = query.reshape((key.shape[0], -1) + query.shape[2:])
     out, weights = scaled_dot_product_attention(
         query, key, value, mask, bias,
         dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
         implementation=None if cfg.decode else cfg.attention_implementation,
         return_weights=return_weights, heads_major_kv=cached)
+    out = out.reshape((rows, -1) + out.shape[2:])
     if return_weights:
       self.sow('intermediates', 'attention_weights', weights)
 

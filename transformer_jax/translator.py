@@ -198,17 +198,17 @@ def grow_cache(cache: PyTree, length: int) -> PyTree:
 
 
 def start_decoding(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
-                   max_decode_len: int, beam_size: int = 1
-                   ) -> tuple[decode.TokensToLogits, PyTree]:
+                   max_decode_len: int) -> tuple[decode.TokensToLogits, PyTree]:
   """Runs the encoder once and creates the decode caches (traceable under jit).
 
   Of the two collections `Transformer.init_cache` creates, only 'cache' (self-attention keys
   and values, the cache index) changes per step; it is returned for the search to carry and,
   in beam search, to tile and reorder with the beams. 'encoder_cache' (encoder-decoder
   attention keys, values and source mask) is the same at every step and for every beam of a
-  sentence: it is tiled to `beam_size` rows per sentence here, once, with `decode.tile_beams`
-  (row b * beam_size + j is beam j of sentence b, the layout of beam search's rows), and
-  closed over by the step, which only reads it.
+  sentence: it stays one row a sentence, closed over by the step, which only reads it. The
+  step takes `batch * n` rows for any n (row b * n + j is beam or sample j of sentence b, the
+  layout of `decode.tile_beams`); they attend to row b of it as n query positions (see
+  `MultiHeadAttention`), so a step reads the source's keys and values once a sentence.
 
   Args:
     model_config: the model's config (decode mode and no dropout are set here).
@@ -216,26 +216,24 @@ def start_decoding(model_config: TransformerConfig, params: PyTree, inputs: jax.
     inputs: int32 [batch, source_length], ids ending with EOS, then PAD.
     max_decode_len: room in the self-attention caches, in output tokens: pass
       `decode.cache_lengths(n)[0]` to search up to n tokens with `grow_cache=grow_cache`.
-    beam_size: the beam size of the search the step is for; 1 for greedy search and
-      sampling.
 
   Returns:
-    `tokens_to_logits(tokens [batch * beam_size, 1], cache) -> (logits [batch * beam_size,
-    vocab], cache)`, one decoder step for `decode.py`, and the 'cache' for `batch` rows (not
-    tiled: `decode.beam_search` tiles it).
+    `tokens_to_logits(tokens [batch * n, 1], cache) -> (logits [batch * n, vocab], cache)`,
+    one decoder step for `decode.py`, and the 'cache' for `batch` rows (not tiled:
+    `decode.beam_search` tiles it, as `decode.tile_beams` does for sampling).
   """
   model = Transformer(dataclasses.replace(model_config, decode=True, deterministic=True))
   encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
   _, variables = model.apply({'params': params}, encoded, inputs, max_decode_len,
                              method=Transformer.init_cache,
                              mutable=['cache', 'encoder_cache'])
-  encoder_cache = decode.tile_beams(variables['encoder_cache'], beam_size)
+  encoder_cache = variables['encoder_cache']
 
   def tokens_to_logits(tokens: jax.Array, cache: PyTree) -> tuple[jax.Array, PyTree]:
     logits, new_variables = model.apply(
         {'params': params, 'encoder_cache': encoder_cache, 'cache': cache}, None, None,
         tokens, method=Transformer.decode, mutable=['cache'])
-    return logits[:, 0], new_variables['cache']  # [batch * beam_size, vocab]
+    return logits[:, 0], new_variables['cache']  # [batch * n, vocab]
 
   return tokens_to_logits, variables['cache']
 
@@ -265,7 +263,7 @@ def search(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
   """
   n = options.n_best if options.sampling else options.beam_size
   tokens_to_logits, cache = start_decoding(
-      model_config, params, inputs, decode.cache_lengths(max_decode_len)[0], n)
+      model_config, params, inputs, decode.cache_lengths(max_decode_len)[0])
   batch_size = inputs.shape[0]
   # Each row's own limit: its source length + the extra length, within the compiled one.
   max_lengths = jnp.minimum(jnp.sum(inputs != PAD_ID, axis=1)
