@@ -51,9 +51,11 @@ class Worker:
     self.log_path = os.path.join(log_dir, f'{label}.log')
     self.log = open(self.log_path, 'w')
     start = time.perf_counter()
+    cpus = worker_cpus(env)
     self.process = subprocess.Popen(
         [sys.executable, '-m', module, json.dumps(specs)], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1)
+        stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1,
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
     self.ready = self._receive()['ready']
     self.startup_s = time.perf_counter() - start
     print(f'[bench] {label}: set up in {self.startup_s:.0f} s (log: {self.log_path})',
@@ -126,18 +128,37 @@ def best_speedup(ours: dict | None, ref: dict | None) -> float | None:
 # --- Environments. ---
 
 
+# Set in a JAX worker's environment: the CPUs it may run on (`worker_cpus`).
+CPUS_VAR = 'BENCH_JAX_CPUS'
+
+
 def jax_env(threads: int, platform_name: str, extra_xla_flags: str) -> dict[str, str]:
+  """The JAX workers' environment. XLA:CPU has no thread-count flag: it sizes its thread
+  pools by the CPUs the process may run on, so on the CPU plan the worker is pinned to
+  `threads` of them (`worker_cpus`). XLA_FLAGS holds `--flag=value` tokens only: XLA stops
+  reading at the first other token and silently ignores every flag after it."""
   env = dict(os.environ)
   flags = [extra_xla_flags] if extra_xla_flags else []
   if platform_name == 'cpu':
-    flags.insert(0, f'--xla_cpu_multi_thread_eigen=true '
-                    f'intra_op_parallelism_threads={threads}')
     env['JAX_PLATFORMS'] = 'cpu'
+    available = sorted(os.sched_getaffinity(0))
+    if threads < len(available):
+      env[CPUS_VAR] = ','.join(map(str, available[:threads]))
   else:
     env.setdefault('XLA_PYTHON_CLIENT_MEM_FRACTION', '0.95')
   env['XLA_FLAGS'] = ' '.join([env.get('XLA_FLAGS', '')] + flags).strip()
+  bad = [t for t in env['XLA_FLAGS'].split() if not t.startswith('--')]
+  if bad:
+    raise SystemExit(f'XLA_FLAGS has {bad}: each flag is --name=value (XLA ignores every '
+                     'flag after a token without the dashes).')
   env.update(OMP_NUM_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL='2')
   return env
+
+
+def worker_cpus(env: dict[str, str]) -> set[int] | None:
+  """The CPUs `jax_env` pinned a worker to, or None for all."""
+  value = env.get(CPUS_VAR, '')
+  return {int(c) for c in value.split(',')} if value else None
 
 
 def torch_env(threads: int) -> dict[str, str]:

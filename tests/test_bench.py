@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -38,3 +39,21 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
       assert same >= (batch - 1 if search == 'greedy' else batch // 2), (search, name, same)
     assert decode[search]['speedup_vs_hf'] > 0
   assert 'same as ours' in result.stdout and 'MiB/sentence' in result.stdout
+
+
+def test_jax_workers_get_the_extra_xla_flags_and_their_cpus(tmp_path):
+  sys.path.insert(0, str(train_testlib.REPO))
+  from bench import run as bench_run
+  dump = tmp_path / 'dump'
+  env = bench_run.jax_env(1, 'cpu', f'--xla_dump_to={dump}')
+  # XLA reads the flag (it used to follow a token without dashes, after which XLA reads
+  # nothing): the dump it asks for is written.
+  subprocess.run([sys.executable, '-c', 'import jax; jax.jit(lambda x: x * 2)(1.0)'],
+                 env=env, check=True, timeout=300)
+  assert list(dump.iterdir())
+  with pytest.raises(SystemExit, match='--name=value'):
+    bench_run.jax_env(1, 'cpu', 'xla_cpu_use_onednn=true')
+  available = sorted(os.sched_getaffinity(0))
+  assert bench_run.worker_cpus(bench_run.jax_env(len(available), 'cpu', '')) is None
+  if len(available) > 1:
+    assert bench_run.worker_cpus(bench_run.jax_env(1, 'cpu', '')) == {available[0]}
