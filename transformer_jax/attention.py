@@ -167,7 +167,14 @@ def scaled_dot_product_attention(
   if use_dropout:
     keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
     probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-  out = jnp.einsum(f'bhqk,{kv}->bqhd', probs.astype(value.dtype), value)
+  if heads_major_kv and query.shape[1] > 1:
+    # Heads-major out, then a transpose of the small [batch, heads, q, head_dim] result: asked
+    # for [batch, q, heads, head_dim] directly, XLA:CPU computes value^T x weights per (batch,
+    # head) and transposes, 4.5x slower for the beams of a sentence over the source's cache
+    # (q = beams); with one query position both forms are the same product.
+    out = jnp.swapaxes(jnp.einsum('bhqk,bhkd->bhqd', probs.astype(value.dtype), value), 1, 2)
+  else:
+    out = jnp.einsum(f'bhqk,{kv}->bqhd', probs.astype(value.dtype), value)
   return out, (weights if return_weights else None)
 
 
