@@ -8,6 +8,7 @@ file run as a script); the tests check what it reports.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -134,12 +135,19 @@ def _worker(checkpoint_dir: str) -> dict:
 @pytest.fixture(scope='module')
 def report(tmp_path_factory):
   out = tmp_path_factory.mktemp('sharding')
-  process = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), str(out / 'checkpoints'),
-       str(out / 'report.json')],
-      # 8 simulated devices on 2 cores: over 400 s on a slow AVX2 EPYC (2026-11-25).
-      cwd=train_testlib.REPO, env=train_testlib.subprocess_env(devices=8),
-      capture_output=True, text=True, timeout=1200, check=False)
+  for attempt in range(2):
+    shutil.rmtree(out / 'checkpoints', ignore_errors=True)
+    process = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), str(out / 'checkpoints'),
+         str(out / 'report.json')],
+        # 8 simulated devices on 2 cores: over 400 s on a slow AVX2 EPYC (2026-11-25).
+        cwd=train_testlib.REPO, env=train_testlib.subprocess_env(devices=8),
+        capture_output=True, text=True, timeout=1200, check=False)
+    # XLA:CPU's in-process collectives over 8 simulated devices on 2 cores have deadlocked
+    # once in many runs (an all-reduce whose second participant never arrived in 600 s;
+    # XLA then aborts the process). That is the scheduler, not this code: run it once more.
+    if process.returncode == 0 or 'Termination timeout for' not in process.stderr or attempt:
+      break
   assert process.returncode == 0, process.stderr[-5000:]
   with open(out / 'report.json') as f:
     return json.load(f)
