@@ -252,7 +252,9 @@ def test_beam_search_over_the_shared_encoder_cache_equals_gathering_it(loaded, r
   expected_seqs, expected_scores = _beam_search_gathering_the_encoder_cache(
       cfg, params, inputs, max_decode_len=10, beam_size=4)
   np.testing.assert_array_equal(sequences, expected_seqs)
-  np.testing.assert_allclose(scores, expected_scores, rtol=1e-6, atol=1e-6)
+  # The shared cache's beams are one product of 4 query positions, the gathered cache's
+  # four of one: the same sums, which may round differently (2.4e-6 apart here).
+  np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
 
 
 def test_beam_search_loop_carries_no_encoder_keys_and_values(loaded):
