@@ -143,9 +143,10 @@ def report(tmp_path_factory):
         # 8 simulated devices on 2 cores: over 400 s on a slow AVX2 EPYC (2026-11-25).
         cwd=train_testlib.REPO, env=train_testlib.subprocess_env(devices=8),
         capture_output=True, text=True, timeout=1200, check=False)
-    # XLA:CPU's in-process collectives over 8 simulated devices on 2 cores have deadlocked
-    # once in many runs (an all-reduce whose second participant never arrived in 600 s;
-    # XLA then aborts the process). That is the scheduler, not this code: run it once more.
+    # XLA:CPU's in-process collectives over 8 simulated devices can starve for threads and
+    # deadlock (an all-reduce whose second participant never gets a thread; XLA aborts the
+    # process after the timeout). `subprocess_env` gives them threads enough (PJRT_NPROC);
+    # should it ever happen again, that is XLA's scheduler, not this code: run it once more.
     if process.returncode == 0 or 'Termination timeout for' not in process.stderr or attempt:
       break
   assert process.returncode == 0, process.stderr[-5000:]
