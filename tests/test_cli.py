@@ -91,6 +91,18 @@ def test_config_values_that_cannot_work_fail_before_anything_runs(tmp_path, data
   assert not os.path.exists(tmp_path / 'run' / 'vocab')  # Stopped before the data.
 
 
+def test_train_keeps_its_compiled_programs_in_the_compilation_cache(tmp_path, data_files):
+  cache = tmp_path / 'cache'
+  result = _train(tmp_path, data_files, f'--compilation_cache_dir={cache}',
+                  num_train_steps=2, checkpoint_every_steps=2)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert cache.is_dir() and any(cache.iterdir())
+  not_a_directory = tmp_path / 'file'
+  not_a_directory.write_text('')
+  _assert_user_error(_train(tmp_path, data_files, f'--compilation_cache_dir={not_a_directory}'),
+                     'is a file', 'give a directory')
+
+
 def test_verbose_adds_the_traceback(tmp_path, data_files):
   result = _train(tmp_path, data_files, '--verbose', vocab_size_target=2)
   assert result.returncode == 2
@@ -169,7 +181,7 @@ def test_user_errors_are_found_through_wrapping_exceptions():
     ('evaluate.py', ('--workdir', '--step', '--average_last', '--beam_size', '--split',
                      '--verbose')),
     ('translate.py', ('--workdir', '--beam_size', '--length_penalty', '--input', '--verbose')),
-    ('train.py', ('--config', '--workdir', '--verbose')),
+    ('train.py', ('--config', '--workdir', '--compilation_cache_dir', '--verbose')),
     ('average_checkpoints.py', ('--workdir', '--output_workdir', '--verbose')),
     ('import_marian.py', ('--model_dir', '--workdir', '--verbose')),
     ('export_marian.py', ('--workdir', '--step', '--output_dir', '--verbose')),

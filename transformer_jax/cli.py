@@ -212,6 +212,27 @@ class CheckpointFlags:
   compilation_cache_dir: Any
 
 
+def define_compilation_cache_flag() -> flags.FlagHolder:
+  """--compilation_cache_dir, for every command that compiles (once per command)."""
+  return flags.DEFINE_string(
+      'compilation_cache_dir', None,
+      'A persistent JAX compilation cache: a directory where compiled programs are kept, so '
+      'that a rerun (a resume, another evaluation) loads them instead of compiling.')
+
+
+def use_compilation_cache(directory: str | None) -> None:
+  """Points JAX's persistent compilation cache at `directory` (nothing for None); fails
+  with a clear error when the path exists and is not a directory."""
+  if not directory:
+    return
+  if os.path.exists(directory) and not os.path.isdir(directory):
+    fail(f'--compilation_cache_dir={directory} is a file; give a directory (it is created '
+         'if missing).')
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.config.update('jax_compilation_cache_dir', directory)
+  jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+
+
 def define_checkpoint_flags() -> CheckpointFlags:
   """Defines the flags that pick a checkpoint and the search (once per command).
 
@@ -246,9 +267,7 @@ def define_checkpoint_flags() -> CheckpointFlags:
                                'probability (1: all).'),
       seed=flags.DEFINE_integer('seed', None, 'With --sampling: the random seed (the same '
                                 'seed, input and --batch_size give the same samples).'),
-      compilation_cache_dir=flags.DEFINE_string(
-          'compilation_cache_dir', None,
-          'A persistent JAX compilation cache (reused across runs).'),
+      compilation_cache_dir=define_compilation_cache_flag(),
   )
 
 
@@ -294,9 +313,7 @@ def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
   import jax  # pylint: disable=g-import-not-at-top
   from transformer_jax import translator  # pylint: disable=g-import-not-at-top
 
-  if f.compilation_cache_dir.value:
-    jax.config.update('jax_compilation_cache_dir', f.compilation_cache_dir.value)
-    jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
+  use_compilation_cache(f.compilation_cache_dir.value)
   loaded = translator.load_translator(
       f.workdir.value, step=checkpoint_step(f), average_last=f.average_last.value,
       beam_size=f.beam_size.value, length_penalty=f.length_penalty.value,

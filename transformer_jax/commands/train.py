@@ -33,6 +33,7 @@ _COORDINATOR = flags.DEFINE_string(
     'coordinator_address', None, 'HOST:PORT of process 0 (autodetected on TPU/SLURM/MPI).')
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1.')
+_COMPILATION_CACHE = cli.define_compilation_cache_flag()
 _HEARTBEAT = flags.DEFINE_integer(
     'heartbeat_timeout_seconds', 100,
     'A process silent this long counts as dead; the others then exit instead of hanging.')
@@ -44,6 +45,7 @@ def main(argv: list[str]) -> None:
     cli.fail('--config is required, e.g. --config=configs/tiny.py.')
   if not _WORKDIR.value:
     cli.fail('--workdir is required: the directory for checkpoints and metrics.')
+  cli.use_compilation_cache(_COMPILATION_CACHE.value)
   if _DISTRIBUTED.value:
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
                          heartbeat_timeout_seconds=_HEARTBEAT.value)
