@@ -310,7 +310,6 @@ def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
     (translator, checkpoint), as `translator.load_translator`.
   """
   # Imported here so that flag errors are reported without loading JAX and TFDS.
-  import jax  # pylint: disable=g-import-not-at-top
   from transformer_jax import translator  # pylint: disable=g-import-not-at-top
 
   use_compilation_cache(f.compilation_cache_dir.value)
