@@ -1,5 +1,5 @@
-"""`python prepare_data.py --help`: the command is transformer_jax/commands/prepare_data.py (installed as
-`transformer-jax-prepare-data`)."""
+"""`python prepare_data.py --help`: the command is transformer_jax/commands/prepare_data.py
+(installed as `transformer-jax-prepare-data`)."""
 
 from transformer_jax.commands import prepare_data
 

@@ -552,8 +552,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       help="GPU plan: comma-separated model sizes (default 'base,big')")
   parser.add_argument('--attention', default='',
                       help="GPU plan: comma-separated attention_implementation values to "
-                      "compare, e.g. 'xla,cudnn' ('' is automatic, the default: cuDNN on a GPU where it "
-                      "can serve, fed sequence lengths)")
+                      "compare, e.g. 'xla,cudnn' ('' is automatic, the default: cuDNN on a "
+                      "GPU where it can serve, fed sequence lengths)")
   parser.add_argument('--log_dir', '--log-dir', default='',
                       help="keep the workers' logs here (default: a temporary directory)")
   parser.add_argument('--remat', default='none,full',

@@ -18,7 +18,8 @@ def _prepare(config_path, workdir, *flags, part_size=None):
   env = train_testlib.subprocess_env(1)
   code = None
   if part_size:  # Small parts, so that two hosts each get some.
-    code = (f'import sys; sys.argv = {[PREPARE, f"--config={config_path}", f"--workdir={workdir}", *flags]!r}; '
+    argv = [PREPARE, f'--config={config_path}', f'--workdir={workdir}', *flags]
+    code = (f'import sys; sys.argv = {argv!r}; '
             'from transformer_jax import token_store; '
             f'token_store.PART_SIZE = {part_size}; '
             f'import runpy; runpy.run_path({PREPARE!r}, run_name="__main__")')

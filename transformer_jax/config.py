@@ -57,14 +57,15 @@ VOCAB_MODEL_TYPES = ('bpe', 'unigram')
 
 # Config fields a resumed run may change: they do not alter the math of the steps or the
 # data stream (the schedule of logging and saving, the device layout, the computation dtype,
-# where files live, how to decode). Any other difference stops the resume. ('shuffle_buffer' is a removed field
-# that older checkpoints still hold.)
+# where files live, how to decode). Any other difference stops the resume.
+# ('shuffle_buffer' is a removed field that older checkpoints still hold.)
 RESUMABLE_FIELDS = frozenset({
     'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_batches',
     'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
     'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy', 'dtype',
-    'attention_implementation', 'nonfinite', 'max_skipped_steps_in_a_row', 'tfds_data_dir', 'text_files', 'vocab_path',
-    'data_threads', 'prepare_workers', 'prefetch_batches', 'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
+    'attention_implementation', 'nonfinite', 'max_skipped_steps_in_a_row', 'tfds_data_dir',
+    'text_files', 'vocab_path', 'data_threads', 'prepare_workers', 'prefetch_batches',
+    'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
     'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
     'eval_bleu_sentences', 'best_checkpoint_metric', 'keep_best_checkpoints',
     'init_from', 'init_from_step', 'init_from_map_vocab',

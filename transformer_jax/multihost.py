@@ -7,8 +7,9 @@ process exit when one dies, instead of waiting forever in a collective.
 
 Stopping (preemptible VMs get SIGTERM and a short grace period): every process must save the
 *same* step. With one process a Python signal handler sets a flag that the loop reads after
-each step; Ctrl-C (SIGINT) does the same, and a second Ctrl-C interrupts at once. With several, JAX's preemption service catches SIGTERM on whichever process got
-it, tells the others through the coordinator and names a step that all of them reach;
+each step; Ctrl-C (SIGINT) does the same, and a second Ctrl-C interrupts at once. With
+several, JAX's preemption service catches SIGTERM on whichever process got it, tells the
+others through the coordinator and names a step that all of them reach;
 `multihost_utils.reached_preemption_sync_point` returns True there, on every process.
 """
 

@@ -11,11 +11,11 @@ plugin, installed into .venv-aot by `bash scripts/setup.sh --aot`; run this comm
 .venv-aot/bin/python) let XLA compile for the target. The step is exactly train.py's: the
 config's mesh, shardings, dtype, remat and attention, and the input pipeline's largest batch
 shape (the longest bucket, or packed rows), with the vocabulary size from the config
-(`vocab_size` or `vocab_size_target`). Printed per device: the memory the step needs against the device's
-(fits or not, and the headroom), XLA's FLOPs against the model count of `flops.py`, the
-collectives and their bytes, and the compile time; `--search_batch` adds the largest
-`tokens_per_batch` that fits (a search of a few compiles within --search_budget_s), and
-`--decode` compiles translate.py's beam search as well.
+(`vocab_size` or `vocab_size_target`). Printed per device: the memory the step needs
+against the device's (fits or not, and the headroom), XLA's FLOPs against the model count
+of `flops.py`, the collectives and their bytes, and the compile time; `--search_batch` adds
+the largest `tokens_per_batch` that fits (a search of a few compiles within
+--search_budget_s), and `--decode` compiles translate.py's beam search as well.
 
 A TPU compile fails when the step does not fit (reported as "does not fit"); a GPU compile
 never does, so the peak is compared with the device's memory here. On GPU, JAX by default
