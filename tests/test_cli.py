@@ -281,13 +281,7 @@ def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data
       assert process.poll() is None, log.read_text()[-3000:]
       assert time.time() < deadline, 'no checkpoint 5'
       time.sleep(0.2)
-    try:  # Fill the disk to the last byte.
-      with open(mount / 'filler', 'wb') as f:
-        while True:
-          f.write(b'\0' * 4096)
-          f.flush()
-    except OSError:
-      pass
+    train_testlib.fill_disk(str(mount / 'filler'))
     process.wait(timeout=240)
     stderr = log.read_text()
     assert process.returncode == 2, stderr[-3000:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -158,3 +159,52 @@ def test_evaluate_command_rejects_bad_requests_with_exit_code_2(run_dir, flags, 
   assert result.returncode == 2, result.stderr[-3000:]
   assert message in result.stderr
   assert 'Traceback' not in result.stderr
+
+
+def test_averaging_takes_the_steps_that_exist_when_training_rotates_one_away(
+    run_dir, tmp_path, monkeypatch, caplog):
+  """evaluate.py --average_last=N beside a running training job: a step it listed is
+  deleted before it is read (the job keeps only its last keep_checkpoints). The load takes
+  the last N that exist then, and says why; it never calls the checkpoint damaged."""
+  workdir = str(tmp_path / 'run')
+  shutil.copytree(run_dir, workdir)
+  listed = averaging.last_steps
+  rotated = []
+
+  def list_then_rotate(directory, num):
+    steps = listed(directory, num)
+    if not rotated:  # The training job deletes the oldest of them meanwhile.
+      rotated.append(steps[0])
+      shutil.rmtree(os.path.join(directory, 'checkpoints', str(steps[0])))
+    return steps
+
+  monkeypatch.setattr(averaging, 'last_steps', list_then_rotate)
+  loaded = loading.load(workdir, average_last=2)
+  assert rotated == [TRAIN_STEPS[-2]]
+  assert loaded.steps == [TRAIN_STEPS[-3], TRAIN_STEPS[-1]]
+  assert f'Checkpoint(s) [{TRAIN_STEPS[-2]}]' in caplog.text
+  assert 'rotated them away' in caplog.text and 'damaged' not in caplog.text
+
+
+def test_evaluate_checks_its_outputs_before_translating(run_dir, tmp_path):
+  """--output_dir that is a file, and an output that is an input (the previous hypotheses
+  compared against): exit 2 before any sentence is translated; the input is intact."""
+  a_file = tmp_path / 'a_file'
+  a_file.write_text('x')
+  result = _run('evaluate.py', f'--workdir={run_dir}', f'--output_dir={a_file}')
+  assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+  assert f'--output_dir={a_file} is a file; give a directory' in result.stderr
+
+  root = os.path.dirname(run_dir)
+  out = tmp_path / 'out'
+  out.mkdir()
+  previous = out / 'test.hyp.txt'
+  previous.write_text('the previous system\n' * 24, encoding='utf-8')
+  result = _run('evaluate.py', f'--workdir={run_dir}', f'--output_dir={out}',
+                f'--source_file={root}/test.en', f'--reference_file={root}/test.de',
+                f'--compare_to={previous}', '--progress=false')
+  assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr[-3000:]
+  assert f'the output {previous} is also --compare_to={previous}' in result.stderr
+  assert 'Translating' not in result.stderr
+  assert previous.read_text() == 'the previous system\n' * 24
+  assert sorted(os.listdir(out)) == ['test.hyp.txt']

@@ -309,6 +309,31 @@ def test_import_refuses_a_used_workdir_and_an_incomplete_directory(opus_mt_dir, 
     marian.import_model(str(broken), str(tmp_path / 'other'))
 
 
+def test_import_into_an_empty_directory_and_a_retry_after_a_failure(opus_mt_dir, tmp_path):
+  """`mkdir W` then an import into W works; a model with a damaged source.spm is blamed on
+  that file, leaves W as it was (empty), and the retry with a good model works."""
+  directory, _, _ = opus_mt_dir
+  broken = tmp_path / 'broken'
+  shutil.copytree(directory, broken)
+  (broken / 'source.spm').write_bytes(b'not a sentencepiece model')
+  workdir = tmp_path / 'W'
+  workdir.mkdir()
+  with pytest.raises(ConfigError, match=f'{broken}/source.spm is not a SentencePiece model'):
+    marian.import_model(str(broken), str(workdir))
+  assert os.listdir(workdir) == [] and sorted(os.listdir(tmp_path)) == ['W', 'broken']
+  marian.import_model(str(directory), str(workdir))
+  assert sorted(os.listdir(workdir)) == ['checkpoints', 'finetune_config.py',
+                                         'marian_vocab.json']
+  meta, _ = checkpointing.read_meta(str(workdir))
+  assert meta['tokenizer']['path'] == str(workdir / 'marian_vocab.json')  # Not the staging.
+  assert loading.load(str(workdir)).tokenizer.vocab_size == meta['vocab_size']
+  other = tmp_path / 'other'
+  other.mkdir()
+  (other / 'notes.txt').write_text('mine')
+  with pytest.raises(OutputExistsError, match='is not empty'):
+    marian.import_model(str(directory), str(other))
+
+
 def test_imported_model_fine_tunes_from_its_config_file(opus_mt_dir, tmp_path):
   directory, model, _ = opus_mt_dir
   imported_dir = tmp_path / 'imported'

@@ -275,6 +275,22 @@ def test_resuming_with_a_different_config_lists_the_fields(finished_run):
   assert 'num_train_steps' not in message.split('Fields that may change')[0]
 
 
+def test_a_refused_resume_builds_nothing_first(finished_run):
+  """Another vocabulary size would need a new vocabulary and token store: the resume is
+  refused before they are built, and the work directory is left as it was."""
+  config, workdir, _ = finished_run
+  before = sorted(os.path.relpath(os.path.join(d, f), workdir)
+                  for d, _, files in os.walk(workdir) for f in files)
+  changed = train_testlib.small_config(
+      {k: config.text_files[k] for k in config.text_files}, vocab_size_target=96)
+  with pytest.raises(checkpointing.ConfigMismatchError,
+                     match='vocab_size_target: checkpoint=128 now=96'):
+    train_loop.train_and_evaluate(changed, workdir)
+  after = sorted(os.path.relpath(os.path.join(d, f), workdir)
+                 for d, _, files in os.walk(workdir) for f in files)
+  assert after == before
+
+
 def test_init_from_starts_a_new_run_from_the_checkpoint_parameters(finished_run, tmp_path):
   config, workdir, _ = finished_run
   files = {k: config.text_files[k] for k in config.text_files}
@@ -437,7 +453,7 @@ def test_train_py_rejects_bad_setups_before_compiling(config_file, tmp_path):
                        "dropout_rng_impl='philox' must be one of"),
       'dataset': (['--config.dataset=wmt14_translate/de-en',
                    f'--config.tfds_data_dir={tmp_path}/none'], 'is not prepared'),
-      'workdir': ([], 'Cannot create files in --workdir'),
+      'workdir': ([], 'a_file is a file, not a directory; choose another path'),
   }
   processes = {}
   for name, (flags, _) in cases.items():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -205,3 +206,48 @@ def test_a_closed_output_pipe_ends_quietly(run_dir, tmp_path):
   assert result.stdout.count('\n') == 1 and result.stdout.strip(), result.stdout
   assert 'Traceback' not in result.stderr and 'Error' not in result.stderr, result.stderr
   assert result.returncode in (0, 141), result.stderr[-3000:]  # 141: like SIGPIPE's death.
+
+
+def test_output_paths_are_checked_before_the_model_loads(run_dir, tmp_path):
+  """Each bad path: exit 2, one paragraph naming it and the fix, and nothing lost."""
+  text = tmp_path / 'input.txt'
+  text.write_text('the cat sees a dog\n', encoding='utf-8')
+  os.link(text, tmp_path / 'linked.txt')
+  a_file = tmp_path / 'a_file'
+  a_file.write_text('x')
+  cases = [
+      ([f'--input={text}', f'--output={text}'], f'--output={text} is also --input={text}'),
+      ([f'--input={text}', f'--output={tmp_path / "linked.txt"}'], 'is also --input='),
+      (['--text=hi', f'--output={tmp_path / "no_such_dir" / "out.txt"}'],
+       f'its directory {tmp_path / "no_such_dir"} does not exist; create it first'),
+      (['--text=hi', f'--output={tmp_path}'], 'is a directory; give a file name'),
+      ([f'--input={tmp_path}'], f'--input={tmp_path} is a directory; give a file'),
+      ([f'--workdir={a_file}'], f"--workdir={a_file} is a file; give a training run's"),
+      (['--text=hi', f'--attention_plot={tmp_path / "plot.xyz"}'], 'suffix of an image format'),
+      (['--text=hi', f'--output={text}', f'--attention_plot={text}'],
+       f'--attention_plot={text} is also --output={text}'),
+  ]
+  for flags, message in cases:
+    if not any(f.startswith('--workdir') for f in flags):
+      flags = [f'--workdir={run_dir}'] + flags
+    result = subprocess.run([sys.executable, 'translate.py', *flags], cwd=REPO,
+                            env=train_testlib.subprocess_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2, (flags, result.stderr[-3000:])
+    assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith('translate.py: error: ') and message in last, (message, last)
+  assert text.read_text(encoding='utf-8') == 'the cat sees a dog\n'
+
+
+def test_an_output_file_is_replaced_whole(run_dir, mixed_file, tmp_path):
+  """--output over an existing file: the new lines replace it in one rename, no temporary
+  is left, and a killed writer's temporary there is cleaned up by the next run."""
+  output = tmp_path / 'out.txt'
+  output.write_text('an older translation\n' * 3)
+  leftover = tmp_path / f'.out.txt.tmp-{train_testlib.dead_pid()}-0123abcd-{socket.gethostname()}'
+  leftover.write_text('half a translation')
+  result = _translate(f'--input={mixed_file}', f'--output={output}', run_dir=run_dir)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert len(output.read_bytes().split(b'\n')) == len(MIXED_LINES) + 1
+  assert os.listdir(tmp_path) == ['out.txt']

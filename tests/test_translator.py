@@ -58,7 +58,7 @@ def fixture_config(root: str) -> ml_collections.ConfigDict:
   config.dataset = 'text'
   config.text_files = ml_collections.ConfigDict({
       'test': f'{root}/test.en,{root}/test.de'})
-  config.max_len = MAX_LEN
+  config.max_len = config.max_source_length = config.max_target_length = MAX_LEN
   config.d_model, config.num_heads, config.d_ff = 64, 4, 128
   config.num_encoder_layers, config.num_decoder_layers = 1, 2
   config.dropout_rate = 0.0

@@ -21,12 +21,6 @@ def _write_lock(workdir, **record):
   return path
 
 
-def _dead_pid() -> int:
-  process = subprocess.Popen(['true'])
-  process.wait()
-  return process.pid
-
-
 def test_a_second_lock_on_a_live_holder_names_it(tmp_path):
   with WorkdirLock(str(tmp_path)):
     with pytest.raises(WorkdirBusyError) as error:
@@ -39,7 +33,7 @@ def test_a_second_lock_on_a_live_holder_names_it(tmp_path):
 
 
 def test_the_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
-  _write_lock(str(tmp_path), host=socket.gethostname(), pid=_dead_pid(),
+  _write_lock(str(tmp_path), host=socket.gethostname(), pid=train_testlib.dead_pid(),
               started=time.time(), token='old')
   lock = WorkdirLock(str(tmp_path))
   lock.acquire()

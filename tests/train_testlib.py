@@ -109,3 +109,21 @@ def run_train(config_path: str, workdir: str, *flags: str, devices: int = 1,
   return subprocess.run(train_command(config_path, workdir, *flags), cwd=REPO,
                         env=subprocess_env(devices), capture_output=True, text=True,
                         timeout=timeout, check=False)
+
+
+def dead_pid() -> int:
+  """The id of a process that has exited (until the system reuses it)."""
+  process = subprocess.Popen(['true'])
+  process.wait()
+  return process.pid
+
+
+def fill_disk(path: str) -> None:
+  """Writes zeros to the file `path` until its disk is full, to the last byte."""
+  try:
+    with open(path, 'wb') as f:
+      while True:
+        f.write(b'\0' * 1024)
+        f.flush()
+  except OSError:
+    pass

@@ -338,7 +338,7 @@ class TrainStepSetup:
   @classmethod
   @_cudnn_library_named()
   def create(cls, config: ml_collections.ConfigDict, devices) -> 'TrainStepSetup':
-    config_lib.validate(config)
+    config_lib.validate(config, training=True)
     vocab_size = config.vocab_size or config.vocab_size_target
     partitioner = Partitioner.from_config(config, devices=list(devices))
     model_config = config_lib.TransformerConfig.from_config(

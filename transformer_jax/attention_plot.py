@@ -10,6 +10,7 @@ backend (files only, no display needed).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 import sentencepiece as spm
 
+from transformer_jax import outputs
 from transformer_jax.config import EOS_ID, TransformerConfig
 from transformer_jax.models import Transformer
 from transformer_jax.tokenizer import Tokenizer
@@ -122,7 +124,9 @@ def plot(weights: np.ndarray, source_labels: Sequence[str], output_labels: Seque
   if title:
     fig.suptitle(title, fontsize=10)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  # Written through a temporary file, so the suffix names the format.
+  with outputs.writing(path, 'wb') as f:
+    fig.savefig(f, dpi=120, format=os.path.splitext(path)[1].lstrip('.').lower() or 'png')
   return fig
 
 

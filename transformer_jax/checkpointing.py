@@ -32,12 +32,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
-from etils import epath
 from jax.experimental import multihost_utils
 
+from transformer_jax import outputs
 from transformer_jax.config import (BEST_CHECKPOINT_METRICS, LEGACY_VALUES, RESUMABLE_FIELDS,
                                     ConfigError)
-from transformer_jax.errors import (CheckpointError, CheckpointNotFoundError, DiskFullError,
+from transformer_jax.errors import (CheckpointError, CheckpointGoneError,
+                                    CheckpointNotFoundError, DiskFullError,
                                     OutputExistsError, UserError, find_user_error)
 from transformer_jax.tokenizer import Tokenizer, load_tokenizer
 
@@ -414,6 +415,13 @@ def _damaged(manager: ocp.CheckpointManager, directory: str, step: int, item: st
   except UserError:
     raise
   except Exception as e:  # pylint: disable=broad-except  # Orbax and TensorStore raise many.
+    if not os.path.isdir(os.path.join(directory, str(step))):
+      manager.reload()
+      raise CheckpointGoneError(
+          f'Checkpoint {step} in {directory} was deleted while it was being read: the '
+          'training run writing there keeps only its latest checkpoints (keep_checkpoints) '
+          f'and rotated it away. It has {sorted(manager.all_steps())} now; rerun to take '
+          'those.') from e
     others = [s for s in sorted(manager.all_steps()) if s != step]
     detail = ' '.join(f'{type(e).__name__}: {e}'.split())[:300]
     if resuming:
@@ -501,6 +509,24 @@ def read_meta(workdir: str, step: int | str | None = None) -> tuple[dict[str, An
   return meta, step
 
 
+def newest_readable_meta(workdir: str) -> dict[str, Any] | None:
+  """The `meta` of the newest checkpoint of `workdir` whose meta can be read; None if it
+  has none (damaged checkpoints are skipped here and dealt with when restoring)."""
+  if not os.path.isdir(os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)):
+    return None
+  with _reader(workdir) as manager:
+    for step in sorted(manager.all_steps(), reverse=True):
+      try:
+        with _damaged(manager, manager.directory, step, 'meta'):
+          meta = manager.restore(step, args=ocp.args.Composite(
+              meta=ocp.args.JsonRestore()))['meta']
+      except CheckpointError:
+        continue
+      if isinstance(meta, dict) and 'config' in meta:
+        return meta
+  return None
+
+
 def tokenizer_from_meta(meta: Mapping[str, Any]) -> Tokenizer:
   """The checkpoint's SentencePiece model: its original file if unchanged, else its bytes."""
   info = meta['tokenizer']
@@ -513,18 +539,5 @@ def tokenizer_from_meta(meta: Mapping[str, Any]) -> Tokenizer:
   os.makedirs(cache, exist_ok=True)
   path = os.path.join(cache, f'{info["sha256"][:16]}.model')
   if not os.path.exists(path):
-    tmp = f'{path}.{os.getpid()}.tmp'
-    with open(tmp, 'wb') as f:
-      f.write(base64.b64decode(info['model_base64']))
-    os.replace(tmp, path)
+    outputs.write_file(path, base64.b64decode(info['model_base64']))
   return load_tokenizer(path)
-
-
-def is_writable(path: str) -> bool:
-  """Whether files can be created in `path` (created if missing)."""
-  try:
-    epath.Path(path).mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path):
-      return True
-  except OSError:
-    return False

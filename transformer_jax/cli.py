@@ -33,6 +33,7 @@ from absl import flags
 from absl import logging
 
 from transformer_jax import errors
+from transformer_jax import outputs
 from transformer_jax.config import LENGTH_PENALTY_FORMS
 
 VERBOSE = flags.DEFINE_bool('verbose', False,
@@ -225,9 +226,7 @@ def use_compilation_cache(directory: str | None) -> None:
   with a clear error when the path exists and is not a directory."""
   if not directory:
     return
-  if os.path.exists(directory) and not os.path.isdir(directory):
-    fail(f'--compilation_cache_dir={directory} is a file; give a directory (it is created '
-         'if missing).')
+  outputs.check_output_directory(directory, '--compilation_cache_dir')
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update('jax_compilation_cache_dir', directory)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
@@ -281,8 +280,8 @@ def check_checkpoint_flags(f: CheckpointFlags) -> None:
     logging.set_verbosity(logging.ERROR)
   if not f.workdir.value:
     fail('--workdir is required: the directory of a training run.')
-  if not os.path.isdir(f.workdir.value):
-    fail(f'--workdir={f.workdir.value} does not exist.')
+  outputs.check_input_directory(f.workdir.value, '--workdir', "a training run's work "
+                                'directory')
   if f.step.value is not None and not (f.step.value.isdigit() or f.step.value == 'best'):
     fail(f"--step={f.step.value} must be a step number or 'best'.")
   if f.step.value is not None and f.average_last.value:
@@ -342,9 +341,9 @@ def decode_line(raw: bytes) -> tuple[str, bool]:
 
 
 def read_lines(path: str, flag: str) -> list[str]:
-  """A text file's lines, as `decode_line` reads them; a missing file is a `fail`."""
-  if not os.path.isfile(path):
-    fail(f'--{flag}={path} does not exist.')
+  """A text file's lines, as `decode_line` reads them (`path` checked by
+  `outputs.check_input_file`)."""
+  outputs.check_input_file(path, f'--{flag}')
   with open(path, 'rb') as f:
     lines = f.read().split(b'\n')
   if lines and lines[-1] == b'':

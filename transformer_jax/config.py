@@ -225,12 +225,16 @@ def _int_at_least(config: ml_collections.ConfigDict, name: str, low: int, hint: 
            f'{name}={value!r} must be an int >= {low}{hint}; set --config.{name}.')
 
 
-def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None) -> None:
+def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None,
+             training: bool = False) -> None:
   """Checks every field of a run config; cheap, so every command runs it before compiling.
 
   Args:
     config: a run config (see `base_config`).
     vocab_size: the tokenizer's size, when known; otherwise `vocab_size_target` stands in.
+    training: also refuse what would train but not as asked (a batch budget below one
+      row, positions shorter than the training lengths); a saved run's config, loaded to
+      translate, is not refused for those.
 
   Raises:
     ConfigError: the first field that cannot work, with what to set instead.
@@ -285,13 +289,27 @@ def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None
            and list(boundaries) == sorted(set(boundaries)),
            f'bucket_boundaries={boundaries!r} must be positive ints in increasing order, '
            'e.g. (8, 16, 32, 64, 128, 256).')
+  longest = max(config.max_source_length, config.max_target_length)
   if config.positional_encoding == 'learned':
-    longest = max(config.max_source_length, config.max_target_length)
     _require(config.max_len >= longest,
              f'max_len={config.max_len} is shorter than max_source_length='
              f'{config.max_source_length}/max_target_length={config.max_target_length}, but '
              'learned positions have no embedding past max_len (every step would be NaN); '
              f'set --config.max_len={longest} or lower the lengths.')
+  if training:
+    _require(config.max_len >= longest,
+             f'max_len={config.max_len} is shorter than max_source_length='
+             f'{config.max_source_length}/max_target_length={config.max_target_length}: the '
+             'model would train on sentences up to that length, and then translate (validation '
+             'BLEU, evaluate.py, translate.py) only the first max_len tokens of each source; '
+             f'set --config.max_len={longest} or lower the lengths to {config.max_len}.')
+    _require(config.tokens_per_batch >= longest,
+             f'tokens_per_batch={config.tokens_per_batch} is less than one row of the longest '
+             f'training sentences ({longest} tokens: max_source_length/max_target_length); '
+             'a batch always holds at least one row a data shard, so batches of long '
+             f'sentences would be up to {longest / config.tokens_per_batch:.0f}x the budget. '
+             f'Set --config.tokens_per_batch to at least {longest} (the paper: 25000), or '
+             'lower the lengths.')
   TransformerConfig.from_config(config, vocab_size=vocab_size or config.vocab_size_target)
   # Imported here: both modules import this one.
   from transformer_jax import optimizer  # pylint: disable=g-import-not-at-top

@@ -35,8 +35,18 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
   """No such work directory, checkpoint or step."""
 
 
+class CheckpointGoneError(CheckpointNotFoundError):
+  """A checkpoint deleted while it was being read: a training run writing to the same work
+  directory rotated it away (it keeps only its latest `keep_checkpoints`)."""
+
+
 class OutputExistsError(UserError, FileExistsError):
   """A command would overwrite an output that already exists."""
+
+
+class PathError(UserError, OSError):
+  """A path a command was given cannot serve: missing, of the wrong kind, not writable, or
+  both an input and an output of the command."""
 
 
 class DiskFullError(UserError, OSError):

@@ -35,6 +35,7 @@ from sacrebleu.significance import PairedTest
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 import tqdm
 
+from transformer_jax import outputs
 from transformer_jax.translator import DecodeOptions, DecodeStats, Translator
 
 # tensor2tensor's get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'.
@@ -139,23 +140,25 @@ def result_tag(steps: Sequence[int]) -> str:
   return f'avg{len(steps)}_step_{steps[0]}-{steps[-1]}'
 
 
+def result_paths(directory: str, name: str) -> tuple[str, str]:
+  """`<name>.hyp.txt` and `<name>.metrics.json` in `directory`."""
+  return (os.path.join(directory, f'{name}.hyp.txt'),
+          os.path.join(directory, f'{name}.metrics.json'))
+
+
 def write_results(directory: str, name: str, hypotheses: Sequence[str],
                   metrics: dict[str, Any]) -> tuple[str, str]:
-  """Writes `<name>.hyp.txt` (one line each) and `<name>.metrics.json` atomically.
+  """Writes `<name>.hyp.txt` (one line each) and `<name>.metrics.json` together: both
+  replace the old pair, or neither does (`outputs.write_files`).
 
   Returns:
     The two paths.
   """
   os.makedirs(directory, exist_ok=True)
-  paths = (os.path.join(directory, f'{name}.hyp.txt'),
-           os.path.join(directory, f'{name}.metrics.json'))
-  contents = (''.join(h + '\n' for h in hypotheses),
-              json.dumps(metrics, indent=2, sort_keys=True) + '\n')
-  for path, content in zip(paths, contents):
-    tmp = f'{path}.{os.getpid()}.tmp'
-    with open(tmp, 'w', encoding='utf-8') as f:
-      f.write(content)
-    os.replace(tmp, path)
+  paths = result_paths(directory, name)
+  outputs.write_files({
+      paths[0]: ''.join(h + '\n' for h in hypotheses),
+      paths[1]: json.dumps(metrics, indent=2, sort_keys=True) + '\n'})
   return paths
 
 

@@ -510,6 +510,14 @@ def train_dataset(store: token_store.TokenStore, config: ml_collections.ConfigDi
                     '--config.max_source_length/max_target_length.')
   max_length = max(config.max_source_length, config.max_target_length)
   shards = row_multiple * process_count
+  if config.tokens_per_batch < max_length * shards:
+    logging.warning(
+        'tokens_per_batch=%d holds fewer than %d rows of the longest bucket (%d tokens), '
+        'but every batch has at least one row for each of its %d shards (data shards x '
+        'hosts x grad_accum_steps): batches of the longest sentences will hold %d token '
+        'slots, %.1fx the budget. Raise --config.tokens_per_batch to %d or more.',
+        config.tokens_per_batch, shards, max_length, shards, max_length * shards,
+        max_length * shards / config.tokens_per_batch, max_length * shards)
   if config.packing:
     rows = rows_for(max_length, config.tokens_per_batch, shards) // process_count
     mine = np.flatnonzero(keep)[process_index::process_count]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from absl import logging
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from transformer_jax import averaging
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
 from transformer_jax.config import ConfigError, TransformerConfig
+from transformer_jax.errors import CheckpointGoneError, CheckpointNotFoundError
 from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner
 from transformer_jax.tokenizer import Tokenizer
@@ -76,6 +78,9 @@ def abstract_params(model_config: TransformerConfig, partitioner: Partitioner) -
                       nn.unbox(boxed), partitioner.tree_shardings(boxed))
 
 
+_RETRIES = 2  # Of `load`, when a running training job rotates away the steps it reads.
+
+
 def load(workdir: str, *, step: int | str | None = None,
          average_last: int = 0) -> InferenceCheckpoint:
   """One checkpoint of `workdir`, or the average of its last `average_last`.
@@ -97,6 +102,18 @@ def load(workdir: str, *, step: int | str | None = None,
   """
   if average_last and step is not None:
     raise ConfigError('Give --step or --average_last, not both.')
+  for _ in range(_RETRIES if step is None else 0):
+    try:
+      return _load(workdir, step, average_last)
+    except CheckpointGoneError as e:
+      # A training run rotated away a step being read: "the latest" (or "the last N")
+      # now means other steps, which are read instead. A step asked for by number is gone.
+      logging.warning('%s Reading the checkpoints there now instead.', e)
+  return _load(workdir, step, average_last)
+
+
+def _load(workdir: str, step: int | str | None, average_last: int) -> InferenceCheckpoint:
+  """`load`, once."""
   steps = averaging.last_steps(workdir, average_last) if average_last else None
   meta, last = checkpointing.read_meta(workdir, steps[-1] if steps else step)
   config = config_lib.from_saved(meta['config'])
@@ -105,10 +122,21 @@ def load(workdir: str, *, step: int | str | None = None,
                                                deterministic=True)
   partitioner = Partitioner.for_inference(config)
   shardings = param_shardings(model_config, partitioner)
-  if steps:
-    params = averaging.average_params(workdir, steps, shardings=shardings)
-  else:
-    params, _ = checkpointing.restore_params(workdir, last, shardings=shardings)
+  try:
+    if steps:
+      params = averaging.average_params(workdir, steps, shardings=shardings)
+    else:
+      params, _ = checkpointing.restore_params(workdir, last, shardings=shardings)
+  except CheckpointNotFoundError as e:
+    # Listed a moment ago, so gone since: deleted by the training run writing there.
+    gone = sorted(set(steps or [last]) - set(checkpointing.list_steps(workdir)))
+    if isinstance(e, CheckpointGoneError) or not gone:
+      raise
+    raise CheckpointGoneError(
+        f'Checkpoint(s) {gone} of {workdir} were deleted while being read: the training '
+        'run writing there keeps only its latest checkpoints (keep_checkpoints) and '
+        'rotated them away.') from e
+  if not steps:
     steps = meta.get('averaged_steps') or [last]
   return InferenceCheckpoint(config, model_config, params,
                              checkpointing.tokenizer_from_meta(meta), last, list(steps),

@@ -31,9 +31,11 @@ from typing import Any
 
 from absl import logging
 import numpy as np
+import sentencepiece as spm
 
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
+from transformer_jax import outputs
 from transformer_jax.config import EOS_ID, PAD_ID, ConfigError, TransformerConfig
 from transformer_jax.errors import OutputExistsError
 from transformer_jax.tokenizer import write_split_vocabulary
@@ -248,8 +250,14 @@ def import_model(model_dir: str, workdir: str) -> str:
   Raises:
     ConfigError: something in `model_dir` is missing, unreadable or not a Marian model this
       project can run; the message says what.
-    OutputExistsError: `workdir` already has a checkpoint.
+    OutputExistsError: `workdir` already has a checkpoint, or other files.
   """
+  if (os.path.isdir(os.path.join(workdir, checkpointing.CHECKPOINT_DIR))
+      and checkpointing.list_steps(workdir)):
+    raise OutputExistsError(f'{workdir} already has checkpoints; import into a new '
+                            '--workdir.')
+  if os.path.isdir(workdir) and os.listdir(workdir):
+    raise OutputExistsError(f'{workdir} is not empty; import into a new or empty --workdir.')
   hf_config = _read_json(os.path.join(model_dir, 'config.json'))
   vocab = _read_json(os.path.join(model_dir, 'vocab.json'))
   fields = config_fields(hf_config)
@@ -261,9 +269,11 @@ def import_model(model_dir: str, workdir: str) -> str:
                         'target.spm (SentencePiece models).')
     with open(path, 'rb') as f:
       spm_bytes[side] = f.read()
-  if os.path.isdir(workdir) and checkpointing.list_steps(workdir):
-    raise OutputExistsError(f'{workdir} already has checkpoints; import into a new '
-                            '--workdir.')
+    try:
+      spm.SentencePieceProcessor(model_proto=spm_bytes[side])
+    except (RuntimeError, TypeError, ValueError) as e:
+      raise ConfigError(f'{path} is not a SentencePiece model ({" ".join(str(e).split())}); '
+                        'copy it again from the model.') from None
   order = np.asarray(vocabulary_order(vocab, hf_config))
   model_config = TransformerConfig(**fields)
   state = read_state_dict(model_dir)
@@ -275,9 +285,22 @@ def import_model(model_dir: str, workdir: str) -> str:
   params = _reorder_vocabulary(params, order)
   fields['decoder_start'] = _decoder_start(fields, hf_config, params)
 
+  # Everything is written into a temporary directory that becomes `workdir` at the end: a
+  # failed or killed import leaves nothing there, and a retry starts afresh.
+  with outputs.writing_directory(workdir) as staging:
+    _write_import(staging, workdir, model_dir, hf_config, vocab, order, fields, params,
+                  spm_bytes, model_config)
+  return os.path.join(os.path.abspath(workdir), checkpointing.CHECKPOINT_DIR, '0')
+
+
+def _write_import(staging: str, workdir: str, model_dir: str, hf_config: Mapping[str, Any],
+                  vocab: Mapping[str, int], order: np.ndarray, fields: dict[str, Any],
+                  params: Any, spm_bytes: Mapping[str, bytes],
+                  model_config: TransformerConfig) -> None:
+  """`import_model`'s files, written into `staging`, naming their paths in `workdir`."""
   pieces_by_id = {i: piece for piece, i in vocab.items()}
   tokenizer = write_split_vocabulary(
-      os.path.join(workdir, VOCABULARY_FILE), [pieces_by_id[i] for i in order],
+      os.path.join(staging, VOCABULARY_FILE), [pieces_by_id[i] for i in order],
       spm_bytes['source'], spm_bytes['target'])
   config = config_lib.base_config()
   config.update(fields)
@@ -287,16 +310,16 @@ def import_model(model_dir: str, workdir: str) -> str:
   config.source_lang = tokenizer_config.get('source_lang') or 'src'
   config.target_lang = tokenizer_config.get('target_lang') or 'tgt'
   config.dataset = 'text'
-  config.vocab_path = tokenizer.model_path
+  config.vocab_path = os.path.join(os.path.abspath(workdir), VOCABULARY_FILE)
   config.max_source_length = config.max_target_length = min(
       config.max_source_length, model_config.max_len)
   config_lib.validate(config, vocab_size=tokenizer.vocab_size)
   meta = checkpointing.make_meta(config, tokenizer)
+  meta['tokenizer']['path'] = config.vocab_path
   meta['imported_from'] = os.path.abspath(model_dir)
-  path = checkpointing.write_params_checkpoint(workdir, 0, params, meta)
-  _write_finetune_config(os.path.join(workdir, FINETUNE_CONFIG_FILE), model_dir, workdir,
+  _write_finetune_config(os.path.join(staging, FINETUNE_CONFIG_FILE), model_dir, workdir,
                          {name: config[name] for name in tuple(fields) + _RUN_FIELDS})
-  return path
+  checkpointing.write_params_checkpoint(staging, 0, params, meta)
 
 
 def _decoder_start(fields: Mapping[str, Any], hf_config: Mapping[str, Any],
@@ -330,8 +353,7 @@ def _write_finetune_config(path: str, model_dir: str, workdir: str,
       + ''.join(lines) +
       f'  c.init_from = {os.path.abspath(workdir)!r}\n'
       '  return c\n')
-  with open(path, 'w', encoding='utf-8') as f:
-    f.write(text)
+  outputs.write_file(path, text)
 
 
 # --- Export: a checkpoint of this project as a Marian model directory. ---
@@ -449,7 +471,7 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   Raises:
     ConfigError: the model uses what Marian lacks (pre-norm, positions other than
       sinusoidal), named with the field.
-    OutputExistsError: `output_dir` already holds a model.
+    OutputExistsError: `output_dir` already holds a model, or other files.
   """
   from transformer_jax import loading  # pylint: disable=g-import-not-at-top
   meta, _ = checkpointing.read_meta(workdir, step)
@@ -458,13 +480,17 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   if os.path.exists(os.path.join(output_dir, 'config.json')):
     raise OutputExistsError(f'{output_dir} already holds a model (config.json); choose a new '
                             '--output_dir.')
+  if os.path.isdir(output_dir) and os.listdir(output_dir):
+    raise OutputExistsError(f'{output_dir} is not empty; choose a new or empty --output_dir.')
   checkpoint = loading.load(workdir, step=step)
   run = checkpoint.config
-  return write_model(output_dir, checkpoint.params, checkpoint.model_config,
-                     checkpoint.tokenizer.pieces(),
-                     checkpoint.tokenizer.sentencepiece_models(),
-                     source_lang=run.source_lang, target_lang=run.target_lang,
-                     beam_size=run.beam_size)
+  # The files appear together, when all are written (a killed export leaves none).
+  with outputs.writing_directory(output_dir) as staging:
+    write_model(staging, checkpoint.params, checkpoint.model_config,
+                checkpoint.tokenizer.pieces(), checkpoint.tokenizer.sentencepiece_models(),
+                source_lang=run.source_lang, target_lang=run.target_lang,
+                beam_size=run.beam_size)
+  return output_dir
 
 
 def write_model(output_dir: str, params: Any, config: TransformerConfig, pieces: list[str],

@@ -25,6 +25,7 @@ from absl import logging
 from tensorboardX import SummaryWriter
 
 from transformer_jax import flops as model_flops
+from transformer_jax import outputs
 
 
 METRICS_FILE = 'metrics.jsonl'
@@ -129,10 +130,7 @@ class MetricsWriter:
             kept.append(line)
         except (ValueError, KeyError):
           pass  # A line cut short when the process was killed.
-    tmp = self._jsonl_path + '.tmp'
-    with open(tmp, 'w') as f:
-      f.writelines(kept)
-    os.replace(tmp, self._jsonl_path)
+    outputs.write_file(self._jsonl_path, ''.join(kept))
 
   def step_done(self, step: int) -> None:
     """Advances the progress bar (cheap; called every step)."""

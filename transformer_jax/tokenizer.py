@@ -22,6 +22,7 @@ from collections.abc import Container, Iterable, Sequence
 from absl import logging
 import sentencepiece as spm
 
+from transformer_jax import outputs
 from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from transformer_jax.errors import ConfigError, DataError
 
@@ -161,9 +162,7 @@ def write_split_vocabulary(path: str, pieces: Sequence[str], source_model: bytes
   data = {'format': SPLIT_FORMAT, 'pieces': list(pieces),
           'source_model': base64.b64encode(source_model).decode('ascii'),
           'target_model': base64.b64encode(target_model).decode('ascii')}
-  with tempfile.NamedTemporaryFile('w', dir=directory, delete=False, suffix='.tmp') as f:
-    json.dump(data, f, ensure_ascii=False)
-  os.replace(f.name, path)
+  outputs.write_file(path, json.dumps(data, ensure_ascii=False))
   return SplitTokenizer(path)
 
 

@@ -37,6 +37,7 @@ from transformer_jax import loading
 from transformer_jax import metrics_writer
 from transformer_jax import multihost
 from transformer_jax import optimizer
+from transformer_jax import outputs
 from transformer_jax import prefetch
 from transformer_jax import train_steps
 from transformer_jax import translator as translator_lib
@@ -65,12 +66,6 @@ class TrainResult:
   state: train_steps.TrainState
   stopped_early: bool
   eval_metrics: dict[str, float] | None
-
-
-def _check_workdir(workdir: str) -> None:
-  if not checkpointing.is_writable(workdir):
-    raise ConfigError(f'Cannot create files in --workdir={workdir}; choose a directory you '
-                      'can write to (checkpoints, vocabulary and metrics go there).')
 
 
 def evaluate(eval_step: Callable, params: Any, batches: Iterable[Mapping[str, np.ndarray]],
@@ -144,8 +139,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   workdir = os.path.abspath(workdir)
   # Every field, checked now with a stand-in vocabulary size: building the real vocabulary
   # can take minutes.
-  config_lib.validate(config)
-  _check_workdir(workdir)
+  config_lib.validate(config, training=True)
+  outputs.check_output_directory(workdir, '--workdir',
+                                 {'--config.init_from': config.init_from})
   lock = _lock_workdir(workdir)
   try:
     return _train_and_evaluate(config, workdir, stop_signal)
@@ -182,6 +178,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   optimizer_config = optimizer.OptimizerConfig.from_config(config, config.d_model)
   logging.info('%s', partitioner.describe())
 
+  # A resume that the config would refuse is refused now, before the vocabulary and token
+  # store are built for a config that will never train here.
+  saved = checkpointing.newest_readable_meta(workdir)
+  if saved is not None:
+    checkpointing.check_config_matches(saved['config'], config,
+                                       os.path.join(workdir, checkpointing.CHECKPOINT_DIR))
   datasets = input_pipeline.get_datasets(
       config, workdir, process_index=jax.process_index(),
       process_count=jax.process_count(), row_multiple=rows_multiple)

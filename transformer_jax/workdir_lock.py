@@ -1,20 +1,26 @@
 """One training job per work directory: `WORKDIR/train.lock`.
 
 Two `train.py` on one work directory would delete each other's checkpoints in progress and
-interleave their metrics. The first to start creates `train.lock` atomically (`O_EXCL`, which
-NFS and other shared filesystems honour) with its host, process id and start time, and
+interleave their metrics. The first to start creates `train.lock` with its host, process id
+and start time in one step: it writes them to a temporary file and hard-links that to
+`train.lock`, which fails if the lock exists (atomic on local disks and NFS alike); so a lock
+file never exists without its contents, and a full disk leaves no lock behind. The holder
 touches it every `HEARTBEAT_S` seconds while it runs; a second job finds it and stops with an
 error that names the holder. Only process 0 of a multi-host job takes the lock: the job's
-other processes write to the same directory by design.
+other processes write to the same directory by design. (On a file system without hard links,
+such as gcsfuse, the lock is created with `O_EXCL` and then written.)
 
 A lock is stale, and a new run takes it over with a warning, when its process is gone: on
 the same host, when no process has its id (or the id belongs to a process started after the
 lock); on another host, which cannot be asked, when the lock has not been touched for
-`STALE_AFTER_S` seconds. Evaluation and translation only read, and ignore the lock.
+`STALE_AFTER_S` seconds. A lock that is empty or cannot be parsed belongs to no live holder
+(one was never created that way) and is taken over at once. Evaluation and translation only
+read, and ignore the lock.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -24,6 +30,7 @@ import uuid
 
 from absl import logging
 
+from transformer_jax import outputs
 from transformer_jax.errors import UserError
 
 LOCK_NAME = 'train.lock'
@@ -33,16 +40,6 @@ STALE_AFTER_S = 300.0
 
 class WorkdirBusyError(UserError):
   """Another live training job holds the work directory."""
-
-
-def _process_alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  except PermissionError:  # Alive, another user's.
-    return True
-  return True
 
 
 def _process_start_time(pid: int) -> float | None:
@@ -70,23 +67,30 @@ class WorkdirLock:
     self._thread: threading.Thread | None = None
 
   def _holder(self) -> dict | None:
+    """The lock's record; {} if it is empty or damaged (a lock is never seen before its
+    contents); None if there is no lock."""
     try:
       with open(self.path, encoding='utf-8') as f:
-        return json.load(f)
+        holder = json.load(f)
     except FileNotFoundError:
       return None
     except (OSError, ValueError):
-      return {}  # Being written, or damaged: judged by its age alone.
+      return {}
+    if not isinstance(holder, dict) or not {'host', 'pid', 'started', 'token'} <= set(holder):
+      return {}
+    return holder
 
   def _stale_reason(self, holder: dict) -> str | None:
     """Why the lock's holder is gone, or None if it may be alive."""
+    if not holder:
+      return 'it is empty or cannot be parsed, so no live job holds it'
     try:
       age = time.time() - os.stat(self.path).st_mtime
     except FileNotFoundError:
       return 'it was just released'
     if holder.get('host') == socket.gethostname() and isinstance(holder.get('pid'), int):
       pid = holder['pid']
-      if not _process_alive(pid):
+      if not outputs.process_alive(pid):
         return f'process {pid} is gone'
       started = _process_start_time(pid)
       if started is not None and started > holder.get('started', 0) + 5:
@@ -101,39 +105,71 @@ class WorkdirLock:
     record = json.dumps({'host': socket.gethostname(), 'pid': os.getpid(),
                          'started': time.time(), 'token': self._token})
     for _ in range(5):
+      if self._create(record):
+        self._thread = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
+        self._thread.start()
+        return
+      holder = self._holder()
+      if holder is None:
+        continue  # Released meanwhile.
+      reason = self._stale_reason(holder)
+      if reason is None:
+        raise WorkdirBusyError(
+            f'{os.path.dirname(self.path)} is in use by another training job '
+            f'(process {holder["pid"]} on host {holder["host"]}, started '
+            f'{time.ctime(holder["started"])}); wait for it or stop it, or use another '
+            '--workdir. (evaluate.py and translate.py may read it meanwhile.) A lock left by '
+            f'a crashed job on another host is taken over {self._stale_after_s:.0f} s after '
+            'its last heartbeat.')
+      # Move the stale lock aside (one of several racing takers wins), then retry.
+      aside = f'{self.path}.stale-{self._token}'
+      try:
+        os.rename(self.path, aside)
+      except FileNotFoundError:
+        continue
+      os.remove(aside)
+      if holder:
+        logging.warning('Took over the lock of %s from process %s on %s: %s.',
+                        os.path.dirname(self.path), holder['pid'], holder['host'], reason)
+      else:
+        logging.warning('Took over the lock %s: %s.', self.path, reason)
+    raise WorkdirBusyError(f'Could not take {self.path}: other jobs keep taking it; start '
+                           'one job per --workdir.')
+
+  def _create(self, record: str) -> bool:
+    """Creates the lock with `record` in it in one step; False if it exists."""
+    tmp = outputs.temporary_path(self.path)
+    try:
+      with open(tmp, 'w', encoding='utf-8') as f:
+        f.write(record)
+        f.flush()
+        os.fsync(f.fileno())
+      try:
+        os.link(tmp, self.path)
+        return True
+      except FileExistsError:
+        return False
+      except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV,
+                           errno.ENOSYS, errno.EMLINK):
+          raise
+      # No hard links here (gcsfuse, some FUSE file systems): create, then write.
       try:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
       except FileExistsError:
-        holder = self._holder()
-        if holder is None:
-          continue  # Released meanwhile.
-        reason = self._stale_reason(holder)
-        if reason is None:
-          raise WorkdirBusyError(
-              f'{os.path.dirname(self.path)} is in use by another training job '
-              f'(process {holder.get("pid", "?")} on host {holder.get("host", "?")}, '
-              f'started {time.ctime(holder.get("started", 0))}); wait for it or stop it, '
-              'or use another --workdir. (evaluate.py and translate.py may read it '
-              f'meanwhile.) A lock left by a crashed job on another host is taken over '
-              f'{self._stale_after_s:.0f} s after its last heartbeat.')
-        # Move the stale lock aside (one of several racing takers wins), then retry.
-        aside = f'{self.path}.stale-{self._token}'
-        try:
-          os.rename(self.path, aside)
-        except FileNotFoundError:
-          continue
-        os.remove(aside)
-        logging.warning('Took over the lock of %s from process %s on %s: %s.',
-                        os.path.dirname(self.path), holder.get('pid', '?'),
-                        holder.get('host', '?'), reason)
-        continue
-      with os.fdopen(fd, 'w', encoding='utf-8') as f:
-        f.write(record)
-      self._thread = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
-      self._thread.start()
-      return
-    raise WorkdirBusyError(f'Could not take {self.path}: other jobs keep taking it; start '
-                           'one job per --workdir.')
+        return False
+      try:
+        with os.fdopen(fd, 'w', encoding='utf-8') as f:
+          f.write(record)
+      except BaseException:
+        os.remove(self.path)
+        raise
+      return True
+    finally:
+      try:
+        os.remove(tmp)
+      except FileNotFoundError:
+        pass
 
   def _beat(self) -> None:
     while not self._stop.wait(self._heartbeat_s):

@@ -14,11 +14,11 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, work-directory or checkpoin
 (explained in one paragraph; the traceback only with --verbose).
 """
 
-import os
 
 from absl import flags
 
 from transformer_jax import cli
+from transformer_jax import outputs
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "The training run's work directory.")
 _OUTPUT_WORKDIR = flags.DEFINE_string('output_workdir', None,
@@ -32,8 +32,10 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   if not _WORKDIR.value or not _OUTPUT_WORKDIR.value:
     cli.fail('--workdir and --output_workdir are required.')
-  if not os.path.isdir(_WORKDIR.value):
-    cli.fail(f'--workdir={_WORKDIR.value} does not exist.')
+  outputs.check_input_directory(_WORKDIR.value, '--workdir', "a training run's work "
+                                'directory')
+  outputs.check_output_directory(_OUTPUT_WORKDIR.value, '--output_workdir',
+                                 {'--workdir': _WORKDIR.value})
   if _NUM.value < 0:
     cli.fail(f'--num_checkpoints={_NUM.value} must be >= 1 (or 0 for the config default).')
   # pylint: disable=g-import-not-at-top

@@ -28,6 +28,7 @@ problem, or the compile-only wheels missing (explained in one paragraph).
 import dataclasses
 import json
 import os
+import sys
 
 # This command compiles for the --topology, never for this machine's own accelerator, and
 # libtpu must not claim a TPU on a machine that has none.
@@ -37,6 +38,7 @@ from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-posit
 from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
 
 from transformer_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
+from transformer_jax import outputs  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
@@ -97,6 +99,10 @@ def main(argv: list[str]) -> None:
     cli.fail('--topology is required, e.g. --topology=v5e-8 or --topology=8xH100.')
   from transformer_jax import aot  # pylint: disable=g-import-not-at-top
 
+  if _JSON.value:
+    config_file = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')),
+                       None)
+    outputs.check_output_file(_JSON.value, '--json', {'--config': config_file})
   config = _CONFIG.value
   target = aot.target(_TOPOLOGY.value)
   if _MEMORY.value is not None:
@@ -128,8 +134,7 @@ def main(argv: list[str]) -> None:
     report['decoder'] = decoder
   if _JSON.value:
     report['config'] = config.to_dict()
-    with open(_JSON.value, 'w', encoding='utf-8') as f:
-      json.dump(report, f, indent=1, default=str)
+    outputs.write_file(_JSON.value, json.dumps(report, indent=1, default=str))
     print(f'wrote {_JSON.value}')
 
 

@@ -23,6 +23,7 @@ from absl import flags
 from absl import logging
 
 from transformer_jax import cli
+from transformer_jax import outputs
 
 _CHECKPOINT = cli.define_checkpoint_flags()
 
@@ -56,6 +57,18 @@ def main(argv: list[str]) -> None:
     cli.fail('--source_file and --reference_file go together.')
   if _SOURCE_FILE.value and (_SPLIT.value or _TFDS_DATA_DIR.value):
     cli.fail('--source_file replaces the dataset; drop --split and --tfds_data_dir.')
+  workdir = _CHECKPOINT.workdir.value
+  inputs = {'--source_file': _SOURCE_FILE.value, '--reference_file': _REFERENCE_FILE.value,
+            '--compare_to': _COMPARE_TO.value}
+  for flag, path in inputs.items():
+    if path:
+      outputs.check_input_file(path, flag)
+  # Where the results go, before the checkpoint loads (the default's name needs its step).
+  if _OUTPUT_DIR.value:
+    outputs.check_output_directory(_OUTPUT_DIR.value, '--output_dir', create=False)
+  else:
+    outputs.check_output_directory(os.path.join(workdir, 'eval'), 'the results directory',
+                                   create=False)
 
   # Imported here so that flag errors are reported without loading JAX and TFDS.
   # pylint: disable=g-import-not-at-top
@@ -66,15 +79,21 @@ def main(argv: list[str]) -> None:
   translator, checkpoint = cli.load_translator(_CHECKPOINT)
   config, steps = checkpoint.config, checkpoint.steps
 
+  name = (os.path.splitext(os.path.basename(_SOURCE_FILE.value))[0] if _SOURCE_FILE.value
+          else _SPLIT.value or config.test_split)
+  output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'eval', evaluation.result_tag(steps))
+  if jax.process_index() == 0:  # The one writer; before any sentence is translated.
+    outputs.check_output_directory(output_dir, '--output_dir' if _OUTPUT_DIR.value else
+                                   'the results directory')
+    for path in evaluation.result_paths(output_dir, name):
+      outputs.check_not_input(path, 'the output', inputs)
   if _SOURCE_FILE.value:
-    name = os.path.splitext(os.path.basename(_SOURCE_FILE.value))[0]
     sources = cli.read_lines(_SOURCE_FILE.value, 'source_file')
     references = cli.read_lines(_REFERENCE_FILE.value, 'reference_file')
     if len(sources) != len(references):
       cli.fail(f'{_SOURCE_FILE.value} has {len(sources)} lines but {_REFERENCE_FILE.value} has '
             f'{len(references)}.')
   else:
-    name = _SPLIT.value or config.test_split
     if _TFDS_DATA_DIR.value:
       config.tfds_data_dir = _TFDS_DATA_DIR.value  # An existing field: allowed when locked.
     try:
@@ -91,7 +110,6 @@ def main(argv: list[str]) -> None:
       cli.fail(f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
             f'{len(references)} sentences.')
 
-  workdir = _CHECKPOINT.workdir.value
   info = {'workdir': os.path.abspath(workdir), 'step': checkpoint.step,
           'checkpoint_steps': steps, 'split': name, 'dataset': config.dataset,
           'source_lang': config.source_lang, 'target_lang': config.target_lang,
@@ -101,8 +119,6 @@ def main(argv: list[str]) -> None:
   result = evaluation.evaluate(translator, sources, references, baseline=baseline,
                                bootstrap_samples=_BOOTSTRAP_SAMPLES.value,
                                show_progress=_PROGRESS.value, info=info)
-  output_dir = _OUTPUT_DIR.value or os.path.join(
-      workdir, 'eval', evaluation.result_tag(steps))
   if jax.process_index() == 0:
     paths = evaluation.write_results(output_dir, name, result.hypotheses, result.metrics)
     print(evaluation.summary(result.metrics))

@@ -14,11 +14,11 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory or checkpoin
 (explained in one paragraph; the traceback only with --verbose).
 """
 
-import os
 
 from absl import flags
 
 from transformer_jax import cli
+from transformer_jax import outputs
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The run (or import) to export.')
 _STEP = flags.DEFINE_string('step', None, "The checkpoint: a step, 'best', or the latest.")
@@ -29,8 +29,10 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   if not _WORKDIR.value or not _OUTPUT_DIR.value:
     cli.fail('--workdir and --output_dir are required.')
-  if not os.path.isdir(_WORKDIR.value):
-    cli.fail(f'--workdir={_WORKDIR.value} does not exist.')
+  outputs.check_input_directory(_WORKDIR.value, '--workdir', 'the work directory of a run '
+                                'or an import')
+  outputs.check_output_directory(_OUTPUT_DIR.value, '--output_dir', {'--workdir': _WORKDIR.value},
+                                 create=False)
   step = _STEP.value
   if step is not None and step != 'best':
     if not step.isdigit():

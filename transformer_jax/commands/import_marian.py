@@ -23,6 +23,7 @@ import os
 from absl import flags
 
 from transformer_jax import cli
+from transformer_jax import outputs
 
 _MODEL_DIR = flags.DEFINE_string('model_dir', None,
                                  "A Hugging Face Marian model directory (save_pretrained's).")
@@ -33,8 +34,10 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   if not _MODEL_DIR.value or not _WORKDIR.value:
     cli.fail('--model_dir and --workdir are required.')
-  if not os.path.isdir(_MODEL_DIR.value):
-    cli.fail(f'--model_dir={_MODEL_DIR.value} is not a directory.')
+  outputs.check_input_directory(_MODEL_DIR.value, '--model_dir',
+                                "a Hugging Face Marian model directory (save_pretrained's)")
+  outputs.check_output_directory(_WORKDIR.value, '--workdir', {'--model_dir': _MODEL_DIR.value},
+                                 create=False)
   from transformer_jax import marian  # pylint: disable=g-import-not-at-top
   path = marian.import_model(_MODEL_DIR.value, _WORKDIR.value)
   print(f'Imported {_MODEL_DIR.value} as {path}; fine-tune it with '

@@ -28,6 +28,7 @@ from ml_collections import config_flags
 from transformer_jax import cli
 from transformer_jax import config as config_lib
 from transformer_jax import input_pipeline
+from transformer_jax import outputs
 from transformer_jax import token_store
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -54,7 +55,8 @@ def main(argv: list[str]) -> None:
   if _WORKERS.value < 0:
     cli.fail(f'--workers={_WORKERS.value} must be >= 0 (0: one per core).')
   config = _CONFIG.value
-  config_lib.validate(config)
+  config_lib.validate(config, training=True)
+  outputs.check_output_directory(_WORKDIR.value, '--workdir')
   workers = _WORKERS.value or os.cpu_count() or 1
   splits = _SPLITS.value or list(dict.fromkeys(
       (config.train_split, config.eval_split, config.test_split)))

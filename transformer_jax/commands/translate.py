@@ -35,6 +35,7 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory or checkpoin
 (explained in one paragraph; the traceback only with --verbose); 141 the output pipe closed.
 """
 
+import contextlib
 import io
 import os
 import signal
@@ -43,6 +44,7 @@ import sys
 from absl import flags
 
 from transformer_jax import cli
+from transformer_jax import outputs
 
 _CHECKPOINT = cli.define_checkpoint_flags()
 
@@ -83,13 +85,27 @@ def _check_flags() -> None:
     cli.fail('--attention_plot draws the best beam-search output; drop --n_best/--sampling.')
   if _TEXT.value is not None and _INPUT.value != '-':
     cli.fail('give --text or --input, not both.')
-  if _INPUT.value != '-' and not os.path.isfile(_INPUT.value):
-    cli.fail(f'--input={_INPUT.value} does not exist.')
   if _ATTENTION_PLOT.value and _TEXT.value is None:
     cli.fail('--attention_plot draws one sentence: give it as --text.')
   heads = _ATTENTION_HEADS.value
   if heads not in ('mean', 'all') and not heads.isdigit():
     cli.fail(f"--attention_heads={heads!r} must be 'mean', 'all' or a head index.")
+  # The paths, before the model loads: an output is never an input, and never half written.
+  inputs = {'--input': None if _INPUT.value == '-' else _INPUT.value,
+            '--workdir': _CHECKPOINT.workdir.value}
+  if inputs['--input']:
+    outputs.check_input_file(_INPUT.value, '--input')
+  if _OUTPUT.value != '-':
+    outputs.check_output_file(_OUTPUT.value, '--output', inputs)
+    inputs['--output'] = _OUTPUT.value
+  if _ATTENTION_PLOT.value:
+    outputs.check_output_file(_ATTENTION_PLOT.value, '--attention_plot', inputs)
+    from matplotlib import backend_bases  # pylint: disable=g-import-not-at-top
+    formats = backend_bases.FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(_ATTENTION_PLOT.value)[1].lstrip('.').lower()
+    if suffix not in formats:
+      cli.fail(f'--attention_plot={_ATTENTION_PLOT.value} does not end with the suffix of an '
+               f'image format: {", ".join("." + f for f in sorted(formats))}.')
 
 
 def _end_on_closed_pipe() -> None:
@@ -108,41 +124,15 @@ def main(argv: list[str]) -> None:
   translator, checkpoint = cli.load_translator(_CHECKPOINT, n_best=_N_BEST.value)
   steps = checkpoint.steps
 
-  if _OUTPUT.value == '-':
-    output = io.TextIOWrapper(sys.stdout.buffer, encoding='utf-8', errors='replace',
-                              newline='\n', write_through=True)
-  else:
-    output = open(_OUTPUT.value, 'w', encoding='utf-8', newline='\n')
-  if _TEXT.value is not None:
-    source = io.BytesIO((_TEXT.value + '\n').encode('utf-8', errors='replace'))
-  elif _INPUT.value == '-':
-    # A closed stdin (`translate.py <&-`) is no input: no output.
-    source = sys.stdin.buffer if sys.stdin is not None else io.BytesIO(b'')
-  else:
-    source = open(_INPUT.value, 'rb')
-  interactive = (_TEXT.value is None and _INPUT.value == '-' and sys.stdin is not None
-                 and sys.stdin.isatty())
-  chunk_lines = 1 if interactive else (
-      _CHUNK_LINES.value or 16 * translator.options.batch_size)
-
-  def write(line: str) -> None:
-    output.write(line)
-    if interactive:
-      output.flush()
-
-  try:
-    stats = cli.translate_lines(translator, source, write, cli.warn, chunk_lines,
-                                n_best_format=_N_BEST.value > 1 or _PRINT_SCORES.value)
-    output.flush()
-  except BrokenPipeError:
-    _end_on_closed_pipe()
-  finally:
+  with contextlib.ExitStack() as stack:
     if _OUTPUT.value == '-':
-      output.detach()  # Leave sys.stdout open.
+      output = io.TextIOWrapper(sys.stdout.buffer, encoding='utf-8', errors='replace',
+                                newline='\n', write_through=True)
+      stack.callback(output.detach)  # Leave sys.stdout open.
     else:
-      output.close()
-    if sys.stdin is None or source is not sys.stdin.buffer:
-      source.close()
+      # Renamed into place once every line is written; the old file stays until then.
+      output = stack.enter_context(outputs.writing(_OUTPUT.value))
+    stats = _translate(translator, output, stack)
   if not _QUIET.value:
     print(f'translate.py: {stats.sentences} lines (checkpoint steps {steps}) in '
           f'{stats.decode_seconds:.1f}s (+{stats.compile_seconds:.1f}s compiling): '
@@ -162,6 +152,36 @@ def main(argv: list[str]) -> None:
     except ValueError as e:
       cli.fail(str(e))
     print(f'translate.py: wrote {_ATTENTION_PLOT.value}', file=sys.stderr)
+
+
+def _translate(translator, output, stack: contextlib.ExitStack):
+  """Translates the input (--text, --input or stdin) into `output`; the statistics."""
+  if _TEXT.value is not None:
+    source = io.BytesIO((_TEXT.value + '\n').encode('utf-8', errors='replace'))
+  elif _INPUT.value == '-':
+    # A closed stdin (`translate.py <&-`) is no input: no output.
+    source = sys.stdin.buffer if sys.stdin is not None else io.BytesIO(b'')
+  else:
+    source = open(_INPUT.value, 'rb')
+  interactive = (_TEXT.value is None and _INPUT.value == '-' and sys.stdin is not None
+                 and sys.stdin.isatty())
+  chunk_lines = 1 if interactive else (
+      _CHUNK_LINES.value or 16 * translator.options.batch_size)
+
+  def write(line: str) -> None:
+    output.write(line)
+    if interactive:
+      output.flush()
+
+  if sys.stdin is None or source is not sys.stdin.buffer:
+    stack.callback(source.close)
+  try:
+    stats = cli.translate_lines(translator, source, write, cli.warn, chunk_lines,
+                                n_best_format=_N_BEST.value > 1 or _PRINT_SCORES.value)
+    output.flush()
+  except BrokenPipeError:
+    _end_on_closed_pipe()
+  return stats
 
 
 flags.adopt_module_key_flags(cli)

@@ -1,0 +1,244 @@
+"""Output paths (`outputs.py`): every path checked before the work, every output written
+atomically, sets of outputs committed together, a killed writer's leftovers cleaned up; the
+lock created with its contents; configs that would not train as asked refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import train_testlib
+from transformer_jax import config as config_lib
+from transformer_jax import outputs
+from transformer_jax import workdir_lock
+from transformer_jax.errors import (ConfigError, DiskFullError, OutputExistsError,
+                                    PathError)
+
+REPO = train_testlib.REPO
+
+
+def _leftover(directory, name: str, kind: str = 'tmp', pid: int | None = None,
+              host: str | None = None) -> str:
+  """A temporary file named as `outputs.temporary_path` names them, of process `pid`."""
+  path = os.path.join(directory, f'.{name}.{kind}-{pid or train_testlib.dead_pid()}-0123abcd-'
+                                 f'{host or socket.gethostname()}')
+  with open(path, 'w', encoding='utf-8') as f:
+    f.write('left behind')
+  return path
+
+
+# --- Checks before any work. ---
+
+
+def test_an_output_that_is_an_input_is_refused_by_path_symlink_and_hard_link(tmp_path):
+  text = tmp_path / 'text.txt'
+  text.write_text('precious\n')
+  os.symlink(text, tmp_path / 'alias.txt')
+  os.link(text, tmp_path / 'hard.txt')
+  for output in (text, tmp_path / 'alias.txt', tmp_path / 'hard.txt',
+                 tmp_path / 'sub' / '..' / 'text.txt'):
+    (tmp_path / 'sub').mkdir(exist_ok=True)
+    with pytest.raises(PathError, match='is also --input=.*destroy the input'):
+      outputs.check_output_file(str(output), '--output', {'--input': str(text)})
+  assert text.read_text() == 'precious\n'
+  outputs.check_output_file(str(tmp_path / 'other.txt'), '--output', {'--input': str(text)})
+
+
+def test_output_kinds_and_missing_directories_are_named(tmp_path):
+  (tmp_path / 'a_file').write_text('x')
+  with pytest.raises(PathError, match='is a directory; give a file name'):
+    outputs.check_output_file(str(tmp_path), '--output')
+  with pytest.raises(PathError, match=r'its directory .*no_such_dir does not exist; create it'):
+    outputs.check_output_file(str(tmp_path / 'no_such_dir' / 'out.txt'), '--output')
+  with pytest.raises(PathError, match='is not a directory'):
+    outputs.check_output_file(str(tmp_path / 'a_file' / 'out.txt'), '--output')
+  with pytest.raises(PathError, match=r'is a file; give a directory'):
+    outputs.check_output_directory(str(tmp_path / 'a_file'), '--output_dir')
+  with pytest.raises(PathError, match='is a file, not a directory'):
+    outputs.check_output_directory(str(tmp_path / 'a_file' / 'run'), '--workdir')
+  with pytest.raises(PathError, match='is a directory; give a file'):
+    outputs.check_input_file(str(tmp_path), '--input')
+  with pytest.raises(PathError, match="is a file; give a training run's"):
+    outputs.check_input_directory(str(tmp_path / 'a_file'), '--workdir',
+                                  "a training run's work directory")
+  with pytest.raises(PathError, match='does not exist'):
+    outputs.check_input_file(str(tmp_path / 'missing'), '--input')
+  deep = tmp_path / 'new' / 'deeper' / 'run'
+  outputs.check_output_directory(str(deep), '--workdir')  # Created with its parents.
+  assert deep.is_dir()
+
+
+def _mount_tmpfs(path, options: str) -> None:
+  path.mkdir()
+  mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', options, 'tmpfs', str(path)],
+                           capture_output=True, text=True, check=False)
+  if mounted.returncode:
+    pytest.skip(f'cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}')
+
+
+def test_an_unwritable_directory_is_found_by_writing_there_even_as_root(tmp_path):
+  """A read-only mount: os.access says yes to root; the probe file says no."""
+  mount = tmp_path / 'readonly'
+  _mount_tmpfs(mount, 'ro,size=1m')
+  try:
+    with pytest.raises(PathError, match='cannot create files in .*Read-only file system'):
+      outputs.check_output_file(str(mount / 'out.txt'), '--output')
+    with pytest.raises(PathError, match='choose a directory you can write to'):
+      outputs.check_output_directory(str(mount / 'run' / 'sub'), '--workdir')
+  finally:
+    subprocess.run(['umount', '-l', str(mount)], check=False)
+
+
+# --- Atomic writes, commits and the cleanup after a kill. ---
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
+  path = tmp_path / 'out.txt'
+  path.write_text('old\n')
+  with pytest.raises(RuntimeError):
+    with outputs.writing(str(path)) as f:
+      f.write('half of the new')
+      raise RuntimeError('killed')
+  assert path.read_text() == 'old\n'
+  assert os.listdir(tmp_path) == ['out.txt']
+  outputs.write_file(str(path), 'new\n')
+  assert path.read_text() == 'new\n' and os.listdir(tmp_path) == ['out.txt']
+
+
+_COMMIT_KILLED = textwrap.dedent('''
+    import os, signal, sys
+    sys.path.insert(0, {repo!r})
+    from transformer_jax import outputs
+    calls = []
+    real_replace = os.replace
+    def replace(src, dst):  # SIGKILL instead of the kill_at-th rename.
+      calls.append(dst)
+      if len(calls) == {kill_at}:
+        os.kill(os.getpid(), signal.SIGKILL)
+      real_replace(src, dst)
+    os.replace = replace
+    outputs.write_files({{{hyp!r}: 'new hypotheses\\n', {metrics!r}: '{{"bleu": 2}}\\n'}})
+''')
+
+
+@pytest.mark.parametrize('kill_at,expected', [
+    (1, ('old hypotheses\n', '{"bleu": 1}\n')),  # At the journal's rename: nothing committed.
+    (2, ('new hypotheses\n', '{"bleu": 2}\n')),  # Committed, no file renamed yet.
+    (3, ('new hypotheses\n', '{"bleu": 2}\n')),  # Between the two files' renames.
+])
+def test_a_pair_killed_mid_commit_is_whole_after_the_next_check(tmp_path, kill_at, expected):
+  """A real SIGKILL at each rename of `write_files` committing hypotheses and metrics: the
+  next command to check the directory finds both old or both new, and no temporary."""
+  hyp, metrics = tmp_path / 'test.hyp.txt', tmp_path / 'test.metrics.json'
+  hyp.write_text('old hypotheses\n')
+  metrics.write_text('{"bleu": 1}\n')
+  script = _COMMIT_KILLED.format(repo=REPO, hyp=str(hyp), metrics=str(metrics),
+                                 kill_at=kill_at)
+  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == -9, result.stderr
+  assert len(os.listdir(tmp_path)) > 2  # The killed writer's leftovers.
+  outputs.check_output_directory(str(tmp_path), '--output_dir')
+  assert (hyp.read_text(), metrics.read_text()) == expected
+  assert sorted(os.listdir(tmp_path)) == ['test.hyp.txt', 'test.metrics.json']
+
+
+def test_only_dead_writers_leftovers_are_cleaned(tmp_path):
+  dead = _leftover(tmp_path, 'out.txt')
+  live = _leftover(tmp_path, 'out.txt', pid=os.getppid())  # pytest's parent: alive.
+  mine = _leftover(tmp_path, 'out.txt', pid=os.getpid())
+  elsewhere_new = _leftover(tmp_path, 'a.txt', host='elsewhere')
+  elsewhere_old = _leftover(tmp_path, 'b.txt', host='elsewhere')
+  old = time.time() - outputs.STALE_AFTER_S - 60
+  os.utime(elsewhere_old, (old, old))
+  directory = _leftover(tmp_path, 'model', pid=train_testlib.dead_pid())  # A `writing_directory`'s.
+  os.remove(directory)
+  os.makedirs(os.path.join(directory, 'inner'))
+  user_file = tmp_path / '.out.txt.tmp'  # Not one of ours: never touched.
+  user_file.write_text('mine')
+  removed = outputs.clean_directory(str(tmp_path))
+  assert sorted(removed) == sorted([dead, elsewhere_old, directory])
+  for path in (live, mine, elsewhere_new, user_file):
+    assert os.path.exists(path)
+
+
+def test_a_directory_of_outputs_appears_whole_or_not_at_all(tmp_path):
+  target = tmp_path / 'model'
+  with pytest.raises(RuntimeError):
+    with outputs.writing_directory(str(target)) as staging:
+      with open(os.path.join(staging, 'config.json'), 'w', encoding='utf-8') as f:
+        f.write('{}')
+      raise RuntimeError('killed half-way')
+  assert os.listdir(tmp_path) == []
+  target.mkdir()  # An empty directory is replaced.
+  with outputs.writing_directory(str(target)) as staging:
+    with open(os.path.join(staging, 'config.json'), 'w', encoding='utf-8') as f:
+      f.write('{}')
+  assert os.listdir(target) == ['config.json'] and os.listdir(tmp_path) == ['model']
+  with pytest.raises(OutputExistsError, match='is not empty'):
+    with outputs.writing_directory(str(target)):
+      pass
+
+
+# --- The lock. ---
+
+
+def test_an_empty_or_unparsable_lock_is_taken_over_at_once_with_its_name(tmp_path, caplog):
+  path = tmp_path / workdir_lock.LOCK_NAME
+  for contents in ('', '{"host": "elsewhere"', '[1, 2]', '{"pid": 1}'):
+    path.write_text(contents)
+    lock = workdir_lock.WorkdirLock(str(tmp_path))  # The default 300 s staleness.
+    lock.acquire()
+    assert json.loads(path.read_text())['pid'] == os.getpid()
+    lock.release()
+    assert f'Took over the lock {path}: it is empty or cannot be parsed' in caplog.text
+    assert 'process ?' not in caplog.text
+    caplog.clear()
+
+
+def test_the_lock_is_never_seen_without_its_contents_and_a_full_disk_leaves_none(tmp_path):
+  """The lock appears by a hard link to a complete file; on a full disk writing that file
+  fails, and nothing named train.lock is left to refuse the rerun."""
+  mount = tmp_path / 'small'
+  _mount_tmpfs(mount, 'size=64k')
+  try:
+    workdir = mount / 'run'
+    workdir.mkdir()
+    train_testlib.fill_disk(str(mount / 'filler'))
+    with pytest.raises(OSError) as error:
+      workdir_lock.WorkdirLock(str(workdir)).acquire()
+    from transformer_jax import errors  # pylint: disable=g-import-not-at-top
+    assert isinstance(errors.find_user_error(error.value), DiskFullError)
+    assert os.listdir(workdir) == []  # No lock, no temporary.
+    os.remove(mount / 'filler')
+    with workdir_lock.WorkdirLock(str(workdir)):
+      assert json.loads((workdir / workdir_lock.LOCK_NAME).read_text())['pid'] == os.getpid()
+  finally:
+    subprocess.run(['umount', '-l', str(mount)], check=False)
+
+
+# --- Configs that would train, but not as asked. ---
+
+
+@pytest.mark.parametrize('overrides,phrases', [
+    ({'max_len': 16, 'max_source_length': 32, 'max_target_length': 24},
+     ('max_len=16 is shorter than max_source_length=32/max_target_length=24',
+      'only the first max_len tokens', '--config.max_len=32')),
+    ({'tokens_per_batch': 8, 'max_len': 64, 'max_source_length': 64, 'max_target_length': 64},
+     ('tokens_per_batch=8 is less than one row', '(64 tokens', 'up to 8x the budget',
+      'at least 64')),
+])
+def test_configs_that_would_not_train_as_asked_are_refused(overrides, phrases):
+  config = train_testlib.small_config({'train': 'a,b', 'validation': 'a,b'}, **overrides)
+  config_lib.validate(config)  # A saved run's config still loads for translation.
+  with pytest.raises(ConfigError) as error:
+    config_lib.validate(config, training=True)
+  for phrase in phrases:
+    assert phrase in str(error.value), (phrase, str(error.value))
