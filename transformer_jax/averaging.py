@@ -13,7 +13,6 @@ hence it never goes into the training run's own directory.
 from __future__ import annotations
 
 import copy
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import checkpointing
+from transformer_jax import outputs
 from transformer_jax.errors import CheckpointNotFoundError, ConfigError
 
 PyTree = Any
@@ -97,7 +97,7 @@ def average_checkpoints(workdir: str, output_workdir: str, num: int) -> tuple[st
     CheckpointNotFoundError: no checkpoints in `workdir`.
     OutputExistsError: `output_workdir` already has that step.
   """
-  if os.path.realpath(workdir) == os.path.realpath(output_workdir):
+  if outputs.same_path(workdir, output_workdir):
     raise ConfigError('The output directory must differ from the training work directory: '
                       'an averaged checkpoint has no optimizer state to resume from.')
   steps = last_steps(workdir, num)
@@ -105,5 +105,5 @@ def average_checkpoints(workdir: str, output_workdir: str, num: int) -> tuple[st
   params = average_params(workdir, steps)
   meta = copy.deepcopy(meta)
   meta['averaged_steps'] = steps
-  meta['averaged_from'] = os.path.abspath(workdir)
+  meta['averaged_from'] = outputs.resolve(workdir)
   return checkpointing.write_params_checkpoint(output_workdir, last, params, meta), steps

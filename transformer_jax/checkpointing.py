@@ -352,8 +352,8 @@ class Checkpointer:
 
 
 def _reader(workdir: str) -> ocp.CheckpointManager:
-  directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
-  if not os.path.isdir(directory):
+  directory = outputs.resolve(workdir) + '/' + CHECKPOINT_DIR
+  if not outputs.is_directory(directory):
     raise CheckpointNotFoundError(f'{directory} does not exist: {workdir} holds no '
                                   'checkpoints; pass the --workdir of a training run.')
   return ocp.CheckpointManager(directory, options=_options(
@@ -415,7 +415,7 @@ def _damaged(manager: ocp.CheckpointManager, directory: str, step: int, item: st
   except UserError:
     raise
   except Exception as e:  # pylint: disable=broad-except  # Orbax and TensorStore raise many.
-    if not os.path.isdir(os.path.join(directory, str(step))):
+    if not outputs.is_directory(f'{directory}/{step}'):
       manager.reload()
       raise CheckpointGoneError(
           f'Checkpoint {step} in {directory} was deleted while it was being read: the '
@@ -481,8 +481,8 @@ def write_params_checkpoint(workdir: str, step: int, params: Any, meta: dict[str
   Raises:
     OutputExistsError: that step already exists there.
   """
-  directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
-  if os.path.exists(os.path.join(directory, str(step))):
+  directory = outputs.resolve(workdir) + '/' + CHECKPOINT_DIR
+  if outputs.is_directory(f'{directory}/{step}'):
     raise OutputExistsError(f'{directory}/{step} already exists; choose another output '
                             'directory or remove it.')
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
@@ -493,7 +493,7 @@ def write_params_checkpoint(workdir: str, step: int, params: Any, meta: dict[str
             {'params': params})})),
                  force=True)
     manager.wait_until_finished()
-  return os.path.join(directory, str(step))
+  return f'{directory}/{step}'
 
 
 def read_meta(workdir: str, step: int | str | None = None) -> tuple[dict[str, Any], int]:
@@ -512,7 +512,7 @@ def read_meta(workdir: str, step: int | str | None = None) -> tuple[dict[str, An
 def newest_readable_meta(workdir: str) -> dict[str, Any] | None:
   """The `meta` of the newest checkpoint of `workdir` whose meta can be read; None if it
   has none (damaged checkpoints are skipped here and dealt with when restoring)."""
-  if not os.path.isdir(os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)):
+  if not outputs.is_directory(outputs.resolve(workdir) + '/' + CHECKPOINT_DIR):
     return None
   with _reader(workdir) as manager:
     for step in sorted(manager.all_steps(), reverse=True):

@@ -146,6 +146,10 @@ def run(main: Callable[[list[str]], Any]) -> None:
       fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
     logging.get_absl_handler().addFilter(_quiet_orbax)
     if not VERBOSE.value:
+      # gcsfs logs each retry and its final failure with a traceback; the failure reaches
+      # the command, which reports it in one paragraph (outputs.cloud_error).
+      std_logging.getLogger('gcsfs').setLevel(std_logging.CRITICAL)
+    if not VERBOSE.value:
       # Checkpoint writers' threads report their failures to the main thread, which reports
       # them once (a full disk: one paragraph); their own tracebacks go to the debug log.
       threading.excepthook = _thread_failure_to_debug_log
@@ -226,6 +230,7 @@ def use_compilation_cache(directory: str | None) -> None:
   with a clear error when the path exists and is not a directory."""
   if not directory:
     return
+  outputs.require_local(directory, '--compilation_cache_dir', 'the compilation cache')
   outputs.check_output_directory(directory, '--compilation_cache_dir')
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update('jax_compilation_cache_dir', directory)
@@ -344,7 +349,7 @@ def read_lines(path: str, flag: str) -> list[str]:
   """A text file's lines, as `decode_line` reads them (`path` checked by
   `outputs.check_input_file`)."""
   outputs.check_input_file(path, f'--{flag}')
-  with open(path, 'rb') as f:
+  with outputs.open_file(path) as f:
     lines = f.read().split(b'\n')
   if lines and lines[-1] == b'':
     lines.pop()

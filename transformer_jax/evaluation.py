@@ -154,7 +154,8 @@ def write_results(directory: str, name: str, hypotheses: Sequence[str],
   Returns:
     The two paths.
   """
-  os.makedirs(directory, exist_ok=True)
+  if not outputs.is_remote(directory):
+    os.makedirs(directory, exist_ok=True)
   paths = result_paths(directory, name)
   outputs.write_files({
       paths[0]: ''.join(h + '\n' for h in hypotheses),

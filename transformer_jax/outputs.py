@@ -25,6 +25,14 @@ Every command takes its paths through here, so that one rule holds for all of th
 
 Temporary names: `.NAME.tmp-PID-RANDOM-HOST` (journals: `.NAME.commit-PID-RANDOM-HOST`),
 hidden, in the output's own directory (a rename never crosses file systems).
+
+Cloud Storage: a `gs://BUCKET/...` path passes the same checks through `etils.epath` (gcsfs):
+a directory is a prefix, so only the bucket must exist, and writability is probed by writing
+and deleting an object. An object appears whole when its upload ends, so a file is written
+locally and uploaded once complete; `write_files`' renames are copies and deletes there, which
+the journal makes safe to repeat. A missing bucket, an unreachable endpoint and a refused
+permission are `PathError`s that name the bucket and the fix. Other schemes (`s3://`, ...)
+are refused (`check_scheme`).
 """
 
 from __future__ import annotations
@@ -33,9 +41,11 @@ import contextlib
 import errno
 import json
 import os
+import posixpath
 import re
 import shutil
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -50,15 +60,92 @@ _TEMPORARY = re.compile(r'^\.(?P<name>.+)\.(?P<kind>tmp|commit)-(?P<pid>\d+)-[0-
 Inputs = Mapping[str, 'str | None']  # A flag (or a description) -> the path it names.
 
 
+_SCHEME = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://')
+
+
+def is_remote(path: str) -> bool:
+  """Whether `path` is a URL (`gs://...`) rather than a local path."""
+  return bool(_SCHEME.match(os.fspath(path)))
+
+
+def check_scheme(path: str, flag: str) -> None:
+  """Refuses URLs of schemes other than gs:// (their writes are untested here)."""
+  match = _SCHEME.match(path)
+  if match and match['scheme'] != 'gs':
+    raise PathError(f'{_describe(flag, path)}: {match["scheme"]}:// paths are not supported; '
+                    'give a local path or a Cloud Storage path (gs://BUCKET/...).')
+
+
+def require_local(path: str, flag: str, what: str) -> None:
+  """Refuses a gs:// `path` where `what` cannot use one yet (see the README)."""
+  check_scheme(path, flag)
+  if is_remote(path):
+    raise PathError(f'{_describe(flag, path)}: {what} cannot be on Cloud Storage yet; give a '
+                    'local path (a bucket mounted with gcsfuse is a local path).')
+
+
+def resolve(path: str) -> str:
+  """An absolute local path, or the URL as given (without a trailing '/')."""
+  return path.rstrip('/') if is_remote(path) else os.path.abspath(path)
+
+
+def _split(path: str) -> tuple[str, str]:
+  return posixpath.split(path) if is_remote(path) else os.path.split(os.path.abspath(path))
+
+
+def _epath(path: str) -> Any:
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  return epath.Path(path)
+
+
 def _host() -> str:
   return socket.gethostname().replace('/', '_')
 
 
 def temporary_path(path: str, kind: str = 'tmp') -> str:
   """A fresh temporary name beside `path`, which `clean_directory` recognises."""
-  directory, name = os.path.split(os.path.abspath(path))
-  return os.path.join(directory,
-                      f'.{name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{_host()}')
+  directory, name = _split(path)
+  name = f'.{name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{_host()}'
+  return posixpath.join(directory, name) if is_remote(path) else os.path.join(directory, name)
+
+
+def _bucket(path: str) -> str:
+  return 'gs://' + path[len('gs://'):].split('/', 1)[0]
+
+
+def cloud_error(error: BaseException, path: str, flag: str = 'the path') -> PathError:
+  """The `PathError` for a failure of Cloud Storage at `path`: one paragraph naming the bucket
+  and the fix."""
+  bucket = _bucket(path)
+  where = _describe(flag, path)
+  detail = ' '.join(f'{type(error).__name__}: {error}'.split())[:300]
+  code = getattr(error, 'code', None)
+  if isinstance(error, ImportError):
+    return PathError(f'{where}: gs:// paths need gcsfs; pip install "transformer-jax[gcs]".')
+  if isinstance(error, PermissionError) or code in (401, 403):
+    return PathError(f'{where}: Cloud Storage refused access to {bucket} ({detail}); sign in '
+                     'with `gcloud auth application-default login` (or set '
+                     'GOOGLE_APPLICATION_CREDENTIALS), and make sure this account may write '
+                     f'objects there (roles/storage.objectAdmin on {bucket}).')
+  if isinstance(error, FileNotFoundError) or code == 404:
+    return PathError(f'{where}: the bucket {bucket} does not exist (or this account cannot see '
+                     f'it); create it (gcloud storage buckets create {bucket}) or correct the '
+                     'name.')
+  if isinstance(error, (OSError, ConnectionError, TimeoutError)) or 'connect' in detail.lower():
+    return PathError(f'{where}: cannot reach Cloud Storage for {bucket} ({detail}); check the '
+                     'network (and STORAGE_EMULATOR_HOST, if it is set).')
+  return PathError(f'{where}: Cloud Storage failed for {bucket} ({detail}).')
+
+
+@contextlib.contextmanager
+def _cloud(path: str, flag: str = 'the path') -> Iterator[None]:
+  """Turns a Cloud Storage failure at `path` into `cloud_error`'s `PathError`."""
+  try:
+    yield
+  except (PathError, OutputExistsError):
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # gcsfs, aiohttp and auth raise many.
+    raise cloud_error(e, path, flag) from e
 
 
 def process_alive(pid: int) -> bool:
@@ -76,9 +163,10 @@ def _owner_dead(path: str, pid: int, host: str) -> bool:
   if host == _host():
     return pid != os.getpid() and not process_alive(pid)
   try:
-    return time.time() - os.stat(path).st_mtime > STALE_AFTER_S
+    mtime = _epath(path).stat().mtime if is_remote(path) else os.stat(path).st_mtime
   except FileNotFoundError:
     return False
+  return time.time() - mtime > STALE_AFTER_S
 
 
 # --- Checks, before any work. ---
@@ -88,8 +176,26 @@ def _describe(flag: str, path: str) -> str:
   return f'{flag}={path}' if flag.startswith('--') else f'{flag} {path}'
 
 
-def _same(a: str, b: str) -> bool:
+def open_file(path: str, mode: str = 'rb') -> IO[Any]:
+  """Opens a local or gs:// file for reading."""
+  if is_remote(path):
+    with _cloud(path):
+      return _epath(path).open(mode)
+  return open(path, mode)  # pylint: disable=unspecified-encoding  # Binary, as callers ask.
+
+
+def is_directory(path: str) -> bool:
+  """Whether a local or gs:// directory exists (on Cloud Storage: any object below it)."""
+  if is_remote(path):
+    with _cloud(path):
+      return _epath(path).is_dir()
+  return os.path.isdir(path)
+
+
+def same_path(a: str, b: str) -> bool:
   """Whether two paths name the same file or directory (resolved path, or inode)."""
+  if is_remote(a) or is_remote(b):
+    return resolve(a) == resolve(b)
   if os.path.realpath(a) == os.path.realpath(b):
     return True
   try:
@@ -101,7 +207,7 @@ def _same(a: str, b: str) -> bool:
 def check_not_input(path: str, flag: str, inputs: Inputs) -> None:
   """Raises `PathError` if the output `path` is one of `inputs` (flag -> path)."""
   for input_flag, input_path in inputs.items():
-    if input_path and _same(path, input_path):
+    if input_path and same_path(path, input_path):
       raise PathError(
           f'{_describe(flag, path)} is also {_describe(input_flag, input_path)}: writing the '
           'output would destroy the input before it is read. Write the output to another '
@@ -110,7 +216,14 @@ def check_not_input(path: str, flag: str, inputs: Inputs) -> None:
 
 def _probe(directory: str, flag: str, path: str) -> None:
   """Creates and removes a file in `directory`: the one test of writability that holds for
-  root, ACLs and read-only mounts alike."""
+  root, ACLs and read-only mounts alike (and, on Cloud Storage, for a missing bucket, which
+  `mkdir` there would not notice)."""
+  if is_remote(directory):
+    probe = temporary_path(posixpath.join(directory, 'write-probe'))
+    with _cloud(path, flag):
+      _epath(probe).write_bytes(b'')
+      _epath(probe).unlink()
+    return
   probe = temporary_path(os.path.join(directory, 'write-probe'))
   try:
     fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
@@ -126,6 +239,14 @@ def _probe(directory: str, flag: str, path: str) -> None:
 
 def check_input_file(path: str, flag: str) -> str:
   """Checks that the input `path` is a readable file; returns it."""
+  check_scheme(path, flag)
+  if is_remote(path):
+    with _cloud(path, flag):
+      if _epath(path).is_dir():
+        raise PathError(f'{_describe(flag, path)} is a directory; give a file.')
+      if not _epath(path).exists():
+        raise PathError(f'{_describe(flag, path)} does not exist.')
+    return path
   if os.path.isdir(path):
     raise PathError(f'{_describe(flag, path)} is a directory; give a file.')
   if not os.path.exists(path):
@@ -137,6 +258,12 @@ def check_input_file(path: str, flag: str) -> str:
 
 def check_input_directory(path: str, flag: str, what: str = 'a directory') -> str:
   """Checks that the input `path` is a directory (`what` says which, for the message)."""
+  check_scheme(path, flag)
+  if is_remote(path):
+    with _cloud(path, flag):
+      if not _epath(path).is_dir():
+        raise PathError(f'{_describe(flag, path)} does not exist; give {what}.')
+    return path
   if os.path.exists(path) and not os.path.isdir(path):
     raise PathError(f'{_describe(flag, path)} is a file; give {what}.')
   if not os.path.isdir(path):
@@ -148,7 +275,7 @@ def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str
   """Checks that the file `path` can be written, and cleans up after a killed writer there.
 
   Its directory must exist (as for a shell's `>`): a typo in it should not create a tree
-  of directories.
+  of directories. (On Cloud Storage only the bucket must.)
 
   Returns:
     `path`.
@@ -157,6 +284,15 @@ def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str
     PathError: `path` is a directory, its directory is missing or not writable, or it is
       one of `inputs`.
   """
+  check_scheme(path, flag)
+  if is_remote(path):
+    with _cloud(path, flag):
+      if _epath(path).is_dir():
+        raise PathError(f'{_describe(flag, path)} is a directory; give a file name.')
+    check_not_input(path, flag, inputs or {})
+    _probe(_split(path)[0], flag, path)
+    clean_directory(_split(path)[0])
+    return path
   if os.path.isdir(path):
     raise PathError(f'{_describe(flag, path)} is a directory; give a file name.')
   directory = os.path.dirname(os.path.abspath(path))
@@ -182,6 +318,15 @@ def check_output_directory(path: str, flag: str, inputs: Inputs | None = None, *
     PathError: `path` is a file, the nearest existing directory above it is not writable,
       or it is one of `inputs`.
   """
+  check_scheme(path, flag)
+  if is_remote(path):
+    with _cloud(path, flag):
+      if _epath(path).is_file():
+        raise PathError(f'{_describe(flag, path)} is a file; give a directory.')
+    check_not_input(path, flag, inputs or {})
+    _probe(resolve(path), flag, path)
+    clean_directory(resolve(path))
+    return path
   if os.path.exists(path) and not os.path.isdir(path):
     raise PathError(f'{_describe(flag, path)} is a file; give a directory (it is created if '
                     'missing).')
@@ -211,7 +356,15 @@ def check_output_directory(path: str, flag: str, inputs: Inputs | None = None, *
 @contextlib.contextmanager
 def writing(path: str, mode: str = 'w') -> Iterator[IO[Any]]:
   """Opens a temporary file beside `path`; renames it to `path` when the block ends without
-  an error, and removes it otherwise (the old `path`, if any, is untouched)."""
+  an error, and removes it otherwise (the old `path`, if any, is untouched). On Cloud
+  Storage the file is written locally and uploaded when complete."""
+  if is_remote(path):
+    with tempfile.TemporaryDirectory() as local:
+      with writing(os.path.join(local, 'output'), mode) as f:
+        yield f
+      with _cloud(path, 'the output'), open(os.path.join(local, 'output'), 'rb') as f:
+        _epath(path).write_bytes(f.read())
+    return
   tmp = temporary_path(path)
   try:
     with open(tmp, mode, **({} if 'b' in mode else {'encoding': 'utf-8', 'newline': '\n'})
@@ -234,6 +387,7 @@ def writing_directory(path: str) -> Iterator[str]:
   Raises:
     OutputExistsError: `path` exists and is not empty (checked again at the rename).
   """
+  require_local(path, 'the output directory', 'a directory written whole')
   _check_empty(path)
   tmp = temporary_path(path)
   os.makedirs(tmp)
@@ -253,9 +407,42 @@ def _check_empty(path: str) -> None:
 
 
 def write_file(path: str, data: str | bytes) -> None:
-  """Writes `data` to `path` atomically (a temporary file renamed into place)."""
+  """Writes `data` to `path` atomically (a temporary file renamed into place; on Cloud
+  Storage one upload)."""
+  if is_remote(path):
+    with _cloud(path, 'the output'):
+      _epath(path).write_bytes(data if isinstance(data, bytes) else data.encode('utf-8'))
+    return
   with writing(path, 'wb' if isinstance(data, bytes) else 'w') as f:
     f.write(data)
+
+
+def _replace(source: str, target: str) -> None:
+  if is_remote(source):
+    with _cloud(target, 'the output'):
+      _epath(source).replace(target)  # A copy, then a delete.
+  else:
+    os.replace(source, target)
+
+
+def _remove(path: str) -> None:
+  if is_remote(path):
+    with _cloud(path, 'the output'):
+      _epath(path).unlink()
+  else:
+    os.remove(path)
+
+
+def _exists(path: str) -> bool:
+  if is_remote(path):
+    with _cloud(path):
+      return _epath(path).exists()
+  return os.path.exists(path)
+
+
+def _join(directory: str, name: str) -> str:
+  return posixpath.join(directory, name) if is_remote(directory) else os.path.join(directory,
+                                                                                  name)
 
 
 def write_files(files: Mapping[str, str | bytes]) -> None:
@@ -265,38 +452,47 @@ def write_files(files: Mapping[str, str | bytes]) -> None:
   (the commit: from here on `clean_directory` finishes the job if this process dies); then
   each file is renamed; then the journal is removed.
   """
-  paths = [os.path.abspath(p) for p in files]
-  directory = os.path.dirname(paths[0])
-  if any(os.path.dirname(p) != directory for p in paths):
+  paths = [resolve(p) for p in files]
+  directory = _split(paths[0])[0]
+  if any(_split(p)[0] != directory for p in paths):
     raise ValueError(f'write_files writes into one directory, not {paths}.')
   temporaries = {}
   try:
     for path, data in zip(paths, files.values()):
       temporaries[path] = temporary_path(path)
+      if is_remote(path):
+        write_file(temporaries[path], data)
+        continue
       with open(temporaries[path], 'wb') as f:
         f.write(data if isinstance(data, bytes) else data.encode('utf-8'))
         f.flush()
         os.fsync(f.fileno())
     journal = temporary_path(paths[0], 'commit')
-    write_file(journal, json.dumps({os.path.basename(t): os.path.basename(p)
+    write_file(journal, json.dumps({_split(t)[1]: _split(p)[1]
                                     for p, t in temporaries.items()}))
   except BaseException:
     for tmp in temporaries.values():
       with contextlib.suppress(OSError):
-        os.remove(tmp)
+        _remove(tmp)
     raise
   _finish_commit(journal)
 
 
 def _finish_commit(journal: str) -> None:
-  """Renames every file a journal lists into place (those still there), then removes it."""
-  directory = os.path.dirname(journal)
-  with open(journal, encoding='utf-8') as f:
-    renames = json.load(f)
+  """Renames every file a journal lists into place (those still there), then removes it.
+  Safe to repeat after a kill at any point (on Cloud Storage a rename is a copy, then a
+  delete: a file copied but not deleted is copied again)."""
+  directory = _split(journal)[0]
+  if is_remote(journal):
+    with _cloud(journal):
+      renames = json.loads(_epath(journal).read_text())
+  else:
+    with open(journal, encoding='utf-8') as f:
+      renames = json.load(f)
   for tmp, final in renames.items():
-    if os.path.exists(os.path.join(directory, tmp)):
-      os.replace(os.path.join(directory, tmp), os.path.join(directory, final))
-  os.remove(journal)
+    if _exists(_join(directory, tmp)):
+      _replace(_join(directory, tmp), _join(directory, final))
+  _remove(journal)
 
 
 def clean_directory(directory: str) -> list[str]:
@@ -304,25 +500,29 @@ def clean_directory(directory: str) -> list[str]:
   `directory` (see the module doc); returns what it removed or finished."""
   done = []
   try:
-    names = os.listdir(directory)
-  except OSError:
+    if is_remote(directory):
+      with _cloud(directory):
+        names = [p.name for p in _epath(directory).iterdir()]
+    else:
+      names = os.listdir(directory)
+  except (OSError, PathError):
     return done
   found = [(name, m) for name in names if (m := _TEMPORARY.match(name))]
   # Journals first: the temporaries they name are finished, not removed.
   for name, match in sorted(found, key=lambda item: item[1]['kind'] != 'commit'):
-    path = os.path.join(directory, name)
+    path = _join(directory, name)
     if not _owner_dead(path, int(match['pid']), match['host']):
       continue
     try:
       if match['kind'] == 'commit':
         _finish_commit(path)
-      elif os.path.isdir(path) and not os.path.islink(path):
+      elif not is_remote(path) and os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)  # Of `writing_directory`.
       else:
-        os.remove(path)
+        _remove(path)
     except FileNotFoundError:
       continue  # Another process cleaned it up meanwhile.
-    except (OSError, ValueError):
+    except (OSError, ValueError, PathError):
       continue  # Unreadable: left for a person to look at.
     done.append(path)
   return done

@@ -58,6 +58,8 @@ def main(argv: list[str]) -> None:
   if _SOURCE_FILE.value and (_SPLIT.value or _TFDS_DATA_DIR.value):
     cli.fail('--source_file replaces the dataset; drop --split and --tfds_data_dir.')
   workdir = _CHECKPOINT.workdir.value
+  if _TFDS_DATA_DIR.value:
+    outputs.require_local(_TFDS_DATA_DIR.value, '--tfds_data_dir', 'TFDS data')
   inputs = {'--source_file': _SOURCE_FILE.value, '--reference_file': _REFERENCE_FILE.value,
             '--compare_to': _COMPARE_TO.value}
   for flag, path in inputs.items():
@@ -110,10 +112,10 @@ def main(argv: list[str]) -> None:
       cli.fail(f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
             f'{len(references)} sentences.')
 
-  info = {'workdir': os.path.abspath(workdir), 'step': checkpoint.step,
+  info = {'workdir': outputs.resolve(workdir), 'step': checkpoint.step,
           'checkpoint_steps': steps, 'split': name, 'dataset': config.dataset,
           'source_lang': config.source_lang, 'target_lang': config.target_lang,
-          'compared_to': os.path.abspath(_COMPARE_TO.value) if _COMPARE_TO.value else None}
+          'compared_to': outputs.resolve(_COMPARE_TO.value) if _COMPARE_TO.value else None}
   logging.info('Evaluating %s (steps %s) on %d sentences of %s.', workdir, steps,
                len(sources), name)
   result = evaluation.evaluate(translator, sources, references, baseline=baseline,

@@ -34,6 +34,8 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   if not _MODEL_DIR.value or not _WORKDIR.value:
     cli.fail('--model_dir and --workdir are required.')
+  outputs.require_local(_MODEL_DIR.value, '--model_dir', 'a Marian model directory')
+  outputs.require_local(_WORKDIR.value, '--workdir', "an import's work directory")
   outputs.check_input_directory(_MODEL_DIR.value, '--model_dir',
                                 "a Hugging Face Marian model directory (save_pretrained's)")
   outputs.check_output_directory(_WORKDIR.value, '--workdir', {'--model_dir': _MODEL_DIR.value},

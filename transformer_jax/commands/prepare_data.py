@@ -56,6 +56,7 @@ def main(argv: list[str]) -> None:
     cli.fail(f'--workers={_WORKERS.value} must be >= 0 (0: one per core).')
   config = _CONFIG.value
   config_lib.validate(config, training=True)
+  outputs.require_local(_WORKDIR.value, '--workdir', "a training run's work directory")
   outputs.check_output_directory(_WORKDIR.value, '--workdir')
   workers = _WORKERS.value or os.cpu_count() or 1
   splits = _SPLITS.value or list(dict.fromkeys(

@@ -162,7 +162,7 @@ def _translate(translator, output, stack: contextlib.ExitStack):
     # A closed stdin (`translate.py <&-`) is no input: no output.
     source = sys.stdin.buffer if sys.stdin is not None else io.BytesIO(b'')
   else:
-    source = open(_INPUT.value, 'rb')
+    source = outputs.open_file(_INPUT.value)
   interactive = (_TEXT.value is None and _INPUT.value == '-' and sys.stdin is not None
                  and sys.stdin.isatty())
   chunk_lines = 1 if interactive else (

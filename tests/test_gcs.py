@@ -1,0 +1,152 @@
+"""gs:// paths against a real Cloud Storage server on 127.0.0.1 (`gcs_testlib`): the checks
+and atomic writes of `outputs.py`, the commands that read a run and write results there, and
+clear errors for a missing bucket, an unreachable endpoint, another scheme and what cannot be
+on Cloud Storage yet. (The server checks no credentials or permissions, so those two errors
+are not produced here.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import gcsfs
+import pytest
+from etils import epath
+
+import gcs_testlib
+import train_testlib
+from test_translator import TRAIN_STEPS
+from transformer_jax import outputs
+from transformer_jax.errors import PathError
+
+REPO = train_testlib.REPO
+
+
+def _command(script: str, *flags: str, env: dict[str, str] | None = None,
+             timeout: int = 300) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, os.path.join(REPO, script), *flags], cwd=REPO,
+                        env=env or train_testlib.subprocess_env(fast_compile=False),
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def _user_error(result: subprocess.CompletedProcess, *phrases: str) -> str:
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert 'Traceback' not in result.stderr, result.stderr[-3000:]
+  message = result.stderr.strip().splitlines()[-1]
+  for phrase in phrases:
+    assert phrase in message, (phrase, message)
+  return message
+
+
+def test_checks_and_atomic_writes_on_a_bucket(bucket):
+  run = f'{bucket}/run'
+  outputs.check_output_directory(run, '--output_dir')  # A prefix: nothing to create.
+  outputs.write_file(f'{run}/a.txt', 'a\n')
+  outputs.check_input_file(f'{run}/a.txt', '--input')
+  outputs.check_input_directory(run, '--workdir')
+  with pytest.raises(PathError, match='is a directory; give a file'):
+    outputs.check_input_file(run, '--input')
+  with pytest.raises(PathError, match='does not exist'):
+    outputs.check_input_file(f'{run}/missing.txt', '--input')
+  with pytest.raises(PathError, match='is also --input'):
+    outputs.check_output_file(f'{run}/a.txt', '--output', {'--input': f'{run}/a.txt'})
+
+  # A failed write uploads nothing; a finished one replaces the object whole.
+  with pytest.raises(RuntimeError):
+    with outputs.writing(f'{run}/a.txt') as f:
+      f.write('half')
+      raise RuntimeError('killed')
+  assert epath.Path(f'{run}/a.txt').read_text() == 'a\n'
+  with outputs.writing(f'{run}/a.txt') as f:
+    f.write('b\n')
+  assert epath.Path(f'{run}/a.txt').read_text() == 'b\n'
+
+  outputs.write_files({f'{run}/test.hyp.txt': 'x\n', f'{run}/test.metrics.json': '{}\n'})
+  assert sorted(p.name for p in epath.Path(run).iterdir()) == [
+      'a.txt', 'test.hyp.txt', 'test.metrics.json']
+
+
+def test_a_commit_killed_half_way_on_a_bucket_is_finished_by_the_next_check(bucket):
+  """What a writer killed after its journal and one rename (a copy and a delete on Cloud
+  Storage) leaves: the next check finishes it, and a dead writer's stray temporary goes."""
+  run = f'{bucket}/eval'
+  dead, host = train_testlib.dead_pid(), socket.gethostname()
+  temp = lambda name: f'{run}/.{name}.tmp-{dead}-0123abcd-{host}'
+  epath.Path(f'{run}/test.hyp.txt').write_text('new hypotheses\n')  # Renamed already.
+  epath.Path(f'{run}/test.metrics.json').write_text('{"bleu": 1}\n')  # The old one.
+  epath.Path(temp('test.metrics.json')).write_text('{"bleu": 2}\n')
+  epath.Path(f'{run}/.test.hyp.txt.commit-{dead}-0123abcd-{host}').write_text(json.dumps({
+      os.path.basename(temp('test.hyp.txt')): 'test.hyp.txt',
+      os.path.basename(temp('test.metrics.json')): 'test.metrics.json'}))
+  epath.Path(temp('stray.txt')).write_text('left by a killed upload')
+  outputs.check_output_directory(run, '--output_dir')
+  assert sorted(p.name for p in epath.Path(run).iterdir()) == ['test.hyp.txt',
+                                                               'test.metrics.json']
+  assert epath.Path(f'{run}/test.metrics.json').read_text() == '{"bleu": 2}\n'
+
+
+def test_commands_read_a_run_and_write_their_results_on_a_bucket(run_dir, bucket):
+  """A run uploaded to a bucket: translate.py, evaluate.py and average_checkpoints.py read
+  it there, with their inputs and outputs there too."""
+  root = os.path.dirname(run_dir)
+  fs = gcsfs.GCSFileSystem()
+  fs.put(run_dir, f'{bucket}/run', recursive=True)
+  for name in ('test.en', 'test.de'):
+    fs.put(os.path.join(root, name), f'{bucket}/data/{name}')
+  run, cache = f'{bucket}/run', os.path.join(root, 'jax_cache')
+
+  result = _command('translate.py', f'--workdir={run}', f'--input={bucket}/data/test.en',
+                    f'--output={bucket}/out/test.txt', f'--compilation_cache_dir={cache}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = epath.Path(f'{bucket}/out/test.txt').read_text().splitlines()
+  assert len(lines) == len(open(os.path.join(root, 'test.en'), encoding='utf-8').readlines())
+
+  result = _command('evaluate.py', f'--workdir={run}', f'--source_file={bucket}/data/test.en',
+                    f'--reference_file={bucket}/data/test.de', '--average_last=2',
+                    f'--compare_to={bucket}/out/test.txt', '--bootstrap_samples=10',
+                    f'--compilation_cache_dir={cache}')
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = f'{run}/eval/avg2_step_{TRAIN_STEPS[-2]}-{TRAIN_STEPS[-1]}'
+  metrics = json.loads(epath.Path(f'{results}/test.metrics.json').read_text())
+  hypotheses = epath.Path(f'{results}/test.hyp.txt').read_text().splitlines()
+  assert len(hypotheses) == metrics['decoding']['sentences'] == len(lines)
+  assert metrics['workdir'] == run and metrics['checkpoint_steps'] == list(TRAIN_STEPS[-2:])
+  # The beam-search outputs of the average: the last checkpoint's own are the same lines
+  # only by chance, so check the pairing instead.
+  assert metrics['compared_to'] == f'{bucket}/out/test.txt'
+
+  result = _command('average_checkpoints.py', f'--workdir={run}',
+                    f'--output_workdir={bucket}/avg', '--num_checkpoints=2')
+  assert result.returncode == 0, result.stderr[-3000:]
+  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  meta, step = checkpointing.read_meta(f'{bucket}/avg')
+  assert step == TRAIN_STEPS[-1] and meta['averaged_steps'] == list(TRAIN_STEPS[-2:])
+  assert meta['averaged_from'] == run
+
+
+def test_bad_cloud_paths_get_one_paragraph_each(run_dir, gcs_server, tmp_path):
+  missing = 'gs://no-such-bucket-here'
+  _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
+                       f'--output={missing}/out.txt'),
+              'the bucket gs://no-such-bucket-here does not exist',
+              'gcloud storage buckets create gs://no-such-bucket-here')
+  _user_error(_command('translate.py', f'--workdir={missing}/run', '--text=hi'),
+              f'--workdir={missing}/run does not exist')
+  _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
+                       '--output=s3://bucket/out.txt'),
+              's3:// paths are not supported', 'gs://BUCKET')
+  bucket = gcs_server.create_bucket()
+  files = train_testlib.write_parallel_text(str(tmp_path))
+  config = train_testlib.write_config_file(str(tmp_path / 'config.py'), files)
+  _user_error(_command('train.py', f'--config={config}', f'--workdir={bucket}/run'),
+              f'--workdir={bucket}/run', 'cannot be on Cloud Storage yet', 'gcsfuse')
+  assert not os.path.exists(os.path.join(REPO, 'gs:'))  # No local folder named gs:.
+  # Nothing listens at the endpoint: gcsfs retries, then the command says so.
+  env = train_testlib.subprocess_env(fast_compile=False)
+  env.update(gcs_testlib.environment(f'http://127.0.0.1:{gcs_testlib.free_port()}'))
+  _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
+                       f'--output={bucket}/out.txt', env=env),
+              f'cannot reach Cloud Storage for {bucket}', 'STORAGE_EMULATOR_HOST')
