@@ -11,6 +11,9 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
+from typing import Any
 
 import gcsfs
 import pytest
@@ -20,6 +23,7 @@ import gcs_testlib
 import train_testlib
 from test_translator import TRAIN_STEPS
 from transformer_jax import outputs
+from transformer_jax import workdir_lock
 from transformer_jax.errors import PathError
 
 REPO = train_testlib.REPO
@@ -150,3 +154,82 @@ def test_bad_cloud_paths_get_one_paragraph_each(run_dir, gcs_server, tmp_path):
   _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
                        f'--output={bucket}/out.txt', env=env),
               f'cannot reach Cloud Storage for {bucket}', 'STORAGE_EMULATOR_HOST')
+
+
+# --- The one-writer lock on a bucket. ---
+
+
+def _lock_object(bucket: str, **record) -> Any:
+  from google.cloud import storage  # pylint: disable=g-import-not-at-top
+  blob = storage.Client().bucket(bucket[len('gs://'):]).blob(f'run/{workdir_lock.LOCK_NAME}')
+  blob.upload_from_string(json.dumps(record))
+  return blob
+
+
+def test_the_lock_on_a_bucket_names_a_live_holder_and_takes_over_a_dead_one(bucket, caplog):
+  run = f'{bucket}/run'
+  with workdir_lock.WorkdirLock(run, heartbeat_s=0.2):
+    with pytest.raises(workdir_lock.WorkdirBusyError) as error:
+      workdir_lock.WorkdirLock(run).acquire()  # Created only if absent: refused.
+    assert f'process {os.getpid()} on host {socket.gethostname()}' in str(error.value)
+  assert not epath.Path(f'{run}/{workdir_lock.LOCK_NAME}').exists()  # Released.
+
+  _lock_object(bucket, host=socket.gethostname(), pid=train_testlib.dead_pid(),
+               started=time.time(), token='old')
+  with workdir_lock.WorkdirLock(run):
+    assert 'is gone' in caplog.text
+  caplog.clear()
+  _lock_object(bucket)  # Parses, but no holder: taken over at once.
+  with workdir_lock.WorkdirLock(run):
+    assert 'empty or cannot be parsed' in caplog.text
+
+
+def test_another_hosts_lock_on_a_bucket_is_stale_when_its_generation_stops_changing(bucket,
+                                                                                  caplog):
+  """Staleness by this process's clock: a lock whose generation changes (a heartbeat) is
+  busy, one whose generation has not changed for stale_after_s is taken over."""
+  record = dict(host='elsewhere', pid=1, started=time.time(), token='theirs')
+  blob = _lock_object(bucket, **record)
+  stop = threading.Event()
+
+  def heartbeat():
+    while not stop.wait(0.2):
+      blob.upload_from_string(json.dumps(record))
+
+  beating = threading.Thread(target=heartbeat)
+  beating.start()
+  try:
+    with pytest.raises(workdir_lock.WorkdirBusyError, match='host elsewhere'):
+      workdir_lock.WorkdirLock(f'{bucket}/run', stale_after_s=3, heartbeat_s=0.4).acquire()
+  finally:
+    stop.set()
+    beating.join()
+  lock = workdir_lock.WorkdirLock(f'{bucket}/run', stale_after_s=1, heartbeat_s=0.2)
+  lock.acquire()
+  assert 'generation has not changed for 1 s' in caplog.text
+  generation = blob.bucket.get_blob(blob.name).generation
+  time.sleep(0.6)
+  assert blob.bucket.get_blob(blob.name).generation != generation  # Our heartbeat.
+  lock.release()
+  assert blob.bucket.get_blob(blob.name) is None
+
+
+def test_metrics_on_a_bucket_keep_every_row_through_a_restart(bucket):
+  """No append on Cloud Storage: each row rewrites the object with all rows so far. A
+  restart at step 20 keeps the rows up to 20 and drops the later ones (trained again)."""
+  from transformer_jax import metrics_writer  # pylint: disable=g-import-not-at-top
+  run = f'{bucket}/run'
+  row = lambda loss: {'loss': loss, 'perplexity': 2.0, 'accuracy': 0.5}
+  writer = metrics_writer.MetricsWriter(run, total_steps=40, start_step=0, enabled=True)
+  for step in (10, 20, 30):
+    writer.write(step, 'eval', row(step / 10))
+  writer.close()
+  writer = metrics_writer.MetricsWriter(run, total_steps=40, start_step=20, enabled=True)
+  for step in (30, 40):
+    writer.write(step, 'eval', row(step))
+  writer.close()
+  rows = [json.loads(line) for line in
+          epath.Path(f'{run}/{metrics_writer.METRICS_FILE}').read_text().splitlines()]
+  assert [(r['step'], r['loss']) for r in rows] == [(10, 1.0), (20, 2.0), (30, 30), (40, 40)]
+  events = list(epath.Path(f'{run}/{metrics_writer.TENSORBOARD_DIR}').iterdir())
+  assert len(events) == 2 and all(e.stat().length > 0 for e in events)  # One a writer.

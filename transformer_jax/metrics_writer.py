@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -106,9 +106,14 @@ class MetricsWriter:
     self._tb = None
     if not enabled:
       return
-    self._jsonl_path = os.path.join(workdir, METRICS_FILE)
+    self._jsonl_path = f'{outputs.resolve(workdir)}/{METRICS_FILE}'
+    self._rows: list[str] = []  # On Cloud Storage, every row: see `write`.
     self._truncate_after(start_step)
-    self._tb = SummaryWriter(os.path.join(workdir, TENSORBOARD_DIR))
+    # tensorboardX writes gs:// event files through google-cloud-storage, each flush
+    # uploading the whole file (so every event is kept). Its file names have the second and
+    # the host: a random suffix keeps a restart within the second from replacing the file.
+    self._tb = SummaryWriter(f'{outputs.resolve(workdir)}/{TENSORBOARD_DIR}',
+                             filename_suffix=f'.{uuid.uuid4().hex[:8]}')
     if config is not None:
       # Indented four spaces: Markdown code, so TensorBoard keeps the layout.
       text = '\n'.join('    ' + line for line in str(config).splitlines())
@@ -120,17 +125,19 @@ class MetricsWriter:
                             dynamic_ncols=True, file=sys.stderr)
 
   def _truncate_after(self, step: int) -> None:
-    if not os.path.exists(self._jsonl_path):
+    if not outputs.exists(self._jsonl_path):
       return
     kept = []
-    with open(self._jsonl_path) as f:
-      for line in f:
+    with outputs.open_file(self._jsonl_path) as f:
+      for line in f.read().decode('utf-8', errors='replace').splitlines(keepends=True):
         try:
           if json.loads(line)['step'] <= step:
             kept.append(line)
         except (ValueError, KeyError):
           pass  # A line cut short when the process was killed.
     outputs.write_file(self._jsonl_path, ''.join(kept))
+    if outputs.is_remote(self._jsonl_path):
+      self._rows = kept
 
   def step_done(self, step: int) -> None:
     """Advances the progress bar (cheap; called every step)."""
@@ -145,9 +152,16 @@ class MetricsWriter:
     for name, value in values.items():
       self._tb.add_scalar(f'{split}/{name}', value, step)
     self._tb.flush()
-    with open(self._jsonl_path, 'a') as f:
-      f.write(json.dumps({'step': step, 'split': split, 'time': round(time.time(), 3),
-                          **values}) + '\n')
+    row = json.dumps({'step': step, 'split': split, 'time': round(time.time(), 3),
+                      **values}) + '\n'
+    if outputs.is_remote(self._jsonl_path):
+      # Cloud Storage has no append (gcsfs's append mode replaces the object): the object is
+      # rewritten with every row so far, one upload each.
+      self._rows.append(row)
+      outputs.write_file(self._jsonl_path, ''.join(self._rows))
+    else:
+      with open(self._jsonl_path, 'a') as f:
+        f.write(row)
     if split == 'train':
       rate = values.get('tokens_per_second', float('nan'))
       shown = {'loss': f'{values["loss"]:.3f}', 'tok/s': f'{rate:.0f}'}

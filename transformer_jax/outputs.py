@@ -138,7 +138,7 @@ def cloud_error(error: BaseException, path: str, flag: str = 'the path') -> Path
 
 
 @contextlib.contextmanager
-def _cloud(path: str, flag: str = 'the path') -> Iterator[None]:
+def cloud_errors(path: str, flag: str = 'the path') -> Iterator[None]:
   """Turns a Cloud Storage failure at `path` into `cloud_error`'s `PathError`."""
   try:
     yield
@@ -179,7 +179,7 @@ def _describe(flag: str, path: str) -> str:
 def open_file(path: str, mode: str = 'rb') -> IO[Any]:
   """Opens a local or gs:// file for reading."""
   if is_remote(path):
-    with _cloud(path):
+    with cloud_errors(path):
       return _epath(path).open(mode)
   return open(path, mode)  # pylint: disable=unspecified-encoding  # Binary, as callers ask.
 
@@ -187,7 +187,7 @@ def open_file(path: str, mode: str = 'rb') -> IO[Any]:
 def is_directory(path: str) -> bool:
   """Whether a local or gs:// directory exists (on Cloud Storage: any object below it)."""
   if is_remote(path):
-    with _cloud(path):
+    with cloud_errors(path):
       return _epath(path).is_dir()
   return os.path.isdir(path)
 
@@ -220,7 +220,7 @@ def _probe(directory: str, flag: str, path: str) -> None:
   `mkdir` there would not notice)."""
   if is_remote(directory):
     probe = temporary_path(posixpath.join(directory, 'write-probe'))
-    with _cloud(path, flag):
+    with cloud_errors(path, flag):
       _epath(probe).write_bytes(b'')
       _epath(probe).unlink()
     return
@@ -241,7 +241,7 @@ def check_input_file(path: str, flag: str) -> str:
   """Checks that the input `path` is a readable file; returns it."""
   check_scheme(path, flag)
   if is_remote(path):
-    with _cloud(path, flag):
+    with cloud_errors(path, flag):
       if _epath(path).is_dir():
         raise PathError(f'{_describe(flag, path)} is a directory; give a file.')
       if not _epath(path).exists():
@@ -260,7 +260,7 @@ def check_input_directory(path: str, flag: str, what: str = 'a directory') -> st
   """Checks that the input `path` is a directory (`what` says which, for the message)."""
   check_scheme(path, flag)
   if is_remote(path):
-    with _cloud(path, flag):
+    with cloud_errors(path, flag):
       if not _epath(path).is_dir():
         raise PathError(f'{_describe(flag, path)} does not exist; give {what}.')
     return path
@@ -286,7 +286,7 @@ def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str
   """
   check_scheme(path, flag)
   if is_remote(path):
-    with _cloud(path, flag):
+    with cloud_errors(path, flag):
       if _epath(path).is_dir():
         raise PathError(f'{_describe(flag, path)} is a directory; give a file name.')
     check_not_input(path, flag, inputs or {})
@@ -320,7 +320,7 @@ def check_output_directory(path: str, flag: str, inputs: Inputs | None = None, *
   """
   check_scheme(path, flag)
   if is_remote(path):
-    with _cloud(path, flag):
+    with cloud_errors(path, flag):
       if _epath(path).is_file():
         raise PathError(f'{_describe(flag, path)} is a file; give a directory.')
     check_not_input(path, flag, inputs or {})
@@ -362,7 +362,7 @@ def writing(path: str, mode: str = 'w') -> Iterator[IO[Any]]:
     with tempfile.TemporaryDirectory() as local:
       with writing(os.path.join(local, 'output'), mode) as f:
         yield f
-      with _cloud(path, 'the output'), open(os.path.join(local, 'output'), 'rb') as f:
+      with cloud_errors(path, 'the output'), open(os.path.join(local, 'output'), 'rb') as f:
         _epath(path).write_bytes(f.read())
     return
   tmp = temporary_path(path)
@@ -410,7 +410,7 @@ def write_file(path: str, data: str | bytes) -> None:
   """Writes `data` to `path` atomically (a temporary file renamed into place; on Cloud
   Storage one upload)."""
   if is_remote(path):
-    with _cloud(path, 'the output'):
+    with cloud_errors(path, 'the output'):
       _epath(path).write_bytes(data if isinstance(data, bytes) else data.encode('utf-8'))
     return
   with writing(path, 'wb' if isinstance(data, bytes) else 'w') as f:
@@ -419,7 +419,7 @@ def write_file(path: str, data: str | bytes) -> None:
 
 def _replace(source: str, target: str) -> None:
   if is_remote(source):
-    with _cloud(target, 'the output'):
+    with cloud_errors(target, 'the output'):
       _epath(source).replace(target)  # A copy, then a delete.
   else:
     os.replace(source, target)
@@ -427,15 +427,15 @@ def _replace(source: str, target: str) -> None:
 
 def _remove(path: str) -> None:
   if is_remote(path):
-    with _cloud(path, 'the output'):
+    with cloud_errors(path, 'the output'):
       _epath(path).unlink()
   else:
     os.remove(path)
 
 
-def _exists(path: str) -> bool:
+def exists(path: str) -> bool:
   if is_remote(path):
-    with _cloud(path):
+    with cloud_errors(path):
       return _epath(path).exists()
   return os.path.exists(path)
 
@@ -484,13 +484,13 @@ def _finish_commit(journal: str) -> None:
   delete: a file copied but not deleted is copied again)."""
   directory = _split(journal)[0]
   if is_remote(journal):
-    with _cloud(journal):
+    with cloud_errors(journal):
       renames = json.loads(_epath(journal).read_text())
   else:
     with open(journal, encoding='utf-8') as f:
       renames = json.load(f)
   for tmp, final in renames.items():
-    if _exists(_join(directory, tmp)):
+    if exists(_join(directory, tmp)):
       _replace(_join(directory, tmp), _join(directory, final))
   _remove(journal)
 
@@ -501,7 +501,7 @@ def clean_directory(directory: str) -> list[str]:
   done = []
   try:
     if is_remote(directory):
-      with _cloud(directory):
+      with cloud_errors(directory):
         names = [p.name for p in _epath(directory).iterdir()]
     else:
       names = os.listdir(directory)

@@ -16,6 +16,15 @@ lock); on another host, which cannot be asked, when the lock has not been touche
 `STALE_AFTER_S` seconds. A lock that is empty or cannot be parsed belongs to no live holder
 (one was never created that way) and is taken over at once. Evaluation and translation only
 read, and ignore the lock.
+
+On Cloud Storage (a gs:// work directory) the lock is an object, and every change of it is
+conditional on its generation (google-cloud-storage's `if_generation_match`): it is created
+only if absent (generation 0), the heartbeat rewrites it only if it is still the generation
+this job wrote, a stale lock is taken over by rewriting the generation judged stale (of two
+racing takers one wins), and release deletes only this job's generation. Another host's lock
+is stale when its generation has not changed for `STALE_AFTER_S` seconds of this process's
+own clock, so clock skew between hosts does not matter; a second job therefore waits up to a
+heartbeat before it can call a live lock busy.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import socket
 import threading
 import time
 import uuid
+from typing import Any
 
 from absl import logging
 
@@ -34,12 +44,24 @@ from transformer_jax import outputs
 from transformer_jax.errors import UserError
 
 LOCK_NAME = 'train.lock'
+_RELEASED = 'it was just released'
 HEARTBEAT_S = 30.0
 STALE_AFTER_S = 300.0
 
 
 class WorkdirBusyError(UserError):
   """Another live training job holds the work directory."""
+
+
+def _blob(url: str) -> Any:
+  """The google-cloud-storage object of a gs:// URL."""
+  try:
+    from google.cloud import storage  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise outputs.cloud_error(e, url, '--workdir') from e
+  bucket, name = url[len('gs://'):].split('/', 1)
+  with outputs.cloud_errors(url, '--workdir'):
+    return storage.Client().bucket(bucket).blob(name)
 
 
 def _process_start_time(pid: int) -> float | None:
@@ -59,21 +81,48 @@ class WorkdirLock:
 
   def __init__(self, workdir: str, *, stale_after_s: float = STALE_AFTER_S,
                heartbeat_s: float = HEARTBEAT_S):
-    self.path = os.path.join(workdir, LOCK_NAME)
+    self.path = (workdir.rstrip('/') + '/' + LOCK_NAME if outputs.is_remote(workdir)
+                 else os.path.join(workdir, LOCK_NAME))
     self._stale_after_s = stale_after_s
     self._heartbeat_s = heartbeat_s
     self._token = uuid.uuid4().hex
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
+    self._blob = _blob(self.path) if outputs.is_remote(workdir) else None
+    self._generation = 0  # Of the lock object as last seen or written (Cloud Storage).
+
+  def _read(self) -> bytes | None:
+    """The lock's bytes (remembering the object's generation), or None if there is none."""
+    if self._blob is None:
+      try:
+        with open(self.path, 'rb') as f:
+          return f.read()
+      except FileNotFoundError:
+        return None
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    with outputs.cloud_errors(self.path, '--workdir'):
+      current = self._current()
+      if current is None:
+        return None
+      try:  # That generation's bytes (a `Blob` with a generation reads that generation).
+        data = current.download_as_bytes()
+      except exceptions.NotFound:
+        return None  # Replaced meanwhile: looked at again by the caller.
+    self._generation = current.generation
+    return data
+
+  def _current(self) -> Any:
+    """The lock object's newest generation (a `Blob`), or None if there is none."""
+    return self._blob.bucket.get_blob(self._blob.name)
 
   def _holder(self) -> dict | None:
     """The lock's record; {} if it is empty or damaged (a lock is never seen before its
     contents); None if there is no lock."""
     try:
-      with open(self.path, encoding='utf-8') as f:
-        holder = json.load(f)
-    except FileNotFoundError:
-      return None
+      data = self._read()
+      if data is None:
+        return None
+      holder = json.loads(data)
     except (OSError, ValueError):
       return {}
     if not isinstance(holder, dict) or not {'host', 'pid', 'started', 'token'} <= set(holder):
@@ -85,9 +134,9 @@ class WorkdirLock:
     if not holder:
       return 'it is empty or cannot be parsed, so no live job holds it'
     try:
-      age = time.time() - os.stat(self.path).st_mtime
+      age = 0.0 if self._blob is not None else time.time() - os.stat(self.path).st_mtime
     except FileNotFoundError:
-      return 'it was just released'
+      return _RELEASED
     if holder.get('host') == socket.gethostname() and isinstance(holder.get('pid'), int):
       pid = holder['pid']
       if not outputs.process_alive(pid):
@@ -96,18 +145,19 @@ class WorkdirLock:
       if started is not None and started > holder.get('started', 0) + 5:
         return f'process id {pid} now belongs to a newer process'
       return None
+    if self._blob is not None:
+      return self._remote_stale_reason()
     if age > self._stale_after_s:
       return f'it was last touched {age:.0f} s ago'
     return None
 
   def acquire(self) -> None:
     """Takes the lock, or raises `WorkdirBusyError` naming the job that holds it."""
-    record = json.dumps({'host': socket.gethostname(), 'pid': os.getpid(),
-                         'started': time.time(), 'token': self._token})
+    self._started = time.time()
+    record = self._read_own()
     for _ in range(5):
       if self._create(record):
-        self._thread = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
-        self._thread.start()
+        self._start_heartbeat()
         return
       holder = self._holder()
       if holder is None:
@@ -121,23 +171,66 @@ class WorkdirLock:
             '--workdir. (evaluate.py and translate.py may read it meanwhile.) A lock left by '
             f'a crashed job on another host is taken over {self._stale_after_s:.0f} s after '
             'its last heartbeat.')
-      # Move the stale lock aside (one of several racing takers wins), then retry.
-      aside = f'{self.path}.stale-{self._token}'
-      try:
-        os.rename(self.path, aside)
-      except FileNotFoundError:
-        continue
-      os.remove(aside)
+      if self._blob is not None:
+        # Replace the very generation judged stale (one of several racing takers wins).
+        if reason == _RELEASED or not self._write(record, self._generation):
+          continue
+        self._start_heartbeat()
+      else:
+        # Move the stale lock aside (one of several racing takers wins), then retry.
+        aside = f'{self.path}.stale-{self._token}'
+        try:
+          os.rename(self.path, aside)
+        except FileNotFoundError:
+          continue
+        os.remove(aside)
       if holder:
         logging.warning('Took over the lock of %s from process %s on %s: %s.',
                         os.path.dirname(self.path), holder['pid'], holder['host'], reason)
       else:
         logging.warning('Took over the lock %s: %s.', self.path, reason)
+      if self._thread is not None:  # Taken over in place (Cloud Storage).
+        return
     raise WorkdirBusyError(f'Could not take {self.path}: other jobs keep taking it; start '
                            'one job per --workdir.')
 
+  def _start_heartbeat(self) -> None:
+    self._thread = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
+    self._thread.start()
+
+  def _remote_stale_reason(self) -> str | None:
+    """Watches the lock object: None (alive) once its generation changes, a reason once it
+    has not for `stale_after_s` seconds of this clock."""
+    seen, start = self._generation, time.monotonic()
+    while (waited := time.monotonic() - start) < self._stale_after_s:
+      time.sleep(min(self._heartbeat_s / 4, self._stale_after_s - waited, 5.0))
+      with outputs.cloud_errors(self.path, '--workdir'):
+        current = self._current()
+      if current is None:
+        return _RELEASED
+      if current.generation != seen:
+        return None
+    return (f'its generation has not changed for {self._stale_after_s:.0f} s (no heartbeat) '
+            'by this host\'s clock')
+
+  def _write(self, record: str, generation: int) -> bool:
+    """Writes the lock object if its generation is `generation` (0: if there is none);
+    False if it is not."""
+    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    with outputs.cloud_errors(self.path, '--workdir'):
+      try:
+        # A small upload is a multipart upload, which carries the precondition.
+        self._blob.upload_from_string(record.encode('utf-8'), content_type='application/json',
+                                      if_generation_match=generation)
+      except exceptions.PreconditionFailed:
+        return False
+    self._generation = self._blob.generation
+    return True
+
   def _create(self, record: str) -> bool:
     """Creates the lock with `record` in it in one step; False if it exists."""
+    if self._blob is not None:
+      return self._write(record, 0)
     tmp = outputs.temporary_path(self.path)
     try:
       with open(tmp, 'w', encoding='utf-8') as f:
@@ -172,11 +265,26 @@ class WorkdirLock:
         pass
 
   def _beat(self) -> None:
+    record = None
     while not self._stop.wait(self._heartbeat_s):
+      if self._blob is None:
+        try:
+          os.utime(self.path)
+        except OSError:
+          pass
+        continue
       try:
-        os.utime(self.path)
-      except OSError:
-        pass
+        record = record or self._read_own()
+        if not self._write(record, self._generation):
+          logging.error('Lost the lock %s: another job took it over (no heartbeat reached it '
+                        'for %.0f s?); stop one of them.', self.path, self._stale_after_s)
+          return
+      except Exception as e:  # pylint: disable=broad-except  # Retried at the next beat.
+        logging.warning('The heartbeat of %s failed: %s', self.path, e)
+
+  def _read_own(self) -> str:
+    return json.dumps({'host': socket.gethostname(), 'pid': os.getpid(),
+                       'started': self._started, 'token': self._token})
 
   def release(self) -> None:
     """Removes the lock if it is still this job's."""
@@ -184,6 +292,13 @@ class WorkdirLock:
     if self._thread is not None:
       self._thread.join()
       self._thread = None
+      if self._blob is not None:
+        from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+        try:  # Only the generation this job wrote.
+          self._blob.delete(if_generation_match=self._generation)
+        except (exceptions.NotFound, exceptions.PreconditionFailed):
+          pass
+        return
       if (self._holder() or {}).get('token') == self._token:
         try:
           os.remove(self.path)
