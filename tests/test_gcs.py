@@ -233,3 +233,33 @@ def test_metrics_on_a_bucket_keep_every_row_through_a_restart(bucket):
   assert [(r['step'], r['loss']) for r in rows] == [(10, 1.0), (20, 2.0), (30, 30), (40, 40)]
   events = list(epath.Path(f'{run}/{metrics_writer.TENSORBOARD_DIR}').iterdir())
   assert len(events) == 2 and all(e.stat().length > 0 for e in events)  # One a writer.
+
+
+def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
+  """On Cloud Storage a rename is a copy and a delete: the damaged step is copied to
+  `<step>.damaged` first, then loses orbax's commit marker (no step any more), then the
+  rest; the other steps stay."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  checkpointer = checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2)
+  manager = ocp.CheckpointManager(checkpointer.directory, options=ocp.CheckpointManagerOptions(
+      enable_async_checkpointing=False))
+  for step in (1, 2):
+    manager.save(step, args=ocp.args.Composite(
+        params=ocp.args.StandardSave({'w': np.full(4, step, np.float32)}),
+        meta=ocp.args.JsonSave({'step': step})))
+  manager.wait_until_finished()
+  checkpointer = checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2)
+  assert checkpointer.steps() == [1, 2]
+  path = checkpointer.set_aside(2)
+  assert path == f'{bucket}/run/checkpoints/2.damaged'
+  assert checkpointer.steps() == [1]
+  names = sorted(p.name for p in epath.Path(f'{bucket}/run/checkpoints').iterdir())
+  assert names == ['1', '2.damaged']
+  assert sorted(p.name for p in epath.Path(path).iterdir()) == [
+      '_CHECKPOINT_METADATA', 'meta', 'params']
+  restored = ocp.CheckpointManager(f'{bucket}/run/checkpoints').restore(
+      1, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+  assert restored['meta'] == {'step': 1}
+  checkpointer.close()

@@ -223,7 +223,7 @@ class Checkpointer:
         one ('bleu', 'chrf' or 'loss'; '': none).
       keep_best: see `best_metric`.
     """
-    self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+    self.directory = outputs.resolve(workdir) + '/' + CHECKPOINT_DIR
     self._bytes = 0  # Of the last checkpoint's arrays.
     self._manager = ocp.CheckpointManager(
         self.directory,
@@ -240,10 +240,13 @@ class Checkpointer:
 
   def set_aside(self, step: int) -> str:
     """Renames a damaged checkpoint to `<step>.damaged` (kept, no longer a step), on every
-    process together; returns the new path."""
-    path = os.path.join(self.directory, f'{step}.damaged')
+    process together; returns the new path. (On Cloud Storage, `_set_aside_on_gcs`.)"""
+    path = f'{self.directory}/{step}.damaged'
     if jax.process_index() == 0:
-      os.rename(os.path.join(self.directory, str(step)), path)
+      if outputs.is_remote(path):
+        _set_aside_on_gcs(f'{self.directory}/{step}', path)
+      else:
+        os.rename(os.path.join(self.directory, str(step)), path)
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f'set_aside_{step}')
     self._manager.reload()
@@ -346,6 +349,27 @@ class Checkpointer:
 
   def close(self) -> None:
     self._manager.close()
+
+
+def _set_aside_on_gcs(step_dir: str, aside: str) -> None:
+  """`set_aside` where a rename is a copy and a delete of every object, safe to kill at any
+  point: the objects are copied to `aside` first (the original stays a step: a rerun finds
+  it damaged again and copies again); then its `commit_success.txt`, orbax's mark of a
+  finished step on Cloud Storage, is deleted, so that it is no step any more; then the rest."""
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  fs = gcsfs.GCSFileSystem()
+  with outputs.cloud_errors(step_dir, 'the checkpoint'):
+    objects = fs.find(step_dir)
+    marker = f'{step_dir.removeprefix("gs://")}/{_GCS_COMMIT_MARKER}'
+    for name in objects:
+      if name != marker:
+        fs.copy(name, aside.removeprefix('gs://') + name[len(step_dir) - len('gs://'):])
+    if marker in objects:
+      fs.rm(marker)
+    fs.rm(step_dir, recursive=True)
+
+
+_GCS_COMMIT_MARKER = 'commit_success.txt'  # Orbax's, in a finished step on Cloud Storage.
 
 
 # --- Reading checkpoints outside training (evaluation, averaging). ---

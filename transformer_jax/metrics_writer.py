@@ -12,8 +12,11 @@ loss, perplexity, learning rate, gradient norm, tokens/s, MFU, padding share and
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import math
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -109,10 +112,16 @@ class MetricsWriter:
     self._jsonl_path = f'{outputs.resolve(workdir)}/{METRICS_FILE}'
     self._rows: list[str] = []  # On Cloud Storage, every row: see `write`.
     self._truncate_after(start_step)
-    # tensorboardX writes gs:// event files through google-cloud-storage, each flush
-    # uploading the whole file (so every event is kept). Its file names have the second and
-    # the host: a random suffix keeps a restart within the second from replacing the file.
-    self._tb = SummaryWriter(f'{outputs.resolve(workdir)}/{TENSORBOARD_DIR}',
+    # Event file names have the second and the host: a random suffix keeps a restart within
+    # the second from replacing the file where it is uploaded whole (Cloud Storage).
+    tensorboard = f'{outputs.resolve(workdir)}/{TENSORBOARD_DIR}'
+    self._tb_remote = tensorboard if outputs.is_remote(tensorboard) else None
+    if self._tb_remote:
+      # Written locally and uploaded whole after each flush (every event kept), rather than
+      # through tensorboardX's own gs:// writer, which uploads once more when it is
+      # collected: at the end of the process, when the run's last upload is long done.
+      self._tb_local = tempfile.mkdtemp(prefix='transformer_jax_tensorboard_')
+    self._tb = SummaryWriter(self._tb_local if self._tb_remote else tensorboard,
                              filename_suffix=f'.{uuid.uuid4().hex[:8]}')
     if config is not None:
       # Indented four spaces: Markdown code, so TensorBoard keeps the layout.
@@ -151,7 +160,7 @@ class MetricsWriter:
     values = {k: float(v) for k, v in values.items()}
     for name, value in values.items():
       self._tb.add_scalar(f'{split}/{name}', value, step)
-    self._tb.flush()
+    self._flush_tensorboard()
     row = json.dumps({'step': step, 'split': split, 'time': round(time.time(), 3),
                       **values}) + '\n'
     if outputs.is_remote(self._jsonl_path):
@@ -193,7 +202,17 @@ class MetricsWriter:
     """A Markdown text (a table of sample translations) in TensorBoard at `step`."""
     if self._enabled:
       self._tb.add_text(tag, markdown, step)
-      self._tb.flush()
+      self._flush_tensorboard()
+
+  def _flush_tensorboard(self) -> None:
+    self._tb.flush()
+    self._upload_tensorboard()
+
+  def _upload_tensorboard(self) -> None:
+    if self._tb_remote:
+      for name in os.listdir(self._tb_local):
+        with open(os.path.join(self._tb_local, name), 'rb') as f:
+          outputs.write_file(f'{self._tb_remote}/{name}', f.read())
 
   def log(self, message: str) -> None:
     """A plain message that does not break the progress bar."""
@@ -209,6 +228,9 @@ class MetricsWriter:
       self._bar.close()
     if self._tb is not None:
       self._tb.close()
+      if self._tb_remote:
+        self._upload_tensorboard()
+        shutil.rmtree(self._tb_local, ignore_errors=True)
 
 
 def _duration(seconds: float) -> str:

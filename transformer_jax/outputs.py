@@ -63,6 +63,22 @@ Inputs = Mapping[str, 'str | None']  # A flag (or a description) -> the path it 
 _SCHEME = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://')
 
 
+def _no_listings_cache() -> None:
+  """gcsfs keeps directory listings per process by default, so one process would not see
+  what another wrote or deleted (a checkpoint set aside, a lock, a temporary): off, for
+  every gcsfs filesystem of this process (epath's and orbax's alike). Set before any is
+  made, hence at import."""
+  try:
+    from fsspec import config  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return
+  for protocol in ('gs', 'gcs'):
+    config.conf.setdefault(protocol, {}).setdefault('use_listings_cache', False)
+
+
+_no_listings_cache()
+
+
 def is_remote(path: str) -> bool:
   """Whether `path` is a URL (`gs://...`) rather than a local path."""
   return bool(_SCHEME.match(os.fspath(path)))
