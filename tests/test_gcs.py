@@ -1,8 +1,9 @@
 """gs:// paths against a real Cloud Storage server on 127.0.0.1 (`gcs_testlib`): the checks
-and atomic writes of `outputs.py`, the commands that read a run and write results there, and
-clear errors for a missing bucket, an unreachable endpoint, another scheme and what cannot be
-on Cloud Storage yet. (The server checks no credentials or permissions, so those two errors
-are not produced here.)"""
+and atomic writes of `outputs.py`, training on a bucket (lock, checkpoints, metrics,
+vocabulary and token ids published there), the commands that read a run and write results
+there, and clear errors for a missing bucket, an unreachable endpoint, another scheme and what
+cannot be on Cloud Storage yet. (The server checks no credentials or permissions, so those two
+errors are not produced here.)"""
 
 from __future__ import annotations
 
@@ -145,7 +146,9 @@ def test_bad_cloud_paths_get_one_paragraph_each(run_dir, gcs_server, tmp_path):
   bucket = gcs_server.create_bucket()
   files = train_testlib.write_parallel_text(str(tmp_path))
   config = train_testlib.write_config_file(str(tmp_path / 'config.py'), files)
-  _user_error(_command('train.py', f'--config={config}', f'--workdir={bucket}/run'),
+  _user_error(_command('train.py', f'--config={config}', f'--workdir={missing}/run'),
+              f'--workdir={missing}/run', 'the bucket gs://no-such-bucket-here does not exist')
+  _user_error(_command('prepare_data.py', f'--config={config}', f'--workdir={bucket}/run'),
               f'--workdir={bucket}/run', 'cannot be on Cloud Storage yet', 'gcsfuse')
   assert not os.path.exists(os.path.join(REPO, 'gs:'))  # No local folder named gs:.
   # Nothing listens at the endpoint: gcsfs retries, then the command says so.
@@ -263,3 +266,98 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
       1, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
   assert restored['meta'] == {'step': 1}
   checkpointer.close()
+
+
+# --- Training on a bucket. ---
+
+STEPS = 150  # More than the first run reaches before it is killed.
+
+
+def _train(config_path: str, workdir: str, cache: str, *flags: str) -> subprocess.Popen:
+  env = train_testlib.subprocess_env()
+  env['TRANSFORMER_JAX_CACHE'] = cache  # This "host's" local copies of vocabulary and ids.
+  return subprocess.Popen(train_testlib.train_command(config_path, workdir, *flags),
+                          cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bucket,
+                                                                               tmp_path):
+  """train.py --workdir=gs://...: killed with SIGKILL once a second job has been refused
+  (at some step after its third checkpoint), then rerun as if on another host (an empty
+  local cache): it takes over the dead job's lock, downloads the vocabulary and token ids
+  published to the bucket instead of making them again, resumes, and ends with the
+  parameters and the metrics rows of an uninterrupted local run, bitwise. A second job
+  meanwhile is refused, naming the first."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  config, reference = train_testlib.config_and_reference(
+      tmp_path, num_train_steps=STEPS, checkpoint_every_steps=5, keep_checkpoints=2)
+
+  run = f'{bucket}/run'
+  # Long enough to be killed (num_train_steps may change on resume; nothing else depends
+  # on it here).
+  first = _train(config, run, str(tmp_path / 'cache_a'), '--config.num_train_steps=100000')
+  log = []
+  for line in first.stderr:
+    log.append(line)
+    if 'Saving checkpoint 15 ' in line:
+      break
+  second = train_testlib.run_train(config, run)
+  first.kill()
+  assert first.wait(timeout=60) == -9  # Killed, not finished.
+  assert second.returncode == 2, second.stderr[-3000:]
+  assert f'in use by another training job (process {first.pid}' in second.stderr
+  # The first run made the vocabulary and the token ids (and published them).
+  assert any('Trained a' in line for line in log) and any('Tokeniz' in line for line in log)
+
+  final = _train(config, run, str(tmp_path / 'cache_b'))
+  stderr = final.stderr.read()
+  assert final.wait(timeout=300) == 0, stderr[-3000:]
+  assert 'Took over the lock' in stderr and f'process {first.pid}' in stderr
+  assert 'Resumed from the checkpoint at step' in stderr
+  assert 'Trained a' not in stderr and 'Tokeniz' not in stderr, stderr[-3000:]
+  assert not epath.Path(f'{run}/{workdir_lock.LOCK_NAME}').exists()
+
+  ours, step = checkpointing.restore_params(run)
+  theirs, _ = checkpointing.restore_params(reference)
+  assert step == STEPS
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(ours), jax.device_get(theirs))
+
+  def losses(text: str) -> dict[int, float]:
+    return {m['step']: m['loss'] for m in map(json.loads, text.splitlines())
+            if m['split'] == 'train'}
+  with open(os.path.join(reference, 'metrics.jsonl'), encoding='utf-8') as f:
+    expected = losses(f.read())
+  assert losses(epath.Path(f'{run}/metrics.jsonl').read_text()) == expected
+  assert sorted(expected) == list(range(1, STEPS + 1))
+
+
+def test_two_processes_train_on_one_bucket_as_one_process_does(bucket, tmp_path):
+  """The 2-process x 4-device job (no shared disk: each process has its own local cache) on
+  one gs:// work directory: process 0 makes and publishes the vocabulary and token ids,
+  process 1 downloads them, and the losses are those of one 8-device process."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import test_multihost  # pylint: disable=g-import-not-at-top
+  files = train_testlib.write_parallel_text(str(tmp_path))
+  config = train_testlib.write_config_file(
+      str(tmp_path / 'config.py'), files, num_train_steps=test_multihost.STEPS,
+      checkpoint_every_steps=4)
+  reference = str(tmp_path / 'one_process')
+  done = train_testlib.run_train(config, reference, devices=8)
+  assert done.returncode == 0, done.stderr[-3000:]
+  run = f'{bucket}/pair'
+  pair = test_multihost.start_pair(config, run, log_dir=str(tmp_path),
+                                   caches=[str(tmp_path / 'host0'), str(tmp_path / 'host1')])
+  test_multihost.finish(pair)
+  first, second = (test_multihost.read_log(p) for p in pair)
+  assert 'Trained a' in first and 'Tokeniz' in first, first[-3000:]
+  assert 'Trained a' not in second and 'Tokeniz' not in second, second[-3000:]
+  with open(os.path.join(reference, 'metrics.jsonl'), encoding='utf-8') as f:
+    theirs = {m['step']: m['loss'] for m in map(json.loads, f) if m['split'] == 'train'}
+  ours = {m['step']: m['loss'] for m in map(json.loads, epath.Path(
+      f'{run}/metrics.jsonl').read_text().splitlines()) if m['split'] == 'train'}
+  assert sorted(ours) == sorted(theirs) == list(range(1, test_multihost.STEPS + 1))
+  np.testing.assert_allclose([ours[s] for s in sorted(ours)],
+                             [theirs[s] for s in sorted(theirs)], rtol=2e-5)

@@ -25,19 +25,23 @@ def free_port():
     return s.getsockname()[1]
 
 
-def start_pair(config_path, workdir, *flags, heartbeat=100):
-  """Launches processes 0 and 1 of a two-process job; their logs go to files."""
+def start_pair(config_path, workdir, *flags, heartbeat=100, log_dir=None, caches=None):
+  """Launches processes 0 and 1 of a two-process job; their logs go to files (beside a local
+  `workdir`, else in `log_dir`); `caches`: each process's TRANSFORMER_JAX_CACHE (a host's
+  local disk, for a gs:// work directory)."""
   port = free_port()
   processes = []
   for index in range(2):
-    log = open(os.path.join(os.path.dirname(workdir),
+    log = open(os.path.join(log_dir or os.path.dirname(workdir),
                             f'{os.path.basename(workdir)}.{index}.{time.time_ns()}.log'), 'w')
     command = train_testlib.train_command(
         config_path, workdir, '--distributed', f'--coordinator_address=localhost:{port}',
         '--num_processes=2', f'--process_id={index}',
         f'--heartbeat_timeout_seconds={heartbeat}', *flags)
-    process = subprocess.Popen(command, cwd=train_testlib.REPO,
-                               env=train_testlib.subprocess_env(devices=4),
+    env = train_testlib.subprocess_env(devices=4)
+    if caches:
+      env['TRANSFORMER_JAX_CACHE'] = caches[index]
+    process = subprocess.Popen(command, cwd=train_testlib.REPO, env=env,
                                stdout=subprocess.DEVNULL, stderr=log)
     process.log_path = log.name
     processes.append(process)

@@ -74,13 +74,8 @@ class Training:
 
 
 def test_kill9_repeatedly_then_finish_equals_the_uninterrupted_run(tmp_path):
-  files = train_testlib.write_parallel_text(str(tmp_path))
-  config_path = train_testlib.write_config_file(
-      str(tmp_path / 'config.py'), files, num_train_steps=STEPS, checkpoint_every_steps=1,
-      keep_checkpoints=2)
-  reference_dir = str(tmp_path / 'reference')
-  done = train_testlib.run_train(config_path, reference_dir)
-  assert done.returncode == 0, done.stderr[-3000:]
+  config_path, reference_dir = train_testlib.config_and_reference(
+      tmp_path, num_train_steps=STEPS, checkpoint_every_steps=1, keep_checkpoints=2)
 
   workdir = str(tmp_path / 'interrupted')
   rng = random.Random(1234)

@@ -127,3 +127,15 @@ def fill_disk(path: str) -> None:
         f.flush()
   except OSError:
     pass
+
+
+def config_and_reference(directory, **overrides) -> tuple[str, str]:
+  """A config file (`small_config(**overrides)` over fresh parallel text in `directory`) and
+  the work directory of its uninterrupted run, to compare an interrupted one with."""
+  files = write_parallel_text(str(directory))
+  config_path = write_config_file(os.path.join(str(directory), 'config.py'), files,
+                                  **overrides)
+  reference = os.path.join(str(directory), 'reference')
+  done = run_train(config_path, reference)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return config_path, reference

@@ -48,8 +48,10 @@ import functools
 import hashlib
 import importlib
 import math
+import json
 import os
 import re
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -62,6 +64,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from transformer_jax import bible_en_es
+from transformer_jax import outputs
 from transformer_jax import token_store
 from transformer_jax.config import PAD_ID
 from transformer_jax.errors import ConfigError, DataError, DatasetNotFoundError
@@ -250,20 +253,93 @@ def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
 # ----------------------------------------------------------------------------- tokens
 
 
+def local_directory(workdir: str) -> str:
+  """Where the vocabulary and token stores of `workdir` are read from: the work directory
+  itself, or for a gs:// one a local cache directory (SentencePiece reads files, token
+  stores are memory-mapped): $TRANSFORMER_JAX_CACHE (default ~/.cache/transformer_jax)
+  /<a hash of the URL>. `publish` copies what is made there to the bucket, and `fetch`
+  brings it to other hosts and resumed runs."""
+  if not outputs.is_remote(workdir):
+    return workdir
+  root = os.environ.get('TRANSFORMER_JAX_CACHE') or os.path.join(
+      os.path.expanduser('~'), '.cache', 'transformer_jax')
+  url = outputs.resolve(workdir)
+  return os.path.join(root, hashlib.sha256(url.encode()).hexdigest()[:16])
+
+
+def _remote_of(path: str, workdir: str) -> str | None:
+  """The gs:// twin of a local `path` under `local_directory(workdir)`, or None."""
+  local = local_directory(workdir)
+  if local == workdir or not os.path.abspath(path).startswith(local + os.sep):
+    return None
+  return f'{outputs.resolve(workdir)}/{os.path.relpath(path, local)}'
+
+
+_PUBLISHED = 'PUBLISHED.json'  # Written last: what the files beside it are (their meta).
+
+
+def publish(local: str, remote: str, meta: dict[str, Any]) -> None:
+  """Uploads the file or directory `local` to `remote`, then the marker that says it is
+  complete, with `meta` in it (a reader trusts nothing without it)."""
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  with outputs.cloud_errors(remote, '--workdir'):
+    gcsfs.GCSFileSystem().put(local, remote, recursive=os.path.isdir(local))
+  outputs.write_file(f'{remote}.{_PUBLISHED}', json.dumps(meta, sort_keys=True))
+
+
+def published(remote: str) -> dict[str, Any] | None:
+  """The meta of what `publish` finished at `remote`, or None."""
+  marker = f'{remote}.{_PUBLISHED}'
+  if not outputs.exists(marker):
+    return None
+  with outputs.open_file(marker) as f:
+    return json.loads(f.read())
+
+
+def fetch(remote: str, local: str) -> None:
+  """Downloads a published file or directory (replacing `local`, through a temporary)."""
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  os.makedirs(os.path.dirname(local), exist_ok=True)
+  tmp = outputs.temporary_path(local)
+  fs = gcsfs.GCSFileSystem()
+  with outputs.cloud_errors(remote, '--workdir'):
+    if fs.isdir(remote):
+      fs.get(remote + '/', tmp + '/', recursive=True)
+    else:
+      fs.get(remote, tmp)
+  if os.path.isdir(local):
+    shutil.rmtree(local)
+  os.replace(tmp, local)
+
+
 def tokenizer_for(config: ml_collections.ConfigDict, workdir: str,
                   train_pairs: Sequence[tuple[str, str]]) -> Tokenizer:
   """Loads the shared vocabulary, training it on a sample of `train_pairs` the first time.
 
   The model goes to `config.vocab_path`, or to `workdir/vocab/` under a name made of the
-  dataset, the language pair (in either direction), the model type and the size.
+  dataset, the language pair (in either direction), the model type and the size. For a
+  gs:// work directory it is made in `local_directory` and published to the bucket, and
+  a run that finds it published there downloads it instead of training it again.
   """
   path = config.vocab_path
   if not path:
     langs = '-'.join(sorted((config.source_lang, config.target_lang)))
     dataset = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.dataset)
-    path = os.path.join(workdir, 'vocab',
+    path = os.path.join(local_directory(workdir), 'vocab',
                         f'{dataset}.{langs}.{config.vocab_model_type}'
                         f'{config.vocab_size_target}.model')
+  remote = _remote_of(path, workdir)
+  if remote and published(remote) is not None and not os.path.exists(path):
+    fetch(remote, path)
+  tokenizer = _load_or_train(config, path, train_pairs)
+  if remote and published(remote) is None:
+    publish(path, remote, {'sha256': tokenizer.fingerprint})
+  return tokenizer
+
+
+def _load_or_train(config: ml_collections.ConfigDict, path: str,
+                   train_pairs: Sequence[tuple[str, str]]) -> Tokenizer:
+  """`tokenizer_for`'s vocabulary at `path`, trained there if it is not."""
 
   def sentences():
     num_pairs = min(len(train_pairs), max(1, config.vocab_train_sentences // 2))
@@ -294,10 +370,20 @@ def tokenized(pairs: ParallelText, tokenizer: Tokenizer, config: ml_collections.
               workdir: str) -> token_store.TokenStore:
   """The token ids of `pairs`, prepared on first use (`prepare_data.py` does it ahead, on
   several processes and hosts) and rebuilt, with a warning, when the data or vocabulary
-  changed."""
-  return token_store.open_or_prepare(
-      pairs, tokenizer, store_directory(config, workdir, tokenizer, pairs),
-      data_fingerprint=pairs.fingerprint, workers=prepare_workers(config))
+  changed. For a gs:// work directory they are prepared locally and published to the
+  bucket, and downloaded from there when published for the same data and vocabulary."""
+  directory = store_directory(config, workdir, tokenizer, pairs)
+  remote = _remote_of(directory, workdir)
+  if remote:
+    meta = published(remote)
+    if meta is not None and meta != token_store.read_meta(directory):
+      fetch(remote, directory)  # open_or_prepare still checks that it fits this data.
+  store = token_store.open_or_prepare(pairs, tokenizer, directory,
+                                      data_fingerprint=pairs.fingerprint,
+                                      workers=prepare_workers(config))
+  if remote and published(remote) != store.meta:
+    publish(directory, remote, store.meta)
+  return store
 
 
 def prepare_workers(config: ml_collections.ConfigDict) -> int:
@@ -603,15 +689,24 @@ def spread_subset(pairs: Sequence[tuple[str, str]], size: int) -> list[tuple[str
   return [pairs[i * len(pairs) // size] for i in range(size)]
 
 
+def _on_process_0_first(make: Callable[[], Any], what: str, wait: bool = True) -> Any:
+  """`make()` on process 0 first, then (after a barrier) on the others, which find its
+  result on a shared filesystem or the bucket (`wait`; else every process at once)."""
+  wait = wait and jax.process_count() > 1
+  if wait and jax.process_index() != 0:
+    multihost_utils.sync_global_devices(f'{what}: process 0 prepared')
+  made = make()
+  if wait and jax.process_index() == 0:
+    multihost_utils.sync_global_devices(f'{what}: process 0 prepared')
+  return made
+
+
 def _tokenized_on_every_host(config, workdir, tokenizer, splits):
   """The token stores of `splits`. Process 0 prepares them first; the others then find them
-  ready on a shared filesystem, or prepare their own copies on local disks."""
-  if jax.process_count() > 1 and jax.process_index() != 0:
-    multihost_utils.sync_global_devices('token stores: process 0 prepared')
-  stores = [tokenized(pairs, tokenizer, config, workdir) for pairs in splits]
-  if jax.process_count() > 1 and jax.process_index() == 0:
-    multihost_utils.sync_global_devices('token stores: process 0 prepared')
-  return stores
+  ready on a shared filesystem or the bucket, or prepare their own copies on local disks."""
+  return _on_process_0_first(
+      lambda: [tokenized(pairs, tokenizer, config, workdir) for pairs in splits],
+      'token stores')
 
 
 def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
@@ -638,7 +733,8 @@ def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
                     config.tokens_per_batch // process_count)
   train_pairs = open_split(config, config.train_split)
   eval_pairs = open_split(config, config.eval_split)
-  tokenizer = tokenizer_for(config, workdir, train_pairs)
+  tokenizer = _on_process_0_first(lambda: tokenizer_for(config, workdir, train_pairs),
+                                  'vocabulary', outputs.is_remote(workdir))
   stores = _tokenized_on_every_host(config, workdir, tokenizer, (train_pairs, eval_pairs))
   info = train_dataset(stores[0], config, process_index=process_index,
                        process_count=process_count, row_multiple=row_multiple)

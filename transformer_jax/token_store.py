@@ -141,6 +141,15 @@ class TokenStore:
 # ----------------------------------------------------------------------------- preparing
 
 
+def read_meta(directory: str) -> dict[str, Any] | None:
+  """The meta of the store in `directory`, or None if there is none (or it is unreadable)."""
+  try:
+    with open(os.path.join(directory, 'meta.json')) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
 def _fresh(directory: str, expected: dict[str, Any]) -> tuple[bool, str]:
   """Whether the store in `directory` was made from `expected`'s data and vocabulary."""
   try:

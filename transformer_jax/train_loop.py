@@ -136,13 +136,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     workdir_lock.WorkdirBusyError: another training job holds `workdir`.
     NonFiniteError: see the class.
   """
-  outputs.require_local(workdir, '--workdir', "a training run's work directory")
+  outputs.check_scheme(workdir, '--workdir')
   for name in ('tfds_data_dir', 'vocab_path', 'init_from'):
     outputs.require_local(config[name], f'--config.{name}', name)
   for split, files in config.text_files.items():
     for path in (files.split(',') if files else []):
       outputs.require_local(path, f'--config.text_files.{split}', 'a text file')
-  workdir = os.path.abspath(workdir)
+  workdir = outputs.resolve(workdir)
   # Every field, checked now with a stand-in vocabulary size: building the real vocabulary
   # can take minutes.
   config_lib.validate(config, training=True)
