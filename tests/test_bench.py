@@ -57,3 +57,18 @@ def test_jax_workers_get_the_extra_xla_flags_and_their_cpus(tmp_path):
   assert bench_run.worker_cpus(bench_run.jax_env(len(available), 'cpu', '')) is None
   if len(available) > 1:
     assert bench_run.worker_cpus(bench_run.jax_env(1, 'cpu', '')) == {available[0]}
+
+
+def test_checkpoint_storage_bench_runs_and_reports_both_sides(tmp_path):
+  """`python -m bench.checkpoint_storage` on the tiny model, one round: its plumbing (the
+  figures are in bench/RESULTS.md, never asserted)."""
+  out = tmp_path / 'storage.json'
+  result = subprocess.run(
+      [sys.executable, '-m', 'bench.checkpoint_storage', '--model=tiny', '--rounds=1',
+       '--steps=1', f'--json={out}'], cwd=train_testlib.REPO,
+      env=train_testlib.subprocess_env(), capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert 'gs:// / local' in result.stdout
+  rows = json.loads(out.read_text())['rows']
+  assert sorted(row['where'] for row in rows) == ['gcs', 'local']
+  assert all(row['save_s'] > 0 and row['restore_s'] > 0 for row in rows)
