@@ -154,7 +154,7 @@ class WorkdirLock:
   def acquire(self) -> None:
     """Takes the lock, or raises `WorkdirBusyError` naming the job that holds it."""
     self._started = time.time()
-    record = self._read_own()
+    record = self._record()
     for _ in range(5):
       if self._create(record):
         self._start_heartbeat()
@@ -265,7 +265,6 @@ class WorkdirLock:
         pass
 
   def _beat(self) -> None:
-    record = None
     while not self._stop.wait(self._heartbeat_s):
       if self._blob is None:
         try:
@@ -274,15 +273,15 @@ class WorkdirLock:
           pass
         continue
       try:
-        record = record or self._read_own()
-        if not self._write(record, self._generation):
+        if not self._write(self._record(), self._generation):
           logging.error('Lost the lock %s: another job took it over (no heartbeat reached it '
                         'for %.0f s?); stop one of them.', self.path, self._stale_after_s)
           return
       except Exception as e:  # pylint: disable=broad-except  # Retried at the next beat.
         logging.warning('The heartbeat of %s failed: %s', self.path, e)
 
-  def _read_own(self) -> str:
+  def _record(self) -> str:
+    """This job's lock record (the same at every heartbeat)."""
     return json.dumps({'host': socket.gethostname(), 'pid': os.getpid(),
                        'started': self._started, 'token': self._token})
 
