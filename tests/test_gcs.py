@@ -21,6 +21,7 @@ import pytest
 from etils import epath
 
 import gcs_testlib
+import test_bible_en_es
 import train_testlib
 from test_translator import TRAIN_STEPS
 from transformer_jax import outputs
@@ -148,8 +149,6 @@ def test_bad_cloud_paths_get_one_paragraph_each(run_dir, gcs_server, tmp_path):
   config = train_testlib.write_config_file(str(tmp_path / 'config.py'), files)
   _user_error(_command('train.py', f'--config={config}', f'--workdir={missing}/run'),
               f'--workdir={missing}/run', 'the bucket gs://no-such-bucket-here does not exist')
-  _user_error(_command('prepare_data.py', f'--config={config}', f'--workdir={bucket}/run'),
-              f'--workdir={bucket}/run', 'cannot be on Cloud Storage yet', 'gcsfuse')
   assert not os.path.exists(os.path.join(REPO, 'gs:'))  # No local folder named gs:.
   # Nothing listens at the endpoint: gcsfs retries, then the command says so.
   env = train_testlib.subprocess_env(fast_compile=False)
@@ -157,6 +156,86 @@ def test_bad_cloud_paths_get_one_paragraph_each(run_dir, gcs_server, tmp_path):
   _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
                        f'--output={bucket}/out.txt', env=env),
               f'cannot reach Cloud Storage for {bucket}', 'STORAGE_EMULATOR_HOST')
+
+
+# --- Data and vocabularies on a bucket. ---
+
+
+def _run(config_path: str, workdir: str, cache: str, *flags: str, script: str = 'train.py',
+         timeout: int = 300) -> subprocess.CompletedProcess:
+  """A command run to its end as if on a host whose local cache is `cache`."""
+  env = train_testlib.subprocess_env()
+  env['TRANSFORMER_JAX_CACHE'] = cache
+  return subprocess.run([sys.executable, os.path.join(REPO, script), f'--config={config_path}',
+                         f'--workdir={workdir}', *flags], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_text_files_a_vocabulary_and_init_from_on_a_bucket(bucket, tmp_path):
+  """A run whose text files and vocabulary path are gs:// objects (the vocabulary trained
+  locally and uploaded), then a fine-tuning run with --config.init_from=gs://... on another
+  "host" that downloads that vocabulary instead of training one; prepare_data.py publishes
+  a work directory's vocabulary and token ids to a bucket."""
+  fs = gcsfs.GCSFileSystem()
+  files = {}
+  for split, spec in train_testlib.write_parallel_text(str(tmp_path)).items():
+    remote = []
+    for path in spec.split(','):
+      fs.put_file(path, f'{bucket}/data/{os.path.basename(path)}')
+      remote.append(f'{bucket}/data/{os.path.basename(path)}')
+    files[split] = ','.join(remote)
+  vocab = f'{bucket}/vocab/shared.model'
+  config = train_testlib.write_config_file(str(tmp_path / 'config.py'), files,
+                                           vocab_path=vocab, num_train_steps=4)
+
+  first = _run(config, f'{bucket}/run', str(tmp_path / 'host_a'))
+  assert first.returncode == 0, first.stderr[-3000:]
+  assert 'Trained a' in first.stderr
+  assert epath.Path(vocab).exists()
+  assert not os.path.exists(os.path.join(REPO, 'gs:'))
+
+  tuned = _run(config, str(tmp_path / 'tuned'), str(tmp_path / 'host_b'),
+               f'--config.init_from={bucket}/run', '--config.num_train_steps=6')
+  assert tuned.returncode == 0, tuned.stderr[-3000:]
+  assert 'Trained a' not in tuned.stderr
+  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  meta, step = checkpointing.read_meta(str(tmp_path / 'tuned'))
+  first_meta, _ = checkpointing.read_meta(f'{bucket}/run')
+  assert step == 6 and meta['tokenizer']['sha256'] == first_meta['tokenizer']['sha256']
+
+  prepared = _run(config, f'{bucket}/prep', str(tmp_path / 'host_c'),
+                  '--config.vocab_path=', script='prepare_data.py')
+  assert prepared.returncode == 0, prepared.stderr[-3000:]
+  assert f'published to {bucket}/prep' in prepared.stdout
+  markers = [p for p in fs.find(f'{bucket}/prep') if p.endswith('.PUBLISHED.json')]
+  assert len(markers) == 4, markers  # The vocabulary and three splits' token ids.
+  _user_error(_run(config, f'{bucket}/prep', str(tmp_path / 'host_c'), '--num_hosts=2',
+                   script='prepare_data.py'), 'run the command once, on one host')
+
+
+@test_bible_en_es.needs_modules
+def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeypatch):
+  """--config.tfds_data_dir=gs://...: the offline corpus is built locally, uploaded with
+  dataset_info.json (TFDS's sign of a prepared dataset) last, and read from the bucket
+  through array_record; another host reads it there without building it."""
+  from transformer_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  from transformer_jax.config import base_config  # pylint: disable=g-import-not-at-top
+  config = base_config()
+  config.dataset, config.source_lang, config.target_lang = 'bible_en_es', 'en', 'es'
+  config.tfds_data_dir = f'{bucket}/tfds'
+  monkeypatch.setenv('TRANSFORMER_JAX_CACHE', str(tmp_path / 'host_a'))
+  built = input_pipeline.open_split(config, 'test')
+  assert len(built) == 1378
+  objects = gcsfs.GCSFileSystem().find(f'{bucket}/tfds', detail=True)
+  by_generation = sorted(objects, key=lambda name: int(objects[name]['generation']))
+  assert by_generation[-1].endswith('/dataset_info.json'), by_generation
+  assert any('.array_record' in name for name in objects)
+
+  monkeypatch.setenv('TRANSFORMER_JAX_CACHE', str(tmp_path / 'host_b'))
+  read = input_pipeline.open_split(config, 'test')
+  assert not os.path.exists(tmp_path / 'host_b')  # Nothing built on this host.
+  assert read.fingerprint == built.fingerprint
+  assert read.range(0, 5) == built.range(0, 5) and read[-1] == built[-1]
 
 
 # --- The one-writer lock on a bucket. ---

@@ -50,8 +50,8 @@ import importlib
 import math
 import json
 import os
+import posixpath
 import re
-import shutil
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -124,11 +124,8 @@ def _records_fingerprint(name: str, records: Sequence[Any], data_dir: str | None
   """Identifies TFDS records: their count, the files of the prepared dataset (names, sizes,
   modification times) and the contents of a sample of records at both ends."""
   digest = hashlib.sha256(f'{name}|{len(records)}'.encode())
-  if data_dir and os.path.isdir(data_dir):
-    for entry in sorted(os.scandir(data_dir), key=lambda e: e.name):
-      if entry.is_file():
-        stat = entry.stat()
-        digest.update(f'|{entry.name}:{stat.st_size}:{stat.st_mtime_ns}'.encode())
+  for file_name, size, mtime in outputs.file_stats(data_dir) if data_dir else []:
+    digest.update(f'|{file_name}:{size}:{mtime}'.encode())
   for i in [*range(min(16, len(records))), *range(max(16, len(records) - 16), len(records))]:
     digest.update(repr(sorted(records[i].items())).encode())
   return digest.hexdigest()[:16]
@@ -184,7 +181,7 @@ def _text_file_records(config: ml_collections.ConfigDict,
   sides = []
   digest = hashlib.sha256()
   for path in paths:
-    if not os.path.exists(path):
+    if not outputs.exists(path):
       raise DatasetNotFoundError(f'Text file {path} (split {split!r}) does not exist; fix '
                                  f'--config.text_files.{split}.')
     sides.append(_read_text_lines(path, split, digest))
@@ -202,7 +199,7 @@ def _read_text_lines(path: str, split: str, digest: Any = None) -> list[str]:
   Raises:
     DataError: the file is empty, binary (has NUL bytes) or not UTF-8.
   """
-  with open(path, 'rb') as f:
+  with outputs.open_file(path) as f:
     data = f.read()
   if digest is not None:
     digest.update(data)
@@ -236,7 +233,9 @@ def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
     records, fingerprint = _text_file_records(config, split)
     return ParallelText(records, 'source', 'target', name, fingerprint)
   if config.dataset == 'bible_en_es':
-    builder = bible_en_es.prepare(config.tfds_data_dir or None)
+    # Built once; on Cloud Storage by process 0, whose upload the others then find.
+    builder = _on_process_0_first(lambda: bible_en_es.prepare(config.tfds_data_dir or None),
+                                  'Bible corpus', outputs.is_remote(config.tfds_data_dir))
     records, data_dir = builder.as_data_source(split), builder.data_dir
   else:
     records, data_dir = _tfds_records(config, split)
@@ -255,16 +254,10 @@ def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
 
 def local_directory(workdir: str) -> str:
   """Where the vocabulary and token stores of `workdir` are read from: the work directory
-  itself, or for a gs:// one a local cache directory (SentencePiece reads files, token
-  stores are memory-mapped): $TRANSFORMER_JAX_CACHE (default ~/.cache/transformer_jax)
-  /<a hash of the URL>. `publish` copies what is made there to the bucket, and `fetch`
-  brings it to other hosts and resumed runs."""
-  if not outputs.is_remote(workdir):
-    return workdir
-  root = os.environ.get('TRANSFORMER_JAX_CACHE') or os.path.join(
-      os.path.expanduser('~'), '.cache', 'transformer_jax')
-  url = outputs.resolve(workdir)
-  return os.path.join(root, hashlib.sha256(url.encode()).hexdigest()[:16])
+  itself, or for a gs:// one its local cache (`outputs.local_cache`; SentencePiece reads
+  files, token stores are memory-mapped). `publish` copies what is made there to the
+  bucket, and `fetch` brings it to other hosts and resumed runs."""
+  return outputs.local_cache(workdir) if outputs.is_remote(workdir) else workdir
 
 
 def _remote_of(path: str, workdir: str) -> str | None:
@@ -281,9 +274,7 @@ _PUBLISHED = 'PUBLISHED.json'  # Written last: what the files beside it are (the
 def publish(local: str, remote: str, meta: dict[str, Any]) -> None:
   """Uploads the file or directory `local` to `remote`, then the marker that says it is
   complete, with `meta` in it (a reader trusts nothing without it)."""
-  import gcsfs  # pylint: disable=g-import-not-at-top
-  with outputs.cloud_errors(remote, '--workdir'):
-    gcsfs.GCSFileSystem().put(local, remote, recursive=os.path.isdir(local))
+  outputs.upload(local, remote, '--workdir')
   outputs.write_file(f'{remote}.{_PUBLISHED}', json.dumps(meta, sort_keys=True))
 
 
@@ -298,18 +289,7 @@ def published(remote: str) -> dict[str, Any] | None:
 
 def fetch(remote: str, local: str) -> None:
   """Downloads a published file or directory (replacing `local`, through a temporary)."""
-  import gcsfs  # pylint: disable=g-import-not-at-top
-  os.makedirs(os.path.dirname(local), exist_ok=True)
-  tmp = outputs.temporary_path(local)
-  fs = gcsfs.GCSFileSystem()
-  with outputs.cloud_errors(remote, '--workdir'):
-    if fs.isdir(remote):
-      fs.get(remote + '/', tmp + '/', recursive=True)
-    else:
-      fs.get(remote, tmp)
-  if os.path.isdir(local):
-    shutil.rmtree(local)
-  os.replace(tmp, local)
+  outputs.download(remote, local, '--workdir')
 
 
 def tokenizer_for(config: ml_collections.ConfigDict, workdir: str,
@@ -321,6 +301,8 @@ def tokenizer_for(config: ml_collections.ConfigDict, workdir: str,
   gs:// work directory it is made in `local_directory` and published to the bucket, and
   a run that finds it published there downloads it instead of training it again.
   """
+  if outputs.is_remote(config.vocab_path):
+    return _tokenizer_on_cloud_storage(config, train_pairs)
   path = config.vocab_path
   if not path:
     langs = '-'.join(sorted((config.source_lang, config.target_lang)))
@@ -334,6 +316,21 @@ def tokenizer_for(config: ml_collections.ConfigDict, workdir: str,
   tokenizer = _load_or_train(config, path, train_pairs)
   if remote and published(remote) is None:
     publish(path, remote, {'sha256': tokenizer.fingerprint})
+  return tokenizer
+
+
+def _tokenizer_on_cloud_storage(config: ml_collections.ConfigDict,
+                                train_pairs: Sequence[tuple[str, str]]) -> Tokenizer:
+  """`tokenizer_for` with a gs:// `config.vocab_path`: read from a fresh local copy, or
+  trained locally and uploaded (one object, so it appears whole) when it is not there."""
+  remote = outputs.resolve(config.vocab_path)
+  local = os.path.join(outputs.local_cache(remote), posixpath.basename(remote))
+  there = outputs.exists(remote)
+  if there:
+    outputs.download(remote, local, '--config.vocab_path')
+  tokenizer = _load_or_train(config, local, train_pairs)
+  if not there:
+    outputs.upload(local, remote, '--config.vocab_path')
   return tokenizer
 
 
@@ -361,13 +358,13 @@ def store_directory(config: ml_collections.ConfigDict, workdir: str, tokenizer: 
   if os.access(beside, os.W_OK):
     root = os.path.splitext(os.path.abspath(tokenizer.model_path))[0] + '.tokens'
   else:
-    root = os.path.join(workdir, 'tokens', os.path.basename(
+    root = os.path.join(local_directory(workdir), 'tokens', os.path.basename(
         os.path.splitext(tokenizer.model_path)[0]))
   return os.path.join(root, name)
 
 
 def tokenized(pairs: ParallelText, tokenizer: Tokenizer, config: ml_collections.ConfigDict,
-              workdir: str) -> token_store.TokenStore:
+              workdir: str, workers: int | None = None) -> token_store.TokenStore:
   """The token ids of `pairs`, prepared on first use (`prepare_data.py` does it ahead, on
   several processes and hosts) and rebuilt, with a warning, when the data or vocabulary
   changed. For a gs:// work directory they are prepared locally and published to the
@@ -380,7 +377,7 @@ def tokenized(pairs: ParallelText, tokenizer: Tokenizer, config: ml_collections.
       fetch(remote, directory)  # open_or_prepare still checks that it fits this data.
   store = token_store.open_or_prepare(pairs, tokenizer, directory,
                                       data_fingerprint=pairs.fingerprint,
-                                      workers=prepare_workers(config))
+                                      workers=workers or prepare_workers(config))
   if remote and published(remote) != store.meta:
     publish(directory, remote, store.meta)
   return store
@@ -734,7 +731,8 @@ def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
   train_pairs = open_split(config, config.train_split)
   eval_pairs = open_split(config, config.eval_split)
   tokenizer = _on_process_0_first(lambda: tokenizer_for(config, workdir, train_pairs),
-                                  'vocabulary', outputs.is_remote(workdir))
+                                  'vocabulary', outputs.is_remote(workdir)
+                                  or outputs.is_remote(config.vocab_path))
   stores = _tokenized_on_every_host(config, workdir, tokenizer, (train_pairs, eval_pairs))
   info = train_dataset(stores[0], config, process_index=process_index,
                        process_count=process_count, row_multiple=row_multiple)

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import posixpath
@@ -123,6 +124,60 @@ def temporary_path(path: str, kind: str = 'tmp') -> str:
   directory, name = _split(path)
   name = f'.{name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{_host()}'
   return posixpath.join(directory, name) if is_remote(path) else os.path.join(directory, name)
+
+
+def local_cache(url: str) -> str:
+  """A local directory for the local copies of what lies at the gs:// `url` (SentencePiece
+  reads files, token stores are memory-mapped, datasets are prepared on a local disk):
+  $TRANSFORMER_JAX_CACHE (default ~/.cache/transformer_jax)/<a hash of the URL>."""
+  root = os.environ.get('TRANSFORMER_JAX_CACHE') or os.path.join(
+      os.path.expanduser('~'), '.cache', 'transformer_jax')
+  return os.path.join(root, hashlib.sha256(resolve(url).encode()).hexdigest()[:16])
+
+
+def _gcsfs() -> Any:
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  return gcsfs.GCSFileSystem()
+
+
+def upload(local: str, remote: str, flag: str, *, last: tuple[str, ...] = ()) -> None:
+  """Uploads the file or directory `local` to the gs:// `remote`, one object per file; the
+  files named in `last` go last, so that a reader who waits for them (a marker) finds every
+  other file complete."""
+  if os.path.isdir(local):
+    files = sorted(os.path.relpath(os.path.join(root, name), local)
+                   for root, _, names in os.walk(local) for name in names)
+    files.sort(key=lambda rel: os.path.basename(rel) in last)
+    pairs = [(os.path.join(local, rel), f'{resolve(remote)}/{rel.replace(os.sep, "/")}')
+             for rel in files]
+  else:
+    pairs = [(local, resolve(remote))]
+  with cloud_errors(remote, flag):
+    fs = _gcsfs()
+    for source, target in pairs:
+      fs.put_file(source, target)
+
+
+def download(remote: str, local: str, flag: str) -> None:
+  """Downloads the gs:// file or directory `remote` to `local` (replacing it, through a
+  temporary beside it)."""
+  os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
+  tmp = temporary_path(local)
+  try:
+    with cloud_errors(remote, flag):
+      fs = _gcsfs()
+      if fs.isdir(remote):
+        fs.get(resolve(remote) + '/', tmp + '/', recursive=True)
+      else:
+        fs.get(remote, tmp)
+    if os.path.isdir(local):
+      shutil.rmtree(local)
+    os.replace(tmp, local)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+    raise
 
 
 def _bucket(path: str) -> str:
@@ -454,6 +509,21 @@ def exists(path: str) -> bool:
     with cloud_errors(path):
       return _epath(path).exists()
   return os.path.exists(path)
+
+
+def file_stats(directory: str) -> list[tuple[str, int, float]]:
+  """(name, size, modification time) of each file directly in a local or gs:// directory,
+  sorted by name; [] if there is no such directory."""
+  if is_remote(directory):
+    with cloud_errors(directory):
+      entries = [p for p in _epath(directory).iterdir() if p.is_file()] if _epath(
+          directory).is_dir() else []
+      stats = [(p.name, p.stat()) for p in entries]
+    return sorted((name, stat.length, stat.mtime) for name, stat in stats)
+  if not os.path.isdir(directory):
+    return []
+  return sorted((e.name, e.stat().st_size, e.stat().st_mtime) for e in os.scandir(directory)
+                if e.is_file())
 
 
 def _join(directory: str, name: str) -> str:

@@ -137,11 +137,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     NonFiniteError: see the class.
   """
   outputs.check_scheme(workdir, '--workdir')
-  for name in ('tfds_data_dir', 'vocab_path', 'init_from'):
-    outputs.require_local(config[name], f'--config.{name}', name)
-  for split, files in config.text_files.items():
-    for path in (files.split(',') if files else []):
-      outputs.require_local(path, f'--config.text_files.{split}', 'a text file')
+  _check_data_paths(config)
   workdir = outputs.resolve(workdir)
   # Every field, checked now with a stand-in vocabulary size: building the real vocabulary
   # can take minutes.
@@ -154,6 +150,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   finally:
     if lock is not None:
       lock.release()
+
+
+def _check_data_paths(config: ml_collections.ConfigDict) -> None:
+  """Checks the config's own paths (local or gs://) before anything is built: the scheme,
+  and on Cloud Storage that the bucket answers and, where the run may write (a Bible corpus
+  prepared there, a vocabulary trained there), that it takes objects."""
+  for split, files in config.text_files.items():
+    for path in (p.strip() for p in files.split(',') if p.strip()) if files else []:
+      outputs.check_scheme(path, f'--config.text_files.{split}')
+      if outputs.is_remote(path):
+        outputs.check_input_file(path, f'--config.text_files.{split}')
+  if config.init_from:
+    outputs.check_scheme(config.init_from, '--config.init_from')
+  for name in ('tfds_data_dir', 'vocab_path'):
+    path, flag = config[name], f'--config.{name}'
+    outputs.check_scheme(path, flag)
+    if not outputs.is_remote(path):
+      continue
+    if name == 'vocab_path':
+      if not outputs.exists(path):  # Trained, then uploaded there.
+        outputs.check_output_file(path, flag)
+    elif config.dataset == 'bible_en_es':  # Prepared, then uploaded there.
+      outputs.check_output_directory(path, flag)
+    else:
+      outputs.check_input_directory(path, flag, 'a TFDS data directory')
 
 
 def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
@@ -279,11 +300,11 @@ def _init_source(config: ml_collections.ConfigDict
   if config.init_from_map_vocab:
     pass  # The run's own vocabulary; the embeddings are mapped by piece.
   elif config.vocab_path:
-    if not os.path.isfile(config.vocab_path):
+    if not outputs.exists(config.vocab_path) or outputs.is_directory(config.vocab_path):
       raise ConfigError(f'vocab_path={config.vocab_path!r} does not exist; leave '
                         "--config.vocab_path empty to take the vocabulary of "
                         f'{where}.')
-    with open(config.vocab_path, 'rb') as f:
+    with outputs.open_file(config.vocab_path) as f:
       if hashlib.sha256(f.read()).hexdigest() != meta['tokenizer']['sha256']:
         raise ConfigError(
             f'vocab_path={config.vocab_path!r} is not the vocabulary of {where}, whose '

@@ -59,7 +59,8 @@ def main(argv: list[str]) -> None:
     cli.fail('--source_file replaces the dataset; drop --split and --tfds_data_dir.')
   workdir = _CHECKPOINT.workdir.value
   if _TFDS_DATA_DIR.value:
-    outputs.require_local(_TFDS_DATA_DIR.value, '--tfds_data_dir', 'TFDS data')
+    outputs.check_input_directory(_TFDS_DATA_DIR.value, '--tfds_data_dir',
+                                  'a TFDS data directory')
   inputs = {'--source_file': _SOURCE_FILE.value, '--reference_file': _REFERENCE_FILE.value,
             '--compare_to': _COMPARE_TO.value}
   for flag, path in inputs.items():

@@ -8,6 +8,9 @@ Trains the vocabulary if there is none yet, then writes each split's token ids b
 the data and the vocabulary are kept; stale ones are rebuilt. An interrupted run resumes from
 the parts it had written.
 
+A gs:// work directory: the vocabulary and the token ids are made in a local cache directory
+and published to the bucket, where train.py's hosts find them.
+
 Several hosts sharing the work directory's filesystem: run the same command on each with
 --num_hosts=H --host_index=I (after the vocabulary exists: run it once without them first).
 Host I tokenizes parts I, I+H, ...; whichever host finds every part written merges them, and
@@ -56,7 +59,11 @@ def main(argv: list[str]) -> None:
     cli.fail(f'--workers={_WORKERS.value} must be >= 0 (0: one per core).')
   config = _CONFIG.value
   config_lib.validate(config, training=True)
-  outputs.require_local(_WORKDIR.value, '--workdir', "a training run's work directory")
+  remote = outputs.is_remote(_WORKDIR.value)
+  if remote and _NUM_HOSTS.value > 1:
+    cli.fail(f'--num_hosts={_NUM_HOSTS.value} shares the parts through a filesystem every host '
+             f'mounts, which --workdir={_WORKDIR.value} is not; run the command once, on one '
+             "host (it publishes to the bucket what train.py's hosts then download).")
   outputs.check_output_directory(_WORKDIR.value, '--workdir')
   workers = _WORKERS.value or os.cpu_count() or 1
   splits = _SPLITS.value or list(dict.fromkeys(
@@ -68,9 +75,12 @@ def main(argv: list[str]) -> None:
     pairs = train if split == config.train_split else input_pipeline.open_split(config, split)
     directory = input_pipeline.store_directory(config, _WORKDIR.value, tokenizer, pairs)
     start = time.perf_counter()
-    store = token_store.prepare(pairs, tokenizer, directory,
-                                data_fingerprint=pairs.fingerprint, workers=workers,
-                                host_index=_HOST_INDEX.value, host_count=_NUM_HOSTS.value)
+    if remote:  # Made locally, then published to the bucket.
+      store = input_pipeline.tokenized(pairs, tokenizer, config, _WORKDIR.value, workers)
+    else:
+      store = token_store.prepare(pairs, tokenizer, directory,
+                                  data_fingerprint=pairs.fingerprint, workers=workers,
+                                  host_index=_HOST_INDEX.value, host_count=_NUM_HOSTS.value)
     seconds = time.perf_counter() - start
     if store is None:
       print(f'{split}: this host\'s parts are written ({seconds:.0f} s); the merge waits for '
@@ -78,7 +88,8 @@ def main(argv: list[str]) -> None:
       continue
     tokens = store.meta['tokens']
     print(f'{split}: {len(store):,} pairs, {tokens[0]:,} source and {tokens[1]:,} target '
-          f'tokens, {store.meta["blank"]} with a blank side -> {directory} ({seconds:.0f} s, '
+          f'tokens, {store.meta["blank"]} with a blank side -> {directory}'
+          f'{f" (published to {_WORKDIR.value})" if remote else ""} ({seconds:.0f} s, '
           f'up to {workers} processes)')
 
 
