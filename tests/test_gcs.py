@@ -1,9 +1,10 @@
 """gs:// paths against a real Cloud Storage server on 127.0.0.1 (`gcs_testlib`): the checks
-and atomic writes of `outputs.py`, training on a bucket (lock, checkpoints, metrics,
-vocabulary and token ids published there), the commands that read a run and write results
-there, and clear errors for a missing bucket, an unreachable endpoint, another scheme and what
-cannot be on Cloud Storage yet. (The server checks no credentials or permissions, so those two
-errors are not produced here.)"""
+and atomic writes of `outputs.py`, data and vocabularies read from a bucket, training on a
+bucket (lock, checkpoints, metrics, vocabulary and token ids published there), the commands
+that read a run and write results there, and clear errors for a missing bucket, an
+unreachable endpoint, another scheme and the one path that must be local (the compilation
+cache). Marian import and export on a bucket: test_marian.py. (The server checks no
+credentials or permissions, so those two errors are not produced here.)"""
 
 from __future__ import annotations
 
@@ -149,6 +150,9 @@ def test_bad_cloud_paths_get_one_paragraph_each(run_dir, gcs_server, tmp_path):
   config = train_testlib.write_config_file(str(tmp_path / 'config.py'), files)
   _user_error(_command('train.py', f'--config={config}', f'--workdir={missing}/run'),
               f'--workdir={missing}/run', 'the bucket gs://no-such-bucket-here does not exist')
+  _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
+                       f'--compilation_cache_dir={bucket}/cache'),
+              f'--compilation_cache_dir={bucket}/cache', 'give a local path')
   assert not os.path.exists(os.path.join(REPO, 'gs:'))  # No local folder named gs:.
   # Nothing listens at the endpoint: gcsfs retries, then the command says so.
   env = train_testlib.subprocess_env(fast_compile=False)

@@ -528,6 +528,46 @@ def test_import_then_export_gives_the_marian_weights_back(opus_mt_dir, tmp_path)
     np.testing.assert_array_equal(got, expected, err_msg=name)
 
 
+def test_import_and_export_on_a_bucket_match_the_local_ones(opus_mt_dir, bucket, tmp_path):
+  """A Marian directory imported from a bucket into a bucket (its checkpoint written there
+  last) holds the parameters of a local import, and its export to a bucket the bytes of a
+  local export, config.json uploaded last; what a killed export left is replaced by the
+  retry, and anything else in the output directory refuses the export."""
+  import gcsfs  # pylint: disable=g-import-not-at-top
+  directory, _, _ = opus_mt_dir
+  fs = gcsfs.GCSFileSystem()
+  fs.put(str(directory), f'{bucket}/opus', recursive=True)
+  workdir = f'{bucket}/imported'
+  assert marian.import_model(f'{bucket}/opus', workdir) == f'{workdir}/checkpoints/0'
+  marian.import_model(str(directory), str(tmp_path / 'imported'))
+  ours, theirs = loading.load(workdir), loading.load(str(tmp_path / 'imported'))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               ours.params, theirs.params)
+  meta, _ = checkpointing.read_meta(workdir)
+  assert meta['imported_from'] == f'{bucket}/opus'
+  assert meta['tokenizer']['path'] == f'{workdir}/marian_vocab.json'
+  assert f"c.init_from = '{workdir}'" in fs.cat(f'{workdir}/finetune_config.py').decode()
+
+  out = f'{bucket}/export'
+  assert marian.export_model(workdir, out) == out
+  marian.export_model(str(tmp_path / 'imported'), str(tmp_path / 'export'))
+  names = sorted(os.listdir(tmp_path / 'export'))
+  assert sorted(p.rsplit('/', 1)[1] for p in fs.find(out)) == names
+  for name in names:
+    assert fs.cat(f'{out}/{name}') == (tmp_path / 'export' / name).read_bytes(), name
+  objects = fs.find(out, detail=True)
+  assert max(objects, key=lambda p: int(objects[p]['generation'])).endswith('/config.json')
+  with pytest.raises(OutputExistsError, match='already holds a model'):
+    marian.export_model(workdir, out)
+  fs.rm(f'{out}/config.json')  # Killed before its last upload.
+  marian.export_model(workdir, out)
+  assert fs.exists(f'{out}/config.json')
+  fs.pipe(f'{bucket}/other/notes.txt', b'mine')
+  with pytest.raises(OutputExistsError, match='holds notes.txt'):
+    marian.export_model(workdir, f'{bucket}/other')
+  assert fs.find(f'{bucket}/other') == [f'{bucket[5:]}/other/notes.txt']
+
+
 def test_export_refuses_what_marian_lacks_naming_the_field(tmp_path):
   workdir = _own_checkpoint(tmp_path, norm_position='pre')
   with pytest.raises(ConfigError, match="norm_position='pre'"):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -237,12 +238,18 @@ def _reorder_vocabulary(params: dict[str, Any], order: np.ndarray) -> dict[str, 
   return params
 
 
-def import_model(model_dir: str, workdir: str) -> str:
+def import_model(model_dir: str, workdir: str, *, imported_from: str | None = None) -> str:
   """Imports a Hugging Face Marian model directory as a checkpoint of `workdir`.
 
   Writes `workdir/checkpoints/0/` (the parameters and the run config) and
   `workdir/marian_vocab.json` (the vocabulary), which evaluate.py and translate.py read as
   any run's, and train.py starts from with `--config.init_from=workdir`.
+
+  On Cloud Storage (`model_dir` or `workdir` gs://) the model is read from a local copy, and
+  the checkpoint is written last, straight to the bucket (orbax marks it complete there).
+
+  Args:
+    imported_from: what the checkpoint's meta names as the source (default `model_dir`).
 
   Returns:
     The checkpoint directory.
@@ -252,11 +259,15 @@ def import_model(model_dir: str, workdir: str) -> str:
       project can run; the message says what.
     OutputExistsError: `workdir` already has a checkpoint, or other files.
   """
-  if (os.path.isdir(os.path.join(workdir, checkpointing.CHECKPOINT_DIR))
+  if outputs.is_remote(model_dir):  # Read from a local copy.
+    with tempfile.TemporaryDirectory() as local:
+      outputs.download(model_dir, os.path.join(local, 'model'), '--model_dir')
+      return import_model(os.path.join(local, 'model'), workdir, imported_from=model_dir)
+  if (outputs.is_directory(f'{workdir}/{checkpointing.CHECKPOINT_DIR}')
       and checkpointing.list_steps(workdir)):
     raise OutputExistsError(f'{workdir} already has checkpoints; import into a new '
                             '--workdir.')
-  if os.path.isdir(workdir) and os.listdir(workdir):
+  if not outputs.is_remote(workdir) and os.path.isdir(workdir) and os.listdir(workdir):
     raise OutputExistsError(f'{workdir} is not empty; import into a new or empty --workdir.')
   hf_config = _read_json(os.path.join(model_dir, 'config.json'))
   vocab = _read_json(os.path.join(model_dir, 'vocab.json'))
@@ -286,18 +297,27 @@ def import_model(model_dir: str, workdir: str) -> str:
   fields['decoder_start'] = _decoder_start(fields, hf_config, params)
 
   # Everything is written into a temporary directory that becomes `workdir` at the end: a
-  # failed or killed import leaves nothing there, and a retry starts afresh.
+  # failed or killed import leaves nothing there, and a retry starts afresh. (On Cloud
+  # Storage its files are uploaded, then the checkpoint is written: a killed import leaves
+  # no checkpoint, and a retry replaces the files.)
+  remote = outputs.is_remote(workdir)
   with outputs.writing_directory(workdir) as staging:
-    _write_import(staging, workdir, model_dir, hf_config, vocab, order, fields, params,
-                  spm_bytes, model_config)
-  return os.path.join(os.path.abspath(workdir), checkpointing.CHECKPOINT_DIR, '0')
+    meta = _write_import(staging, workdir, model_dir, outputs.resolve(imported_from or model_dir),
+                         hf_config, vocab, order, fields, params, spm_bytes, model_config)
+    if not remote:
+      checkpointing.write_params_checkpoint(staging, 0, params, meta)
+  if remote:
+    checkpointing.write_params_checkpoint(workdir, 0, params, meta)
+  return f'{outputs.resolve(workdir)}/{checkpointing.CHECKPOINT_DIR}/0'
 
 
-def _write_import(staging: str, workdir: str, model_dir: str, hf_config: Mapping[str, Any],
+def _write_import(staging: str, workdir: str, model_dir: str, imported_from: str,
+                  hf_config: Mapping[str, Any],
                   vocab: Mapping[str, int], order: np.ndarray, fields: dict[str, Any],
                   params: Any, spm_bytes: Mapping[str, bytes],
-                  model_config: TransformerConfig) -> None:
-  """`import_model`'s files, written into `staging`, naming their paths in `workdir`."""
+                  model_config: TransformerConfig) -> dict[str, Any]:
+  """`import_model`'s vocabulary and fine-tuning config, written into `staging`, naming
+  their paths in `workdir`; returns the checkpoint's meta."""
   pieces_by_id = {i: piece for piece, i in vocab.items()}
   tokenizer = write_split_vocabulary(
       os.path.join(staging, VOCABULARY_FILE), [pieces_by_id[i] for i in order],
@@ -310,16 +330,16 @@ def _write_import(staging: str, workdir: str, model_dir: str, hf_config: Mapping
   config.source_lang = tokenizer_config.get('source_lang') or 'src'
   config.target_lang = tokenizer_config.get('target_lang') or 'tgt'
   config.dataset = 'text'
-  config.vocab_path = os.path.join(os.path.abspath(workdir), VOCABULARY_FILE)
+  config.vocab_path = f'{outputs.resolve(workdir)}/{VOCABULARY_FILE}'
   config.max_source_length = config.max_target_length = min(
       config.max_source_length, model_config.max_len)
   config_lib.validate(config, vocab_size=tokenizer.vocab_size)
   meta = checkpointing.make_meta(config, tokenizer)
   meta['tokenizer']['path'] = config.vocab_path
-  meta['imported_from'] = os.path.abspath(model_dir)
-  _write_finetune_config(os.path.join(staging, FINETUNE_CONFIG_FILE), model_dir, workdir,
+  meta['imported_from'] = imported_from
+  _write_finetune_config(os.path.join(staging, FINETUNE_CONFIG_FILE), imported_from, workdir,
                          {name: config[name] for name in tuple(fields) + _RUN_FIELDS})
-  checkpointing.write_params_checkpoint(staging, 0, params, meta)
+  return meta
 
 
 def _decoder_start(fields: Mapping[str, Any], hf_config: Mapping[str, Any],
@@ -339,7 +359,7 @@ def _write_finetune_config(path: str, model_dir: str, workdir: str,
   lines = [f'  c.{name} = {value!r}\n' for name, value in fields.items()]
   text = (
       f'"""Fine-tunes the Marian model imported from {model_dir}:\n\n'
-      f'  python train.py --config={path} \\\n'
+      f'  python train.py --config={outputs.resolve(workdir)}/{FINETUNE_CONFIG_FILE} \\\n'
       '      --config.text_files.train=TRAIN.SRC,TRAIN.TGT \\\n'
       '      --config.text_files.validation=DEV.SRC,DEV.TGT --workdir=NEW_WORKDIR\n\n'
       'The model fields are the imported model\'s (a change to one that shapes a parameter\n'
@@ -351,7 +371,7 @@ def _write_finetune_config(path: str, model_dir: str, workdir: str,
       'def get_config():\n'
       '  c = config_lib.base_config()\n'
       + ''.join(lines) +
-      f'  c.init_from = {os.path.abspath(workdir)!r}\n'
+      f'  c.init_from = {outputs.resolve(workdir)!r}\n'
       '  return c\n')
   outputs.write_file(path, text)
 
@@ -477,15 +497,16 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   meta, _ = checkpointing.read_meta(workdir, step)
   exportable(TransformerConfig.from_config(config_lib.from_saved(meta['config']),
                                            meta['vocab_size']))
-  if os.path.exists(os.path.join(output_dir, 'config.json')):
+  if outputs.exists(f'{output_dir}/config.json'):
     raise OutputExistsError(f'{output_dir} already holds a model (config.json); choose a new '
                             '--output_dir.')
-  if os.path.isdir(output_dir) and os.listdir(output_dir):
+  if not outputs.is_remote(output_dir) and os.path.isdir(output_dir) and os.listdir(output_dir):
     raise OutputExistsError(f'{output_dir} is not empty; choose a new or empty --output_dir.')
   checkpoint = loading.load(workdir, step=step)
   run = checkpoint.config
-  # The files appear together, when all are written (a killed export leaves none).
-  with outputs.writing_directory(output_dir) as staging:
+  # The files appear together, when all are written (a killed export leaves none); on Cloud
+  # Storage config.json, which makes a directory a model, comes last.
+  with outputs.writing_directory(output_dir, last=('config.json',)) as staging:
     write_model(staging, checkpoint.params, checkpoint.model_config,
                 checkpoint.tokenizer.pieces(), checkpoint.tokenizer.sentencepiece_models(),
                 source_lang=run.source_lang, target_lang=run.target_lang,

@@ -94,11 +94,11 @@ def check_scheme(path: str, flag: str) -> None:
 
 
 def require_local(path: str, flag: str, what: str) -> None:
-  """Refuses a gs:// `path` where `what` cannot use one yet (see the README)."""
+  """Refuses a gs:// `path` where `what` must be on a local disk."""
   check_scheme(path, flag)
   if is_remote(path):
-    raise PathError(f'{_describe(flag, path)}: {what} cannot be on Cloud Storage yet; give a '
-                    'local path (a bucket mounted with gcsfuse is a local path).')
+    raise PathError(f'{_describe(flag, path)}: {what} cannot be on Cloud Storage; give a '
+                    'local path.')
 
 
 def resolve(path: str) -> str:
@@ -451,14 +451,25 @@ def writing(path: str, mode: str = 'w') -> Iterator[IO[Any]]:
 
 
 @contextlib.contextmanager
-def writing_directory(path: str) -> Iterator[str]:
+def writing_directory(path: str, *, last: tuple[str, ...] = ()) -> Iterator[str]:
   """A temporary directory beside `path` to write a set of files in; renamed to `path` when
   the block ends without an error (so they appear together), removed otherwise.
 
+  On Cloud Storage, which renames nothing at once, the directory is a local temporary one,
+  uploaded one object at a time when the block ends, the files named in `last` last (a
+  reader's sign that the rest is complete); what a killed upload of the same files left
+  there is overwritten by the next.
+
   Raises:
-    OutputExistsError: `path` exists and is not empty (checked again at the rename).
+    OutputExistsError: `path` exists and is not empty (checked again at the rename; on
+      Cloud Storage, holds objects other than these files).
   """
-  require_local(path, 'the output directory', 'a directory written whole')
+  if is_remote(path):
+    with tempfile.TemporaryDirectory() as local:
+      yield local
+      _check_only(path, local)
+      upload(local, path, 'the output directory', last=last)
+    return
   _check_empty(path)
   tmp = temporary_path(path)
   os.makedirs(tmp)
@@ -475,6 +486,21 @@ def writing_directory(path: str) -> Iterator[str]:
 def _check_empty(path: str) -> None:
   if os.path.isdir(path) and os.listdir(path):
     raise OutputExistsError(f'{path} is not empty; give a new or empty directory.')
+
+
+def _check_only(remote: str, local: str) -> None:
+  """Raises `OutputExistsError` if the gs:// directory `remote` holds objects other than
+  the files of `local` (those are a killed upload's, which this one replaces)."""
+  mine = {os.path.relpath(os.path.join(root, name), local).replace(os.sep, '/')
+          for root, _, names in os.walk(local) for name in names}
+  prefix = resolve(remote)[len('gs://'):] + '/'
+  with cloud_errors(remote, 'the output directory'):
+    found = {name[len(prefix):] for name in _gcsfs().find(resolve(remote))
+             if name.startswith(prefix)}
+  if found - mine:
+    raise OutputExistsError(
+        f'{remote} is not empty (it holds {sorted(found - mine)[0]}); give a new or empty '
+        f'directory, or delete it: gcloud storage rm -r {resolve(remote)}')
 
 
 def write_file(path: str, data: str | bytes) -> None:

@@ -31,7 +31,6 @@ def main(argv: list[str]) -> None:
     cli.fail('--workdir and --output_dir are required.')
   outputs.check_input_directory(_WORKDIR.value, '--workdir', 'the work directory of a run '
                                 'or an import')
-  outputs.require_local(_OUTPUT_DIR.value, '--output_dir', 'an exported model')
   outputs.check_output_directory(_OUTPUT_DIR.value, '--output_dir', {'--workdir': _WORKDIR.value},
                                  create=False)
   step = _STEP.value

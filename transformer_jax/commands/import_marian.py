@@ -18,8 +18,6 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, model directory or work dir
 problem (explained in one paragraph; the traceback only with --verbose).
 """
 
-import os
-
 from absl import flags
 
 from transformer_jax import cli
@@ -34,16 +32,18 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   if not _MODEL_DIR.value or not _WORKDIR.value:
     cli.fail('--model_dir and --workdir are required.')
-  outputs.require_local(_MODEL_DIR.value, '--model_dir', 'a Marian model directory')
-  outputs.require_local(_WORKDIR.value, '--workdir', "an import's work directory")
   outputs.check_input_directory(_MODEL_DIR.value, '--model_dir',
                                 "a Hugging Face Marian model directory (save_pretrained's)")
   outputs.check_output_directory(_WORKDIR.value, '--workdir', {'--model_dir': _MODEL_DIR.value},
                                  create=False)
   from transformer_jax import marian  # pylint: disable=g-import-not-at-top
   path = marian.import_model(_MODEL_DIR.value, _WORKDIR.value)
-  print(f'Imported {_MODEL_DIR.value} as {path}; fine-tune it with '
-        f'--config={os.path.join(_WORKDIR.value, marian.FINETUNE_CONFIG_FILE)}')
+  config = f'{outputs.resolve(_WORKDIR.value)}/{marian.FINETUNE_CONFIG_FILE}'
+  if outputs.is_remote(config):  # train.py reads config files from a local disk.
+    print(f'Imported {_MODEL_DIR.value} as {path}; fine-tune it with the config file {config} '
+          f'(copy it first: gcloud storage cp {config} .)')
+  else:
+    print(f'Imported {_MODEL_DIR.value} as {path}; fine-tune it with --config={config}')
 
 
 flags.adopt_module_key_flags(cli)

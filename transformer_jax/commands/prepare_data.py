@@ -22,7 +22,6 @@ problem, explained in one paragraph.
 """
 
 import os
-import sys
 import time
 
 from absl import flags
