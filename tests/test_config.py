@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from transformer_jax import config as config_lib
+from transformer_jax import validation
 from transformer_jax.config import ConfigError, TransformerConfig, base_config
 from transformer_jax.models import Transformer
 
@@ -134,7 +135,23 @@ def test_validate_names_the_field(field, value, message):
   config = base_config()
   config[field] = value
   with pytest.raises(ConfigError, match=message):
-    config_lib.validate(config)
+    validation.validate_run(config)
+
+
+def test_config_imports_nothing_of_the_package_but_errors():
+  """config.py is the bottom of the package: the modules that own other fields (optimizer,
+  decoding) import it, so it may not import them (`validation` sits above all three)."""
+  import ast  # pylint: disable=g-import-not-at-top
+  tree = ast.parse(open(config_lib.__file__, encoding='utf-8').read())
+  imported = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module:
+      imported.add(node.module)
+      imported.update(f'{node.module}.{alias.name}' for alias in node.names)
+    elif isinstance(node, ast.Import):
+      imported.update(alias.name for alias in node.names)
+  ours = {name for name in imported if name.startswith('transformer_jax')}
+  assert ours <= {'transformer_jax.errors', 'transformer_jax.errors.ConfigError'}, ours
 
 
 @pytest.mark.parametrize('overrides,platform,implementation,lengths,reason', [

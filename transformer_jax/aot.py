@@ -35,6 +35,7 @@ from transformer_jax import models
 from transformer_jax import optimizer
 from transformer_jax import train_steps
 from transformer_jax import translator
+from transformer_jax import validation
 from transformer_jax.errors import ConfigError, UserError
 from transformer_jax.partitioning import Partitioner
 
@@ -338,7 +339,7 @@ class TrainStepSetup:
   @classmethod
   @_cudnn_library_named()
   def create(cls, config: ml_collections.ConfigDict, devices) -> 'TrainStepSetup':
-    config_lib.validate(config, training=True)
+    validation.validate_run(config, training=True)
     vocab_size = config.vocab_size or config.vocab_size_target
     partitioner = Partitioner.from_config(config, devices=list(devices))
     model_config = config_lib.TransformerConfig.from_config(
@@ -536,7 +537,7 @@ def compile_decoder(config: ml_collections.ConfigDict, tgt: Target, *,
                     batch_size: int | None = None) -> dict[str, Any]:
   """Compiles `translate.py`'s search (beam size, length limit and batch of the config) for
   the longest source bucket on `tgt`, and reports per device."""
-  config_lib.validate(config)
+  validation.validate_run(config)
   vocab_size = config.vocab_size or config.vocab_size_target
   partitioner = Partitioner.from_config(config, devices=list(tgt.devices))
   model_config = config_lib.TransformerConfig.from_config(

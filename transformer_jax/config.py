@@ -4,9 +4,11 @@ Every config file in `configs/` starts from `base_config()` and overrides fields
 owns what is known about the fields: their defaults (`base_config`), the allowed values of
 each choice (the tuples below), which fields a resumed run may change (`RESUMABLE_FIELDS`),
 what a checkpoint written before a field existed means by its absence (`LEGACY_VALUES`,
-applied by `from_saved`), and one `validate(config)` that every command runs before anything
-compiles. The `ConfigDict` is turned into a `TransformerConfig` once, at the boundary
-(`TransformerConfig.from_config`); modules only ever see the frozen dataclass. Other modes
+applied by `from_saved`), and `validate(config)`, the check of those fields that every command
+runs (through `validation.validate_run`, with the optimizer's and decoding's) before anything
+compiles. It imports nothing of the package but `errors`. The `ConfigDict` is turned into a
+`TransformerConfig` once, at the boundary (`TransformerConfig.from_config`); modules only ever
+see the frozen dataclass. Other modes
 (decoding, a different dtype) derive with `dataclasses.replace`.
 """
 
@@ -227,7 +229,8 @@ def _int_at_least(config: ml_collections.ConfigDict, name: str, low: int, hint: 
 
 def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None,
              training: bool = False) -> None:
-  """Checks every field of a run config; cheap, so every command runs it before compiling.
+  """Checks the fields this module owns (all but the optimizer's and decoding's, which their
+  dataclasses check: `validation.validate_run` runs all); cheap, run before compiling.
 
   Args:
     config: a run config (see `base_config`).
@@ -311,11 +314,6 @@ def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None
              f'Set --config.tokens_per_batch to at least {longest} (the paper: 25000), or '
              'lower the lengths.')
   TransformerConfig.from_config(config, vocab_size=vocab_size or config.vocab_size_target)
-  # Imported here: both modules import this one.
-  from transformer_jax import optimizer  # pylint: disable=g-import-not-at-top
-  from transformer_jax import translator  # pylint: disable=g-import-not-at-top
-  optimizer.OptimizerConfig.from_config(config, config.d_model)
-  translator.DecodeOptions.from_config(config)
 
 
 def _merged(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ import sentencepiece as spm
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
 from transformer_jax import outputs
+from transformer_jax import validation
 from transformer_jax.config import EOS_ID, PAD_ID, ConfigError, TransformerConfig
 from transformer_jax.errors import OutputExistsError
 from transformer_jax.tokenizer import write_split_vocabulary
@@ -333,7 +334,7 @@ def _write_import(staging: str, workdir: str, model_dir: str, imported_from: str
   config.vocab_path = f'{outputs.resolve(workdir)}/{VOCABULARY_FILE}'
   config.max_source_length = config.max_target_length = min(
       config.max_source_length, model_config.max_len)
-  config_lib.validate(config, vocab_size=tokenizer.vocab_size)
+  validation.validate_run(config, vocab_size=tokenizer.vocab_size)
   meta = checkpointing.make_meta(config, tokenizer)
   meta['tokenizer']['path'] = config.vocab_path
   meta['imported_from'] = imported_from

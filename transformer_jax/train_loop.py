@@ -41,6 +41,7 @@ from transformer_jax import outputs
 from transformer_jax import prefetch
 from transformer_jax import train_steps
 from transformer_jax import translator as translator_lib
+from transformer_jax import validation
 from transformer_jax import workdir_lock
 from transformer_jax.config import ConfigError, TransformerConfig
 from transformer_jax.errors import CheckpointError, CheckpointNotFoundError
@@ -141,7 +142,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   workdir = outputs.resolve(workdir)
   # Every field, checked now with a stand-in vocabulary size: building the real vocabulary
   # can take minutes.
-  config_lib.validate(config, training=True)
+  validation.validate_run(config, training=True)
   outputs.check_output_directory(workdir, '--workdir',
                                  {'--config.init_from': config.init_from})
   lock = _lock_workdir(workdir)
