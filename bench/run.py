@@ -503,9 +503,9 @@ def table(results: dict[str, Any]) -> str:
       same = [e.get(k, {}).get('same_tokens_as_ours') for k in ('hf', 'ct2')]
       add(row5.format(f'{search} same as ours', '', *[
           '-' if n is None else f"{n}/{d['shape']['batch']}" for n in same], '', '', ''))
-    add(f"  One model in all three: ours exported (marian.write_model); Hugging Face loads "
-        f"it, CTranslate2 converts it. MiB/sentence: the memory one more search adds at its "
-        f"peak, over the batch.")
+    add("  One model in all three: ours exported (marian.write_model); Hugging Face loads "
+        "it, CTranslate2 converts it. MiB/sentence: the memory one more search adds at its "
+        "peak, over the batch.")
   if env['plan'] == 'gpu':
     add(row.format('Training step, bf16', 'tokens/s', 'MFU', 'compile s', 'peak GiB'))
     for model, e in results['train'].items():
@@ -572,7 +572,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       'python': sys.version.split()[0]}}
   try:
     with open('/proc/cpuinfo') as f:
-      names = [l.split(':', 1)[1].strip() for l in f if l.startswith('model name')]
+      names = [line.split(':', 1)[1].strip() for line in f if line.startswith('model name')]
     results['environment']['cpu'] = names[0] if names else results['environment']['cpu']
   except OSError:
     pass

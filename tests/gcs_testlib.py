@@ -12,7 +12,6 @@ permissions: those errors cannot be produced here.
 from __future__ import annotations
 
 import dataclasses
-import os
 import socket
 import subprocess
 import time
@@ -95,5 +94,6 @@ def start(timeout_s: float = 30.0) -> Server:
     except (urllib.error.URLError, ConnectionError, OSError):
       if time.time() > deadline:
         process.kill()
-        raise RuntimeError(f'fake-gcs-server did not answer on {url} in {timeout_s:.0f} s.')
+        raise RuntimeError(f'fake-gcs-server did not answer on {url} in {timeout_s:.0f} s.'
+                           ) from None
       time.sleep(0.1)

@@ -444,7 +444,7 @@ def test_exported_model_translates_in_hugging_face_as_here(exported):
 
 
 def _ct2_translates_as_here(workdir, exported_dir, tmp_path, sentences):
-  ctranslate2 = pytest.importorskip('ctranslate2', reason='CTranslate2 is a bench extra')
+  import ctranslate2  # pylint: disable=g-import-not-at-top  # The test extra's.
   converted = ctranslate2.converters.TransformersConverter(exported_dir).convert(
       str(tmp_path / 'ct2'))
   ct2 = ctranslate2.Translator(converted, device='cpu')

@@ -66,9 +66,7 @@ import tensorflow_datasets as tfds
 from transformer_jax import bible_en_es
 from transformer_jax import outputs
 from transformer_jax import token_store
-from transformer_jax.config import PAD_ID
 from transformer_jax.errors import ConfigError, DataError, DatasetNotFoundError
-from transformer_jax.models import BATCH_KEYS
 from transformer_jax.tokenizer import Tokenizer, load_or_train_tokenizer
 
 Batch = dict[str, np.ndarray]
@@ -429,7 +427,7 @@ class BucketPlan:
     return np.array([(k, c) for k, (m, r) in enumerate(zip(self.members, self.rows))
                      for c in range(math.ceil(len(m) / r))], np.int64).reshape(-1, 2)
 
-  @functools.lru_cache(maxsize=2)
+  @functools.lru_cache(maxsize=2)  # noqa: B019  # Two epochs of one long-lived plan.
   def epoch_order(self, epoch: int) -> tuple[np.ndarray, ...]:
     rng = np.random.default_rng([self.seed, epoch])
     return tuple(rng.permutation(m) for m in self.members)
@@ -492,7 +490,7 @@ class PackedBatches(grain.IterDataset):
     self.length = length
     self.seed = seed
 
-  @functools.lru_cache(maxsize=2)
+  @functools.lru_cache(maxsize=2)  # noqa: B019  # Two epochs of one long-lived plan.
   def epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """(example indices, their [n, 2] lengths) in epoch `epoch`'s order."""
     order = np.random.default_rng([self.seed, epoch]).permutation(self.members)

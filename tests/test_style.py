@@ -1,0 +1,16 @@
+"""The style check: ruff, configured in pyproject.toml ([tool.ruff]), over the whole checkout,
+so that the README's one test command checks the style too."""
+
+import subprocess
+import sys
+
+import train_testlib
+
+
+def test_ruff_finds_nothing():
+  result = subprocess.run([sys.executable, '-m', 'ruff', 'check', '--no-cache',
+                           '--output-format=concise', '.'], cwd=train_testlib.REPO,
+                          capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, (
+      'ruff check found style problems (fix them, or `ruff check --fix .`):\n'
+      + result.stdout[-5000:] + result.stderr[-2000:])
