@@ -93,16 +93,16 @@ def base_config() -> ml_collections.ConfigDict:
 
   # --- Model (the paper's base model, Table 3). ---
   c.vocab_size = 0  # 0: take the size of the SentencePiece model (data.vocab_size).
-  c.d_model = 512
-  c.num_heads = 8
-  c.d_ff = 2048
-  c.num_encoder_layers = 6
-  c.num_decoder_layers = 6
+  c.d_model = 512  # Width of the embeddings and of every layer's output.
+  c.num_heads = 8  # Attention heads a layer (each d_model / num_heads wide).
+  c.d_ff = 2048  # Inner width of the position-wise feed-forward block.
+  c.num_encoder_layers = 6  # Encoder layers (N).
+  c.num_decoder_layers = 6  # Decoder layers (N).
   c.dropout_rate = 0.1  # On every sub-layer output and on embeddings + positions.
   c.attention_dropout_rate = 0.0  # On attention weights; the paper has none.
-  c.label_smoothing = 0.1
+  c.label_smoothing = 0.1  # eps_ls: the target mass spread evenly over the vocabulary.
   c.norm_position = 'post'  # 'post' (paper) | 'pre' (adds a final norm to each stack).
-  c.layer_norm_epsilon = 1e-6
+  c.layer_norm_epsilon = 1e-6  # Added to the variance in every layer norm.
   c.share_embeddings = True  # One matrix for source and target embeddings.
   c.tie_output_embedding = True  # Pre-softmax projection = the target embedding.
   c.positional_encoding = 'sinusoidal'  # 'sinusoidal' | 'learned' | 'rope' | 'alibi'.
@@ -122,10 +122,10 @@ def base_config() -> ml_collections.ConfigDict:
 
   # --- Data. ---
   c.dataset = 'wmt14_translate/de-en'  # A TFDS name, 'bible_en_es', or 'text'.
-  c.source_lang = 'en'
-  c.target_lang = 'de'
+  c.source_lang = 'en'  # The dataset's field (language) translated from.
+  c.target_lang = 'de'  # The dataset's field (language) translated into.
   c.tfds_data_dir = ''  # '' uses TFDS's default (~/tensorflow_datasets or $TFDS_DATA_DIR).
-  c.train_split = 'train'
+  c.train_split = 'train'  # The split trained on (and the vocabulary's sample).
   c.eval_split = 'validation'  # newstest2013 for wmt14_translate.
   c.test_split = 'test'  # newstest2014 for wmt14_translate.
   # For dataset='text': one 'SOURCE_FILE,TARGET_FILE' pair per split, one sentence a line.
@@ -135,11 +135,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.vocab_path = ''  # '' trains (once) and caches the model in the work directory.
   c.vocab_train_sentences = 2_000_000  # Sentences sampled to train the vocabulary.
   c.max_source_length = 256  # Training drops longer examples (and says how many).
-  c.max_target_length = 256
+  c.max_target_length = 256  # As max_source_length, for the target side.
   c.tokens_per_batch = 25000  # Token slots a side (source; target alike) a step, all devices.
+  # Row lengths of the training batches (one compiled step shape each; max_source_length and
+  # max_target_length close the list).
   c.bucket_boundaries = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
   c.packing = False  # Pack several examples per row instead of length buckets.
-  c.data_seed = 0
+  c.data_seed = 0  # Seeds the batch order and the vocabulary's sample of sentences.
   c.data_threads = 2  # grain threads that cut bucketed training batches from the token ids.
   # Processes that tokenize a split the first time it is used (0: one per CPU core).
   c.prepare_workers = 0
@@ -147,34 +149,34 @@ def base_config() -> ml_collections.ConfigDict:
   c.prefetch_batches = 2
 
   # --- Training. ---
-  c.seed = 0
+  c.seed = 0  # Seeds the initial parameters and the dropout masks.
   # PRNG of the dropout masks. 'rbg' (XLA's RngBitGenerator; keys still derived by
   # threefry) made a d_model 256 CPU step with dropout 1.8x faster than 'threefry2x32', whose
   # bits are computed as ordinary XLA ops. JAX promises 'rbg' bits neither across backends
   # nor across meshes (the tests' CPU meshes agree); 'threefry2x32' promises both.
   c.dropout_rng_impl = 'rbg'
-  c.num_train_steps = 100_000
-  c.warmup_steps = 4000
+  c.num_train_steps = 100_000  # Optimizer steps of the run (may change on resume).
+  c.warmup_steps = 4000  # Steps of linear warmup of the learning rate.
   c.learning_rate_scale = 1.0  # Multiplies d_model^-0.5 * min(step^-0.5, step*warmup^-1.5).
   # After the warmup: 'rsqrt' (the paper) | 'constant' (hold the peak; with a cooldown, the
   # warmup-stable-decay schedule).
   c.lr_schedule = 'rsqrt'
   c.lr_cooldown_steps = 0  # Linear fall to ~0 over the run's last N steps (0: the paper).
-  c.adam_b1 = 0.9
-  c.adam_b2 = 0.98
-  c.adam_eps = 1e-9
-  c.weight_decay = 0.0
+  c.adam_b1 = 0.9  # Adam's beta1.
+  c.adam_b2 = 0.98  # Adam's beta2.
+  c.adam_eps = 1e-9  # Adam's epsilon.
+  c.weight_decay = 0.0  # Decoupled weight decay (AdamW); 0: plain Adam, the paper.
   c.grad_clip_norm = 0.0  # 0: no clipping.
   c.grad_accum_steps = 1  # Microbatches a step; the token budget is split among them.
   c.nonfinite = 'skip'  # What a non-finite loss/gradient does: 'skip' the update | 'stop'.
   # With 'skip': a run whose updates are skipped this many steps in a row has diverged, and
   # stops with an error (checked at each log line; 0: never).
   c.max_skipped_steps_in_a_row = 20
-  c.log_every_steps = 100
-  c.eval_every_steps = 1000
+  c.log_every_steps = 100  # Steps between training log lines and metrics rows.
+  c.eval_every_steps = 1000  # Steps between validation evaluations (0: none).
   c.eval_batches = 0  # 0: the whole validation split.
-  c.checkpoint_every_steps = 1000
-  c.keep_checkpoints = 5
+  c.checkpoint_every_steps = 1000  # Steps between checkpoints (asynchronous saves).
+  c.keep_checkpoints = 5  # The latest checkpoints kept (0: all).
   c.keep_checkpoint_period = 0  # Also keep every M-th step forever (0: none).
   # At every evaluation, translate the first N validation sentences with the decoding
   # options below and log sacreBLEU and chrF (0: loss and perplexity only).
@@ -183,7 +185,7 @@ def base_config() -> ml_collections.ConfigDict:
   # latest ones: 'bleu' | 'chrf' | 'loss' | '' (none). Each evaluation saves a checkpoint;
   # `evaluate.py --step=best` picks the best.
   c.best_checkpoint_metric = 'bleu'
-  c.keep_best_checkpoints = 1
+  c.keep_best_checkpoints = 1  # How many best checkpoints (best_checkpoint_metric) to keep.
   # Fine-tuning: start from the parameters of another run's checkpoint (its work directory,
   # or one written by average_checkpoints.py) instead of random ones. The optimizer state,
   # the schedule and the data order start afresh; the vocabulary is the checkpoint's. The
@@ -193,7 +195,11 @@ def base_config() -> ml_collections.ConfigDict:
   # Fine-tune with this run's own vocabulary (vocab_path, or one trained on its data): pieces
   # the checkpoint's vocabulary also has keep their embeddings, the others start random.
   c.init_from_map_vocab = False
+  # Devices along each mesh axis: 'data' (replicated parameters), 'fsdp' (parameters and Adam
+  # state split, ZeRO-3), 'tensor' (heads, feed-forward width, vocabulary split); -1 takes
+  # the remaining devices.
   c.mesh = ml_collections.ConfigDict({'data': -1, 'fsdp': 1, 'tensor': 1})
+  # The model's axis names, each mapped onto mesh axes (None: not split).
   c.logical_axis_rules = (
       ('batch', ('data', 'fsdp')),
       ('length', None),
@@ -205,13 +211,13 @@ def base_config() -> ml_collections.ConfigDict:
   )
 
   # --- Decoding and evaluation. ---
-  c.beam_size = 4
+  c.beam_size = 4  # Beam width of the search (1: greedy).
   c.length_penalty = 0.6  # alpha.
   c.length_penalty_form = 'gnmt'  # 'gnmt': ((5+|Y|)/6)^alpha | 'power': |Y|^alpha.
   # Each sentence's output limit = its source length (tokens, EOS included) + this; with
   # learned positions at most max_len (decoding warns about the sentences it cuts).
   c.max_decode_extra_length = 50
-  c.decode_batch_size = 32
+  c.decode_batch_size = 32  # Sentences translated together.
   c.checkpoints_to_average = 5  # The paper averages 5 (base) or 20 (big).
   return c
 

@@ -1,0 +1,105 @@
+"""The docs cannot lie about what exists: the config reference is the code's, every relative
+link resolves, and every flag a command line in the docs shows is one that command has."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import train_testlib
+from transformer_jax.config import base_config
+
+REPO = train_testlib.REPO
+DOCS = [os.path.join(REPO, 'README.md'), *sorted(glob.glob(os.path.join(REPO, 'docs', '*.md')))]
+COMMANDS = sorted(os.path.basename(p)[:-3] for p in glob.glob(
+    os.path.join(REPO, 'transformer_jax', 'commands', '*.py')) if not p.endswith('__init__.py'))
+
+
+def _reference_module():
+  spec = importlib.util.spec_from_file_location(
+      'config_reference', os.path.join(REPO, 'scripts', 'config_reference.py'))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_config_reference_is_the_codes_and_describes_every_field():
+  reference = _reference_module()
+  described = {name: text for _, name, text in reference.fields()}
+  assert set(described) == set(base_config().keys())
+  assert not [name for name, text in described.items() if not text], 'fields without a comment'
+  with open(reference.PAGE, encoding='utf-8') as f:
+    assert f.read() == reference.render(), (
+        'docs/config.md is stale: run python scripts/config_reference.py')
+
+
+def _read(path: str) -> str:
+  with open(path, encoding='utf-8') as f:
+    return f.read()
+
+
+@pytest.mark.parametrize('doc', DOCS, ids=os.path.basename)
+def test_every_relative_link_resolves(doc):
+  text = _read(doc)
+  broken = []
+  for target in re.findall(r'\]\(([^)\s]+)\)', text):
+    if re.match(r'^[a-z]+:', target) or target.startswith('#'):
+      continue
+    path = os.path.normpath(os.path.join(os.path.dirname(doc), target.split('#')[0]))
+    if not os.path.exists(path):
+      broken.append(target)
+  assert not broken, f'{os.path.basename(doc)} links to what does not exist: {broken}'
+
+
+def _config_has(path: list[str]) -> bool:
+  node = base_config()
+  for part in path:
+    if not hasattr(node, 'keys') or part not in node.keys():
+      return False
+    node = node[part]
+  return True
+
+
+@pytest.mark.parametrize('doc', DOCS, ids=os.path.basename)
+def test_every_config_field_the_docs_name_exists(doc):
+  named = re.findall(r'--config\.([a-z_][a-z0-9_.]*[a-z0-9_])', _read(doc))  # Not FIELD.
+  missing = sorted({field for field in named if not _config_has(field.split('.'))})
+  assert not missing, f'{os.path.basename(doc)} names config fields that do not exist: {missing}'
+
+
+@functools.lru_cache(maxsize=None)
+def _flags_of(command: str) -> frozenset[str]:
+  """The flags `command`.py takes (its own, the shared ones and absl's)."""
+  result = subprocess.run(
+      [sys.executable, '-c', f'import transformer_jax.commands.{command}\n'
+       'from absl import flags\nprint("\\n".join(flags.FLAGS))'], cwd=REPO,
+      env=train_testlib.subprocess_env(), capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stderr[-2000:]
+  return frozenset(result.stdout.split())
+
+
+def _command_lines(text: str) -> list[tuple[str, str]]:
+  """(command, its arguments) for each `NAME.py ...` the text shows, continuation lines
+  joined; the arguments end at a shell operator or the end of the code."""
+  text = re.sub(r'\\\n\s*', ' ', text)
+  found = []
+  for match in re.finditer(r'\b(' + '|'.join(COMMANDS) + r')\.py\b([^\n`]*)', text):
+    found.append((match[1], re.split(r'\s(?:&&|\|\||;|\||<|>)\s', match[2])[0]))
+  return found
+
+
+@pytest.mark.parametrize('doc', DOCS, ids=os.path.basename)
+def test_every_flag_a_command_line_shows_is_that_commands(doc):
+  wrong = []
+  for command, arguments in _command_lines(_read(doc)):
+    for flag in re.findall(r'(?:^|\s)--(?:no)?([a-z][a-z0-9_]*)\b(?!\.)', arguments):
+      if flag not in _flags_of(command) and f'no{flag}' not in _flags_of(command):
+        wrong.append(f'{command}.py --{flag}')
+  assert not wrong, f'{os.path.basename(doc)} shows flags the commands lack: {sorted(set(wrong))}'
