@@ -44,8 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
   # paper's decay gave held-out sacreBLEU 18.21 against 17.27 and validation perplexity 22.4
   # against 25.1, for 3% more time. Then (another VM, the same day) 2+2 layers with 1,024-token
   # batches and the saved time spent on 2,350 steps: 20.40 and perplexity 18.4, in 807 s
-  # against 18.69 and 22.4 in 934 s for 3+3 layers and 1,900 such steps (README, "The main
-  # job", has the curve and the changes compared).
+  # against 18.69 and 22.4 in 934 s for 3+3 layers and 1,900 such steps (docs/main_job.md has
+  # the curve and the changes compared).
   c.d_model = 128
   c.num_heads = 4
   c.d_ff = 512
@@ -66,6 +66,6 @@ def get_config() -> ml_collections.ConfigDict:
   # 20 s each, plus one compilation); the best checkpoint by it is kept.
   c.eval_bleu_sentences = 256
   c.checkpoint_every_steps = 100
-  c.keep_checkpoint_period = 200  # Kept for the BLEU-against-minutes curve (README).
+  c.keep_checkpoint_period = 200  # Kept for the BLEU-against-minutes curve (docs/main_job.md).
   c.decode_batch_size = 64
   return c
