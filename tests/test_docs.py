@@ -45,15 +45,23 @@ def _read(path: str) -> str:
     return f.read()
 
 
+def _anchors(path: str) -> set[str]:
+  """The anchors GitHub makes of a Markdown file's headings."""
+  return {re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
+          for heading in re.findall(r'^#{1,6} (.+)$', _read(path), re.MULTILINE)}
+
+
 @pytest.mark.parametrize('doc', DOCS, ids=os.path.basename)
 def test_every_relative_link_resolves(doc):
-  text = _read(doc)
+  """To a file that exists and, after a '#', to one of its headings."""
   broken = []
-  for target in re.findall(r'\]\(([^)\s]+)\)', text):
-    if re.match(r'^[a-z]+:', target) or target.startswith('#'):
+  for target in re.findall(r'\]\(([^)\s]+)\)', _read(doc)):
+    if re.match(r'^[a-z]+:', target):
       continue
-    path = os.path.normpath(os.path.join(os.path.dirname(doc), target.split('#')[0]))
-    if not os.path.exists(path):
+    file, _, anchor = target.partition('#')
+    path = os.path.normpath(os.path.join(os.path.dirname(doc), file)) if file else doc
+    if not os.path.exists(path) or (anchor and path.endswith('.md')
+                                     and anchor not in _anchors(path)):
       broken.append(target)
   assert not broken, f'{os.path.basename(doc)} links to what does not exist: {broken}'
 
