@@ -140,16 +140,19 @@ def _gcsfs() -> Any:
   return gcsfs.GCSFileSystem()
 
 
+def _relative_files(local: str) -> list[str]:
+  """The files below the local directory `local`, as sorted '/'-separated relative names."""
+  return sorted(os.path.relpath(os.path.join(root, name), local).replace(os.sep, '/')
+                for root, _, names in os.walk(local) for name in names)
+
+
 def upload(local: str, remote: str, flag: str, *, last: tuple[str, ...] = ()) -> None:
   """Uploads the file or directory `local` to the gs:// `remote`, one object per file; the
   files named in `last` go last, so that a reader who waits for them (a marker) finds every
   other file complete."""
   if os.path.isdir(local):
-    files = sorted(os.path.relpath(os.path.join(root, name), local)
-                   for root, _, names in os.walk(local) for name in names)
-    files.sort(key=lambda rel: os.path.basename(rel) in last)
-    pairs = [(os.path.join(local, rel), f'{resolve(remote)}/{rel.replace(os.sep, "/")}')
-             for rel in files]
+    files = sorted(_relative_files(local), key=lambda rel: posixpath.basename(rel) in last)
+    pairs = [(os.path.join(local, rel), f'{resolve(remote)}/{rel}') for rel in files]
   else:
     pairs = [(local, resolve(remote))]
   with cloud_errors(remote, flag):
@@ -491,8 +494,7 @@ def _check_empty(path: str) -> None:
 def _check_only(remote: str, local: str) -> None:
   """Raises `OutputExistsError` if the gs:// directory `remote` holds objects other than
   the files of `local` (those are a killed upload's, which this one replaces)."""
-  mine = {os.path.relpath(os.path.join(root, name), local).replace(os.sep, '/')
-          for root, _, names in os.walk(local) for name in names}
+  mine = set(_relative_files(local))
   prefix = resolve(remote)[len('gs://'):] + '/'
   with cloud_errors(remote, 'the output directory'):
     found = {name[len(prefix):] for name in _gcsfs().find(resolve(remote))
@@ -537,19 +539,19 @@ def exists(path: str) -> bool:
   return os.path.exists(path)
 
 
-def file_stats(directory: str) -> list[tuple[str, int, float]]:
-  """(name, size, modification time) of each file directly in a local or gs:// directory,
-  sorted by name; [] if there is no such directory."""
+def file_stats(directory: str) -> list[tuple[str, int, int]]:
+  """(name, size, modification time in ns) of each file directly in a local or gs://
+  directory, sorted by name; [] if there is no such directory."""
   if is_remote(directory):
     with cloud_errors(directory):
       entries = [p for p in _epath(directory).iterdir() if p.is_file()] if _epath(
           directory).is_dir() else []
       stats = [(p.name, p.stat()) for p in entries]
-    return sorted((name, stat.length, stat.mtime) for name, stat in stats)
+    return sorted((name, stat.length, int(stat.mtime * 1e9)) for name, stat in stats)
   if not os.path.isdir(directory):
     return []
-  return sorted((e.name, e.stat().st_size, e.stat().st_mtime) for e in os.scandir(directory)
-                if e.is_file())
+  return sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+                for e in os.scandir(directory) if e.is_file())
 
 
 def _join(directory: str, name: str) -> str:
