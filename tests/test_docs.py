@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+import test_bible_en_es
 import train_testlib
 from transformer_jax.config import base_config
 
@@ -111,3 +112,45 @@ def test_every_flag_a_command_line_shows_is_that_commands(doc):
       if flag not in _flags_of(command) and f'no{flag}' not in _flags_of(command):
         wrong.append(f'{command}.py --{flag}')
   assert not wrong, f'{os.path.basename(doc)} shows flags the commands lack: {sorted(set(wrong))}'
+
+
+def _shown_line(doc: str, needle: str) -> str:
+  """The one shell line of `doc`'s indented code that contains `needle`, continuations joined."""
+  lines = re.sub(r'\\\n\s*', ' ', _read(os.path.join(REPO, doc))).splitlines()
+  found = [line.strip() for line in lines if line.startswith('    ') and needle in line]
+  assert len(found) == 1, f'{doc}: expected one code line with {needle!r}, found {found}'
+  return found[0]
+
+
+def _run_as_shown(line: str, cwd: str, **replace: str) -> subprocess.CompletedProcess:
+  for old, new in replace.items():
+    line = line.replace(old, new)
+  line = re.sub(r'\bpython (\w+\.py)\b', rf'{sys.executable} {REPO}/\1', line)
+  line = line.replace(' configs/', f' {REPO}/configs/').replace('=configs/', f'={REPO}/configs/')
+  env = train_testlib.subprocess_env()
+  env['TFDS_DATA_DIR'] = os.path.join(cwd, 'tensorflow_datasets')  # the Bible is prepared here
+  return subprocess.run(['bash', '-c', line], cwd=cwd, env=env, capture_output=True, text=True,
+                        timeout=600)
+
+
+@test_bible_en_es.needs_modules
+def test_the_guides_tiny_run_and_translate_lines_run_as_shown(tmp_path):
+  """The training guide's tiny run (the Bible, prepared from nothing) and the evaluating
+  guide's translate lines, run through bash as the guides print them, paths aside."""
+  workdir = str(tmp_path / 'tiny')
+  train = _run_as_shown(_shown_line('docs/training.md', 'configs/tiny.py'), str(tmp_path),
+                        **{'/tmp/tiny': workdir})
+  assert train.returncode == 0, train.stderr[-3000:]
+  assert 'step 20/20' in train.stderr
+
+  plot = _run_as_shown(_shown_line('docs/evaluating.md', '--attention_plot'), str(tmp_path),
+                       DIR=workdir)
+  assert plot.returncode == 0, plot.stderr[-3000:]
+  assert plot.stdout.strip() and (tmp_path / 'attention.png').stat().st_size > 1000
+
+  (tmp_path / 'mono.txt').write_text('In the beginning was the Word.\n\nAnd God said.\n')
+  samples = _run_as_shown(_shown_line('docs/evaluating.md', '--sampling'), str(tmp_path),
+                          DIR=workdir)
+  assert samples.returncode == 0, samples.stderr[-3000:]
+  rows = [line.split(' ||| ') for line in (tmp_path / 'samples.txt').read_text().splitlines()]
+  assert [int(row[0]) for row in rows] == [0] * 5 + [1] * 5 + [2] * 5  # the blank line too
