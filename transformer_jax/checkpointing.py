@@ -65,6 +65,11 @@ def _flatten(tree: Mapping[str, Any], prefix: str = '') -> dict[str, Any]:
   return flat
 
 
+def flat_config(config: ml_collections.ConfigDict) -> dict[str, str]:
+  """{'field.subfield': its value as JSON} for every field of `config`."""
+  return {key: json.dumps(value) for key, value in _flatten(config_to_json(config)).items()}
+
+
 def config_differences(saved: Mapping[str, Any], config: ml_collections.ConfigDict,
                        ignore: frozenset[str] = RESUMABLE_FIELDS) -> list[str]:
   """Lines 'field: checkpoint=<saved> now=<current>' for fields that may not differ."""
@@ -477,9 +482,11 @@ def restore_params(workdir: str, step: int | str | None = None, *,
     step = _resolve_step(manager, workdir, step)
     with _damaged(manager, manager.directory, step, 'params'):
       metadata = manager.item_metadata(step)['params']
-      if metadata is None:  # Older orbax versions need the handler named first.
-        metadata = manager.restore(step, args=ocp.args.Composite(
-            params=ocp.args.StandardRestore()))['params']
+      if metadata is None:  # A manager that has not restored 'params' yet has no handler.
+        # Not a restore without a target: that places arrays as they were saved, and fails
+        # for a checkpoint of several processes (their devices are not this one's).
+        metadata = ocp.StandardCheckpointHandler().metadata(
+            manager.directory / str(step) / 'params').tree
       if shardings is None:
         shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
       if isinstance(shardings, jax.sharding.Sharding):
