@@ -46,8 +46,20 @@ def program() -> str:
 
 def fail(message: str) -> NoReturn:
   """Prints `PROGRAM: error: message` and exits with code 2."""
-  print(f'{program()}: error: {message.strip()}', file=sys.stderr, flush=True)
+  _print_error(message)
   sys.exit(2)
+
+
+def _print_error(message: str) -> None:
+  print(f'{program()}: error: {message.strip()}', file=sys.stderr, flush=True)
+
+
+def fail_now(message: str) -> NoReturn:
+  """`fail` from any thread: prints the message and ends the process at once (exit code 2),
+  without waiting for other threads (a blocked one would never let `sys.exit` finish)."""
+  _print_error(message)
+  logging.flush()
+  os._exit(2)  # pylint: disable=protected-access
 
 
 def warn(message: str) -> None:

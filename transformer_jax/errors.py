@@ -49,6 +49,11 @@ class PathError(UserError, OSError):
   both an input and an output of the command."""
 
 
+class LaunchError(UserError):
+  """A multi-process launch that cannot work: no launcher to find the job's processes, a
+  coordinator port in use or unreachable, processes started with different configs."""
+
+
 class DiskFullError(UserError, OSError):
   """The disk holding the work directory is full."""
 

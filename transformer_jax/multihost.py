@@ -15,18 +15,28 @@ others through the coordinator and names a step that all of them reach;
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import signal
+import socket
 import sys
 import threading
+from collections.abc import Callable
+from typing import NoReturn
 
 import jax
 from absl import logging
+from jax._src import clusters as _clusters  # JAX's launcher detection: no public API has it.
+from jax._src import distributed as _distributed  # The coordinator's key-value store, as orbax.
 from jax.experimental import multihost_utils
+
+from transformer_jax.errors import LaunchError
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None,
-               heartbeat_timeout_seconds: int = 100) -> None:
+               process_id: int | None = None, heartbeat_timeout_seconds: int = 100,
+               exit_now: Callable[[str], NoReturn] = sys.exit) -> None:
   """Joins this process to the job (call before anything touches a device).
 
   Args:
@@ -34,16 +44,133 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     num_processes: processes in the job; None to detect.
     process_id: this process's index; None to detect.
     heartbeat_timeout_seconds: a process silent this long is declared dead, and all others
-      exit with an error rather than hang.
+      exit with an error rather than hang; also how long a process waits for the others to
+      join.
+    exit_now: ends the process at once with a message (a command's error format); called
+      from a watchdog thread when joining takes longer than the heartbeat timeout.
+
+  Raises:
+    LaunchError: no launcher was found and the flags do not say it all, or process 0's
+      coordinator port is in use.
   """
+  launcher, coordinator_address, num_processes, process_id = _detect(
+      coordinator_address, num_processes, process_id, heartbeat_timeout_seconds)
+  if process_id == 0:
+    _check_port_free(coordinator_address)
   # CPU devices of different processes talk through gloo (unused on GPU and TPU).
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  # jaxlib ends the process (a fatal C++ check, exit 134) when the coordinator does not
+  # register every process in time; this watchdog says why first, with exit code 2.
+  joined = threading.Event()
+
+  def give_up_unless_joined():
+    if not joined.wait(heartbeat_timeout_seconds):
+      exit_now(
+          f'Process {process_id} of {num_processes} could not join the job within '
+          f'{heartbeat_timeout_seconds} s: the coordinator at {coordinator_address} (started by '
+          'process 0) did not answer, or not every process connected to it. If process 0 '
+          'failed, its log says why; otherwise check that all processes were started and can '
+          'reach that host and port, or give them longer with --heartbeat_timeout_seconds.')
+
+  threading.Thread(target=give_up_unless_joined, daemon=True,
+                   name='join_watchdog').start()
   jax.distributed.initialize(
       coordinator_address=coordinator_address, num_processes=num_processes,
-      process_id=process_id, heartbeat_timeout_seconds=heartbeat_timeout_seconds)
-  logging.info('Process %d of %d joined the job; %d local / %d global devices.',
-               jax.process_index(), jax.process_count(), jax.local_device_count(),
-               jax.device_count())
+      process_id=process_id, initialization_timeout=heartbeat_timeout_seconds + 60,
+      heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+  joined.set()
+  logging.info('Process %d of %d joined the job (%s, coordinator %s); %d local / %d global '
+               'devices.', jax.process_index(), jax.process_count(), launcher,
+               coordinator_address, jax.local_device_count(), jax.device_count())
+
+
+def _detect(coordinator_address, num_processes, process_id, timeout_s):
+  """(launcher, coordinator address, process count, process id): the flags', else what
+  JAX's own detection reads from the launcher's environment, as jax.distributed would."""
+  coordinator_address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
+  launcher = 'flags'
+  if None in (coordinator_address, num_processes, process_id):
+    found = [env for env in _clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+             if not env.opt_in_only_method and env.is_env_present()]
+    if found:
+      launcher = found[0].name
+      # Local device ids are left to jax.distributed (JAX_LOCAL_DEVICE_IDS, else one GPU
+      # per process under a launcher); a non-None value here keeps them out of this call.
+      coordinator_address, num_processes, process_id, _ = (
+          _clusters.ClusterEnv.auto_detect_unset_distributed_params(
+              coordinator_address, num_processes, process_id, (), None, timeout_s))
+  missing = [flag for flag, value in (('--coordinator_address', coordinator_address),
+                                      ('--num_processes', num_processes),
+                                      ('--process_id', process_id)) if value is None]
+  if missing:
+    raise LaunchError(
+        '--distributed found no launcher to learn the job from: this process was not started '
+        'by SLURM (srun), Open MPI (mpirun) or on a Cloud TPU VM, and the flags do not say it '
+        f'all ({", ".join(missing)} missing). Start every process with srun or mpirun, or '
+        'give each one --coordinator_address=HOST:PORT (process 0\'s host) --num_processes=N '
+        '--process_id=I; without --distributed, train.py uses this machine\'s devices alone.')
+  if not 0 <= process_id < num_processes:
+    raise LaunchError(f'--process_id={process_id} is not one of the job\'s {num_processes} '
+                      f'processes (0 to {num_processes - 1}).')
+  return launcher, coordinator_address, num_processes, process_id
+
+
+def _check_port_free(coordinator_address: str) -> None:
+  """Raises `LaunchError` if process 0 cannot bind the coordinator's port: jaxlib then
+  crashes (a segmentation fault) and the other processes wait for it until they time out."""
+  port = coordinator_address.rsplit(':', 1)[1]
+  bind = os.environ.get('JAX_COORDINATOR_BIND_ADDRESS', f'[::]:{port}')
+  host, bind_port = bind.rsplit(':', 1)
+  host = host.strip('[]')
+  family = socket.AF_INET6 if ':' in host else socket.AF_INET
+  try:
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+      probe.bind((host, int(bind_port)))
+  except OSError as e:
+    if e.errno != errno.EADDRINUSE:
+      return  # Not ours to judge (no IPv6, say): jax.distributed reports what it finds.
+    raise LaunchError(
+        f'Port {bind_port} on this host is in use, so process 0 cannot start the job\'s '
+        f'coordinator there ({coordinator_address}): another job\'s coordinator, or a run that '
+        'is still exiting, holds it. Wait for that one, or choose a free port for every process: '
+        '--coordinator_address=HOST:PORT, or JAX_COORDINATOR_PORT=PORT in the environment '
+        'under SLURM or Open MPI.') from e
+
+
+def check_processes_agree(values: dict[str, str], timeout_s: int) -> None:
+  """Raises `LaunchError` on every process unless all of them passed the same `values`.
+
+  Process 0 compares every process's values with its own through the coordinator's key-value
+  store (no device work), and tells all of them the verdict, so that all of them stop with
+  the same paragraph instead of one stopping and the others waiting in a collective.
+  """
+  if jax.process_count() == 1:
+    return
+  client = _distributed.global_state.client
+  me, timeout_ms = jax.process_index(), timeout_s * 1000
+  client.key_value_set(f'transformer_jax/launch/{me}', json.dumps(values, sort_keys=True))
+  if me == 0:
+    differences = []
+    for other in range(1, jax.process_count()):
+      theirs = json.loads(client.blocking_key_value_get(f'transformer_jax/launch/{other}',
+                                                        timeout_ms))
+      fields = [k for k in sorted(set(values) | set(theirs)) if values.get(k) != theirs.get(k)]
+      if fields:
+        differences.append(f'process {other} has ' + ', '.join(
+            f'{k}={theirs.get(k, "(none)")} where process 0 has {values.get(k, "(none)")}'
+            for k in fields[:4]) + (f' and {len(fields) - 4} more' if len(fields) > 4 else ''))
+    client.key_value_set('transformer_jax/launch/verdict', json.dumps(differences))
+  else:
+    differences = json.loads(client.blocking_key_value_get('transformer_jax/launch/verdict',
+                                                           timeout_ms))
+  if differences:
+    raise LaunchError(
+        'The processes of this job were not started with the same config and work directory: '
+        + '; '.join(differences[:3]) + (f'; and {len(differences) - 3} more processes'
+                                         if len(differences) > 3 else '')
+        + '. Every process must get the same --config file, --config.* overrides and --workdir; '
+        'check the launch line for a per-process variable or a file that differs between hosts.')
 
 
 class StopSignal:

@@ -19,6 +19,7 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+from transformer_jax import checkpointing
 from transformer_jax import cli
 from transformer_jax import multihost
 from transformer_jax import train_loop
@@ -48,7 +49,10 @@ def main(argv: list[str]) -> None:
   cli.use_compilation_cache(_COMPILATION_CACHE.value)
   if _DISTRIBUTED.value:
     multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                         heartbeat_timeout_seconds=_HEARTBEAT.value)
+                         heartbeat_timeout_seconds=_HEARTBEAT.value, exit_now=cli.fail_now)
+    multihost.check_processes_agree(
+        {**{f'--config.{k}': v for k, v in checkpointing.flat_config(_CONFIG.value).items()},
+         '--workdir': _WORKDIR.value}, timeout_s=_HEARTBEAT.value)
   try:
     result = train_loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except train_loop.NonFiniteError as e:
