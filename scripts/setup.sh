@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine: the Debian packages of the offline Bible corpus and this package
 # (pip install -e, see pyproject.toml) with its dependencies. `--test` also installs the
-# test extra (pytest and a CPU build of PyTorch) and
+# test extra (pytest and a CPU build of PyTorch), the Debian packages of the local SLURM
+# cluster the launcher tests start (scripts/local_slurm.sh), and
 # does what `--aot` does. `--aot` makes .venv-aot, an environment that sees the installed
 # packages plus the compile-only wheels of compile.py (libtpu, the CUDA PJRT plugin, and the
 # cuDNN library, which JAX asks for its version when it traces cuDNN attention even for an
@@ -18,6 +19,8 @@ if [ "$mode" != "--aot" ]; then
   extras=tensorboard
   if [ "$mode" = "--test" ]; then
     extras=test,tensorboard
+    # SLURM, munge and Open MPI: tests/test_launchers.py starts a one-node cluster of them.
+    bash scripts/local_slurm.sh install
   fi
   python -m pip install -q --disable-pip-version-check -c requirements.txt -e ".[$extras]"
 fi

@@ -98,6 +98,13 @@ def subprocess_env(devices: int = 1, *, fast_compile: bool = True) -> dict[str, 
   return env
 
 
+def multihost_config(directory, steps: int) -> str:
+  """The config file of the multi-process tests: `steps` steps, a checkpoint every 4."""
+  files = write_parallel_text(str(directory))
+  return write_config_file(os.path.join(str(directory), 'config.py'), files,
+                           num_train_steps=steps, checkpoint_every_steps=4)
+
+
 def train_command(config_path: str, workdir: str, *flags: str) -> list[str]:
   return [sys.executable, os.path.join(REPO, 'train.py'), f'--config={config_path}',
           f'--workdir={workdir}', *flags]
