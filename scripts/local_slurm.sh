@@ -141,9 +141,12 @@ munged, slurmctld and slurmd as root); run it with sudo."
 
 stop_daemons() {
   local pids=()
+  local pid
   for daemon in slurmd slurmctld; do
-    if [ -f "$dir/$daemon.pid" ] && kill "$(cat "$dir/$daemon.pid")" 2>/dev/null; then
-      pids+=("$(cat "$dir/$daemon.pid")")
+    # Read first: a daemon removes its pid file as it exits.
+    pid="$(cat "$dir/$daemon.pid" 2>/dev/null || true)"
+    if [ -n "$pid" ] && kill "$pid" 2>/dev/null; then
+      pids+=("$pid")
     fi
   done
   for _ in $(seq 40); do
