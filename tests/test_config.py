@@ -130,6 +130,8 @@ def test_a_saved_config_gets_legacy_values_and_todays_defaults_for_missing_field
     ('max_skipped_steps_in_a_row', -1, 'max_skipped_steps_in_a_row'),
     ('beam_size', 0, 'beam_size'),
     ('warmup_steps', 0, 'warmup_steps'),
+    ('profile_steps', '5:3', "profile_steps='5:3' must be 'A:B'"),
+    ('profile_steps', '10', "profile_steps='10' must be 'A:B'"),
 ])
 def test_validate_names_the_field(field, value, message):
   config = base_config()

@@ -3,6 +3,8 @@ end to end on one device: outputs, checkpoints, loading for inference, stop and 
 config mismatch, and train.py's errors."""
 
 import dataclasses
+import glob
+import gzip
 import json
 import os
 import signal
@@ -148,11 +150,11 @@ def data_files(tmp_path_factory):
 @pytest.fixture(scope='module')
 def finished_run(data_files, tmp_path_factory):
   """Six steps with validation (BLEU of 8 sentences) every 3 and checkpoints every 2 (keep 1,
-  plus every 4th, plus the best by BLEU)."""
+  plus every 4th, plus the best by BLEU); steps 5 and 6 traced by jax.profiler."""
   workdir = str(tmp_path_factory.mktemp('run'))
   config = train_testlib.small_config(data_files, eval_every_steps=3, keep_checkpoints=1,
                                       keep_checkpoint_period=4, eval_bleu_sentences=8,
-                                      best_checkpoint_metric='bleu')
+                                      best_checkpoint_metric='bleu', profile_steps='4:6')
   result = train_loop.train_and_evaluate(config, workdir)
   return config, workdir, result
 
@@ -191,6 +193,18 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(finished_run):
   best = max((m['bleu'], m['step']) for m in evals)[1]
   assert checkpointing.list_steps(workdir) == sorted({4, 6, best})
   assert loading.load(workdir, step='best').step == best
+
+
+def test_profile_steps_trace_the_train_step(finished_run):
+  _, workdir, _ = finished_run
+  traces = glob.glob(os.path.join(workdir, 'profile', 'plugins', 'profile', '*', '*'))
+  assert {name.split('.', 1)[1] for name in map(os.path.basename, traces)} == {
+      'xplane.pb', 'trace.json.gz'}, traces
+  with gzip.open(next(t for t in traces if t.endswith('.trace.json.gz'))) as f:
+    events = json.load(f)['traceEvents']
+  names = {e.get('name', '') for e in events if e.get('ph') == 'X'}
+  assert 'PjitFunction(train_step)' in names  # The two steps' dispatches,
+  assert any(n.startswith(('fusion', 'dot', 'loop_')) for n in names), sorted(names)[:50]  # ops.
 
 
 def _tensorboard_tags(directory):

@@ -70,7 +70,7 @@ RESUMABLE_FIELDS = frozenset({
     'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
     'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
     'eval_bleu_sentences', 'best_checkpoint_metric', 'keep_best_checkpoints',
-    'init_from', 'init_from_step', 'init_from_map_vocab',
+    'init_from', 'init_from_step', 'init_from_map_vocab', 'profile_steps',
 })
 
 # Fields added after checkpoints were already being written, with the value that reproduces
@@ -173,6 +173,9 @@ def base_config() -> ml_collections.ConfigDict:
   # stops with an error (checked at each log line; 0: never).
   c.max_skipped_steps_in_a_row = 20
   c.log_every_steps = 100  # Steps between training log lines and metrics rows.
+  # 'A:B' traces steps A+1 to B (counted from step 0) with jax.profiler into
+  # <workdir>/profile, for TensorBoard's profile tab or Perfetto; '' traces nothing.
+  c.profile_steps = ''
   c.eval_every_steps = 1000  # Steps between validation evaluations (0: none).
   c.eval_batches = 0  # 0: the whole validation split.
   c.checkpoint_every_steps = 1000  # Steps between checkpoints (asynchronous saves).
@@ -222,6 +225,18 @@ def base_config() -> ml_collections.ConfigDict:
   return c
 
 
+def profile_range(config: ml_collections.ConfigDict) -> tuple[int, int] | None:
+  """`profile_steps` as (A, B): trace from after step A to after step B; None for ''."""
+  text = config.profile_steps
+  if text == '':
+    return None
+  parts = text.split(':') if isinstance(text, str) else []
+  _require(len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) < int(parts[1]),
+           f"profile_steps={text!r} must be 'A:B' with whole numbers A < B (steps A+1 to B are "
+           "traced, e.g. '10:15'), or '' for none.")
+  return int(parts[0]), int(parts[1])
+
+
 def _require(condition: bool, message: str) -> None:
   if not condition:
     raise ConfigError(message)
@@ -267,6 +282,7 @@ def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None
            f'best_checkpoint_metric={metric!r} needs validation translations, but '
            'eval_bleu_sentences=0; set --config.eval_bleu_sentences (e.g. 512), or '
            "--config.best_checkpoint_metric=loss (or '' for none).")
+  profile_range(config)
   step = config.init_from_step
   _require(isinstance(step, str) and (step in ('', 'best') or step.isdigit()),
            f"init_from_step={step!r} must be '' (the latest), a step number or 'best'.")

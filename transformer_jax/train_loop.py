@@ -227,7 +227,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       keep_best=config.keep_best_checkpoints)
   own_signal = stop_signal is None
   stop_signal = stop_signal or multihost.StopSignal()
-  writer = batches = None
+  writer = batches = profiler = None
   with checkpointer.reporting_full_disk():  # One message, whichever write fails.
     try:
       batches = prefetch.DevicePrefetcher(datasets.train, partitioner.shard_batch,
@@ -252,11 +252,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       if config.eval_every_steps and config.eval_bleu_sentences:
         validation = ValidationTranslation(config, datasets, model_config, state.params,
                                            partitioner)
+      profiler = StepProfiler(config, workdir, writer)
       with partitioner.activate():
         return _train_loop(config, state, datasets, batches, partitioner, train_step,
                            eval_step, checkpointer, meta, writer, stop_signal, model_config,
-                           validation)
+                           profiler, validation)
     finally:
+      if profiler is not None:
+        profiler.stop()
       if batches is not None:
         batches.close()
       checkpointer.wait()
@@ -419,7 +422,7 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
                 train_step: Callable, eval_step: Callable,
                 checkpointer: checkpointing.Checkpointer, meta: Mapping[str, Any],
                 writer: metrics_writer.MetricsWriter, stop_signal: multihost.StopSignal,
-                model_config: TransformerConfig,
+                model_config: TransformerConfig, profiler: StepProfiler,
                 validation: ValidationTranslation | None = None) -> TrainResult:
   """Steps from `state.step` to `config.num_train_steps` (or to a stop signal)."""
   start = int(state.step)
@@ -432,9 +435,11 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
   stopped = False
   skipped_in_a_row = 0  # Up to the last step fetched.
   for step in range(start, config.num_train_steps):
+    profiler.before(step)
     batch, device_batch = next(batches)
     state, metrics = train_step(state, device_batch)
     done = step + 1
+    profiler.after(done, metrics)
     pending.append(metrics)
     checkpointer.check_for_errors()  # A failed background save surfaces at once.
     if step == start:
@@ -500,6 +505,45 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
       writer.log(f'Stop requested: saved step {done}; rerun the same command to resume.')
       break
   return TrainResult(state=state, stopped_early=stopped, eval_metrics=eval_metrics)
+
+
+class StepProfiler:
+  """A `jax.profiler` trace of the steps `config.profile_steps` names (A:B traces steps A+1
+  to B; a resumed run that starts between them traces from its first step), written by every
+  process under <workdir>/profile (a gs:// work directory: traced to the local cache, then
+  uploaded)."""
+
+  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
+               writer: metrics_writer.MetricsWriter):
+    self._range = config_lib.profile_range(config)
+    self._target = outputs.resolve(workdir) + '/profile'
+    self._remote = outputs.is_remote(workdir)
+    self._directory = (outputs.local_cache(self._target) if self._remote else self._target)
+    self._writer = writer
+    self._active = False
+
+  def before(self, step: int) -> None:
+    """Called before the step that makes `step + 1`."""
+    if self._range and not self._active and self._range[0] <= step < self._range[1]:
+      jax.profiler.start_trace(self._directory)
+      self._active = True
+      self._first = step + 1
+
+  def after(self, done: int, metrics: Any) -> None:
+    if self._active and done >= self._range[1]:
+      jax.block_until_ready(metrics)  # The trace holds the last step's device work too.
+      self.stop()
+
+  def stop(self) -> None:
+    if not self._active:
+      return
+    self._active = False
+    jax.profiler.stop_trace()
+    if self._remote:
+      outputs.upload(self._directory, self._target, '--config.profile_steps')
+    self._writer.log(f'Traced steps {self._first} to {self._range[1]} into {self._target}: '
+                     f'view with `tensorboard --logdir={self._target}` (the Profile tab) or '
+                     'at ui.perfetto.dev (the .trace.json.gz files).')
 
 
 def _save(checkpointer: checkpointing.Checkpointer, state: train_steps.TrainState,
