@@ -36,6 +36,7 @@ from typing import Any
 from transformer_jax.config import TransformerConfig
 
 from transformer_jax import flops
+from bench import worker
 from bench.jax_side import MODEL_SIZES
 
 GIB = 1024 ** 3
@@ -132,7 +133,8 @@ def best_speedup(ours: dict | None, ref: dict | None) -> float | None:
 CPUS_VAR = 'BENCH_JAX_CPUS'
 
 
-def jax_env(threads: int, platform_name: str, extra_xla_flags: str) -> dict[str, str]:
+def jax_env(threads: int, platform_name: str, extra_xla_flags: str,
+            profile_dir: str = '') -> dict[str, str]:
   """The JAX workers' environment. XLA:CPU has no thread-count flag: it sizes its thread
   pools by the CPUs the process may run on, so on the CPU plan the worker is pinned to
   `threads` of them (`worker_cpus`). XLA_FLAGS holds `--flag=value` tokens only: XLA stops
@@ -152,6 +154,8 @@ def jax_env(threads: int, platform_name: str, extra_xla_flags: str) -> dict[str,
     raise SystemExit(f'XLA_FLAGS has {bad}: each flag is --name=value (XLA ignores every '
                      'flag after a token without the dashes).')
   env.update(OMP_NUM_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL='2')
+  if profile_dir:
+    env[worker.PROFILE_VAR] = os.path.abspath(profile_dir)
   return env
 
 
@@ -210,7 +214,7 @@ def model_config(model: str, vocab: int) -> TransformerConfig:
 
 def run_cpu(args, results: dict[str, Any], log_dir: str) -> None:
   s = cpu_sizes(args.quick)
-  jenv = jax_env(args.threads, 'cpu', args.xla_flags)
+  jenv = jax_env(args.threads, 'cpu', args.xla_flags, args.profile_dir)
   tenv = torch_env(args.threads)
   has_torch = importable('torch') and importable('transformers')
   has_ct2 = has_torch and importable('ctranslate2')
@@ -354,7 +358,7 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
   models = args.models.split(',') if args.models else g['models']
   attentions = args.attention.split(',')
   remats = args.remat.split(',')
-  env = jax_env(args.threads, 'gpu', args.xla_flags)
+  env = jax_env(args.threads, 'gpu', args.xla_flags, args.profile_dir)
   results['sizes'] = g
   results['references'] = 'skipped on GPU: the reference systems would run on the host CPU'
   dtype = 'bfloat16'
@@ -554,6 +558,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       help="GPU plan: comma-separated attention_implementation values to "
                       "compare, e.g. 'xla,cudnn' ('' is automatic, the default: cuDNN on a "
                       "GPU where it can serve, fed sequence lengths)")
+  parser.add_argument('--profile_dir', '--profile-dir', default='',
+                      help='after timing, trace 3 more iterations of each JAX task with '
+                      'jax.profiler into DIR/<task> (TensorBoard, Perfetto)')
   parser.add_argument('--log_dir', '--log-dir', default='',
                       help="keep the workers' logs here (default: a temporary directory)")
   parser.add_argument('--remat', default='none,full',

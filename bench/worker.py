@@ -11,6 +11,10 @@ one JSON line `{"ready": {task: info}}`, then answers JSON commands read from st
     {"task": name, "iters": n}  ->  {"times": [seconds of each of the n iterations]}
     {"exit": true}              ->  {"peak_rss_bytes": ..., ...} and the process ends.
 
+With `PROFILE_VAR` set to a directory in its environment (`bench.run --profile_dir`), a worker
+that can trace (the JAX side) runs each task three more times at exit, after every timed
+round, under its profiler, into <directory>/<task name>.
+
 Each task's setup facts include `run_peak_extra_bytes`: the memory one more iteration adds
 at its peak over what the process held before it (weights and caches kept between runs
 excluded), measured alike for every system.
@@ -30,6 +34,8 @@ import time
 import traceback
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
+
+PROFILE_VAR = 'BENCH_PROFILE_DIR'
 
 
 class Task(Protocol):
@@ -72,12 +78,14 @@ def run_peak_extra_bytes(task: Task) -> int | None:
 
 
 def serve(factories: Mapping[str, Callable[..., Task]],
-          extra_exit_info: Callable[[], dict[str, Any]] | None = None) -> None:
+          extra_exit_info: Callable[[], dict[str, Any]] | None = None,
+          profile: Callable[[Mapping[str, Task], str], None] | None = None) -> None:
   """Runs the worker side of the protocol for the task kinds in `factories`.
 
   Args:
     factories: task kind -> constructor taking the spec's other fields as keyword arguments.
     extra_exit_info: adds facts to the exit message (e.g. device memory peaks).
+    profile: traces the tasks into a directory (called at exit when `PROFILE_VAR` is set).
   """
   channel = os.fdopen(os.dup(1), 'w', buffering=1)
   os.dup2(2, 1)
@@ -111,6 +119,8 @@ def serve(factories: Mapping[str, Callable[..., Task]],
   for line in sys.stdin:
     command = json.loads(line)
     if command.get('exit'):
+      if profile is not None and os.environ.get(PROFILE_VAR):
+        profile(tasks, os.environ[PROFILE_VAR])
       info = {'peak_rss_bytes': peak_rss_bytes()}
       if extra_exit_info is not None:
         info.update(extra_exit_info())

@@ -24,7 +24,8 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
   out = tmp_path / 'bench.json'
   result = subprocess.run(
       [sys.executable, '-m', 'bench.run', '--quick', '--only=decode', f'--json={out}',
-       f'--log_dir={tmp_path / "logs"}'], cwd=train_testlib.REPO,
+       f'--log_dir={tmp_path / "logs"}', f'--profile_dir={tmp_path / "profile"}'],
+      cwd=train_testlib.REPO,
       env=train_testlib.subprocess_env(), capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   decode = json.loads(out.read_text())['decode']
@@ -39,6 +40,10 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
       assert same >= (batch - 1 if search == 'greedy' else batch // 2), (search, name, same)
     assert decode[search]['speedup_vs_hf'] > 0
   assert 'same as ours' in result.stdout and 'MiB/sentence' in result.stdout
+  # --profile_dir: the JAX worker traced its tasks after timing them.
+  traced = {p.parent.parent.parent.parent.name for p in (tmp_path / 'profile').glob(
+      '*/plugins/profile/*/*.xplane.pb')}
+  assert {'greedy', 'beam4'} <= traced, traced
 
 
 def test_jax_workers_get_the_extra_xla_flags_and_their_cpus(tmp_path):
