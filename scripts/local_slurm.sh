@@ -31,13 +31,17 @@ die() { echo "local_slurm.sh: $*" >&2; exit 1; }
 # nsenter, not `ip netns exec`: that remounts /sys, and slurmd needs the cgroup mounts under it.
 in_netns() { SLURM_CONF="$conf" nsenter --net="/run/netns/$netns" "$@"; }
 
-# The node's state when slurmctld answers: idle, mixed or allocated when it takes jobs.
+# The node's state when slurmctld answers (idle, mixed, allocated, completing, ...).
 node_state() {
   [ -f "$conf" ] && ip netns list 2>/dev/null | grep -qw "$netns" \
     && in_netns sinfo -h -o %T 2>/dev/null | head -1
 }
 
-answers() { node_state | grep -qx 'idle\|mixed\|allocated'; }
+answers() {
+  local state
+  state="$(node_state)"
+  [ -n "$state" ] && [[ ! "$state" =~ ^(down|drain|fail|unknown) ]]
+}
 
 install() {
   local missing=()
@@ -126,7 +130,7 @@ munged, slurmctld and slurmd as root); run it with sudo."
   in_netns slurmctld -f "$conf"
   in_netns slurmd -N localhost -f "$conf"
   for _ in $(seq 120); do
-    if answers; then
+    if [ "$(node_state)" = idle ]; then
       echo "The local SLURM cluster is up (node localhost, partition local, files in $dir)."
       echo "Try: bash scripts/local_slurm.sh run srun -n 2 hostname"
       return
