@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import pytest
 
+import test_multihost
 import train_testlib
 from transformer_jax import checkpointing
 
@@ -143,14 +144,8 @@ def stop_steps(log: str) -> dict[int, int]:
       r'Stop requested: saving step (\d+) on process (\d+)', log)}
 
 
-def train_losses(workdir: str) -> dict[int, float]:
-  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
-    lines = [json.loads(line) for line in f]
-  return {m['step']: m['loss'] for m in lines if m['split'] == 'train'}
-
-
 def assert_same_losses(workdir: str, reference: str) -> None:
-  ours, theirs = train_losses(workdir), train_losses(reference)
+  ours, theirs = test_multihost.train_losses(workdir), test_multihost.train_losses(reference)
   assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
   np.testing.assert_allclose([ours[s] for s in sorted(ours)],
                              [theirs[s] for s in sorted(theirs)], rtol=2e-5)

@@ -51,7 +51,7 @@ class PathError(UserError, OSError):
 
 class LaunchError(UserError):
   """A multi-process launch that cannot work: no launcher to find the job's processes, a
-  coordinator port in use or unreachable, processes started with different configs."""
+  coordinator port in use, processes started with different configs."""
 
 
 class DiskFullError(UserError, OSError):

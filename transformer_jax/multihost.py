@@ -36,7 +36,7 @@ from transformer_jax.errors import LaunchError
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, heartbeat_timeout_seconds: int = 100,
-               exit_now: Callable[[str], NoReturn] = sys.exit) -> None:
+               exit_now: Callable[[str], NoReturn] | None = None) -> None:
   """Joins this process to the job (call before anything touches a device).
 
   Args:
@@ -47,7 +47,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       exit with an error rather than hang; also how long a process waits for the others to
       join.
     exit_now: ends the process at once with a message (a command's error format); called
-      from a watchdog thread when joining takes longer than the heartbeat timeout.
+      from a watchdog thread when joining takes longer than the heartbeat timeout. None logs
+      the message and ends the process with exit code 2 (`sys.exit` would end only the
+      watchdog's thread).
 
   Raises:
     LaunchError: no launcher was found and the flags do not say it all, or process 0's
@@ -63,9 +65,14 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   # register every process in time; this watchdog says why first, with exit code 2.
   joined = threading.Event()
 
+  def log_and_exit(message: str) -> NoReturn:
+    logging.error(message)
+    logging.flush()
+    os._exit(2)  # pylint: disable=protected-access
+
   def give_up_unless_joined():
     if not joined.wait(heartbeat_timeout_seconds):
-      exit_now(
+      (exit_now or log_and_exit)(
           f'Process {process_id} of {num_processes} could not join the job within '
           f'{heartbeat_timeout_seconds} s: the coordinator at {coordinator_address} (started by '
           'process 0) did not answer, or not every process connected to it. If process 0 '
