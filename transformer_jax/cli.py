@@ -33,6 +33,7 @@ from absl import flags
 from absl import logging
 
 from transformer_jax import errors
+from transformer_jax import host_memory
 from transformer_jax import outputs
 from transformer_jax.config import LENGTH_PENALTY_FORMS
 
@@ -143,6 +144,9 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run(main: Callable[[list[str]], Any]) -> None:
   """Runs `main` as a command under the project's error policy (see the module doc)."""
+  # Before JAX starts its threads: XLA:CPU's step scratch memory is then reused, not
+  # page-faulted in afresh each step.
+  host_memory.retain_freed_memory()
 
   # The command's module is not __main__ (that is train.py or a console script): lend
   # `--help` its docstring and its key flags, which absl looks up under sys.argv[0].
