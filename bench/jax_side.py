@@ -9,9 +9,11 @@ masked, so that every system generates exactly the requested number of tokens.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -22,10 +24,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from bench import breakdown as bench_breakdown
 from bench import marian as bench_marian
 from bench import worker
 from transformer_jax import aot, decode, flops, marian, models, optimizer, train_steps
-from transformer_jax import translator
+from transformer_jax import host_memory, translator
 from transformer_jax import config as config_lib
 from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig, base_config
 from transformer_jax.models import Transformer
@@ -43,11 +46,27 @@ MODEL_SIZES = {
 FIRST_ORDINARY_ID = 4  # Ids 0-3 are pad, bos, eos, unk.
 
 
+# 'main': the main job's config file (`scripts/main_job.sh`), every field as it trains.
+MAIN_JOB_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                               'configs', 'bible_en_es.py')
+
+
+def main_job_config() -> ml_collections.ConfigDict:
+  spec = importlib.util.spec_from_file_location('bench_main_job_config', MAIN_JOB_CONFIG)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
 def run_config(model: str, vocab_size: int, dtype: str = 'float32', remat: str = 'none',
                attention: str = '') -> ml_collections.ConfigDict:
-  """The run config of a benchmark model: `base_config()` with the size's fields."""
-  config = base_config()
-  config.update(MODEL_SIZES[model])
+  """The run config of a benchmark model: `base_config()` with the size's fields, or for
+  'main' the main job's config."""
+  if model == 'main':
+    config = main_job_config()
+  else:
+    config = base_config()
+    config.update(MODEL_SIZES[model])
   config.vocab_size = vocab_size
   config.dtype = dtype
   config.remat_policy = remat
@@ -56,14 +75,26 @@ def run_config(model: str, vocab_size: int, dtype: str = 'float32', remat: str =
 
 
 def random_batch(rows: int, source_length: int, target_length: int, vocab_size: int,
-                 seed: int = 0) -> dict[str, np.ndarray]:
-  """A training batch of unpadded rows of random ordinary ids, every key of `BATCH_KEYS`."""
+                 seed: int = 0, packed: bool = False) -> dict[str, np.ndarray]:
+  """A training batch of unpadded rows of random ordinary ids, every key of `BATCH_KEYS`.
+
+  `packed`: each row holds several examples of 20-44 tokens end to end (the last one cut at
+  the row's end), as packing lays out the main job's batches; otherwise one example a row.
+  """
   rng = np.random.default_rng(seed)
   def side(length):
     tokens = rng.integers(FIRST_ORDINARY_ID, vocab_size, (rows, length), dtype=np.int32)
-    tokens[:, -1] = EOS_ID
-    return (tokens, np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
-            np.ones((rows, length), np.int32))
+    positions = np.empty((rows, length), np.int32)
+    segments = np.empty((rows, length), np.int32)
+    for row in range(rows):
+      start, segment = 0, 1
+      while start < length:
+        size = min(int(rng.integers(20, 45)) if packed else length, length - start)
+        positions[row, start:start + size] = np.arange(size)
+        segments[row, start:start + size] = segment
+        tokens[row, start + size - 1] = EOS_ID
+        start, segment = start + size, segment + 1
+    return tokens, positions, segments
   inputs, inputs_positions, inputs_segmentation = side(source_length)
   targets, targets_positions, targets_segmentation = side(target_length)
   return dict(inputs=inputs, targets=targets, inputs_positions=inputs_positions,
@@ -116,9 +147,10 @@ class TrainTask:
 
   def __init__(self, model: str = 'base', dtype: str = 'float32', rows: int = 8,
                source_length: int = 64, target_length: int = 64, vocab_size: int = 37000,
-               remat: str = 'none', attention: str = ''):
+               remat: str = 'none', attention: str = '', packed: bool = False):
     self.train = _TrainSetup(model, dtype, rows, source_length, target_length, vocab_size,
                              remat, attention=attention)
+    self.packed = packed
 
   def setup(self) -> dict[str, Any]:
     t = self.train
@@ -130,7 +162,7 @@ class TrainTask:
     init_s = time.perf_counter() - start
     self.compiled, compile_s = t.compile()
     self.batch = t.partitioner.shard_batch(random_batch(
-        rows, source_length, target_length, t.model_config.vocab_size))
+        rows, source_length, target_length, t.model_config.vocab_size, packed=self.packed))
     start = time.perf_counter()
     self.run()
     first_step_s = time.perf_counter() - start
@@ -156,6 +188,15 @@ class TrainTask:
   def run(self) -> None:
     self.state, self.metrics = self.compiled(self.state, self.batch)
     jax.block_until_ready((self.state, self.metrics))
+
+  def breakdown(self, steps: int) -> dict[str, Any]:
+    """Where `steps` more steps spend their time, by kind (`bench/breakdown.py`)."""
+    kinds = bench_breakdown.jax_kinds(self.compiled.as_text())
+    with tempfile.TemporaryDirectory(prefix='bench_trace_') as directory:
+      with jax.profiler.trace(directory):
+        for _ in range(steps):
+          self.run()
+      return bench_breakdown.jax_trace_breakdown(directory, kinds, steps)
 
 
 def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: jax.Array,
@@ -371,5 +412,8 @@ FACTORIES = {'train': TrainTask, 'decode': DecodeTask, 'matmul': MatmulTask,
              'budget': BudgetTask}
 
 if __name__ == '__main__':
+  # As every command does (`cli.run`): the step's scratch memory is reused, not page-faulted
+  # in afresh each step. TRANSFORMER_JAX_MALLOC=system measures glibc's defaults.
+  host_memory.retain_freed_memory()
   worker.serve(FACTORIES, extra_exit_info=lambda: {'device_memory': device_memory_stats()},
                profile=profile_tasks)

@@ -10,7 +10,8 @@ ours wherever no near-tie splits them). The model starts its decoder from a zero
 The training step runs a `MarianMTModel` of the same dimensions built from a `MarianConfig`
 with random weights (nothing is downloaded): the paper's Transformer as Marian trains it,
 post-norm, ReLU, sinusoidal positions, embeddings scaled by sqrt(d_model) and one matrix
-shared by the source and target embeddings and the output projection.
+shared by the source and target embeddings and the output projection. Against the main job's
+pre-norm config it runs `M2M100ForConditionalGeneration`, the same but pre-norm.
 
 Run by `bench.run` as a worker process (see `bench/worker.py`).
 """
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import breakdown as bench_breakdown
 from bench import worker
 
 EOS_ID = 2  # As in this project; Marian's pad is vocab_size - 1.
@@ -79,20 +81,54 @@ def random_ids(rows: int, length: int, vocab_size: int, seed: int = 0) -> np.nda
   return ids
 
 
+def pre_norm_model(size: dict[str, Any], vocab_size: int, max_length: int = 512):
+  """A randomly initialised (seeded) pre-norm Transformer of Hugging Face's: the
+  `M2M100ForConditionalGeneration` architecture, which normalizes before each sub-layer and
+  after each stack as this project's `norm_position='pre'` does, with sinusoidal positions,
+  embeddings scaled by sqrt(d_model) and one matrix for the embeddings and the output.
+
+  Args:
+    size: d_model, heads, d_ff, encoder_layers, decoder_layers, dropout.
+  """
+  torch = _torch()
+  import transformers
+  torch.manual_seed(0)
+  # M2M100 numbers positions from its pad id on, so that id must be small (its own is 1);
+  # the random batches never use it.
+  pad = 1
+  config = transformers.M2M100Config(
+      vocab_size=vocab_size, d_model=size['d_model'], encoder_layers=size['encoder_layers'],
+      decoder_layers=size['decoder_layers'], encoder_attention_heads=size['heads'],
+      decoder_attention_heads=size['heads'], encoder_ffn_dim=size['d_ff'],
+      decoder_ffn_dim=size['d_ff'], activation_function='relu', dropout=size['dropout'],
+      attention_dropout=0.0, activation_dropout=0.0, encoder_layerdrop=0.0,
+      decoder_layerdrop=0.0, scale_embedding=True, tie_word_embeddings=True,
+      max_position_embeddings=max_length, pad_token_id=pad, eos_token_id=EOS_ID,
+      bos_token_id=0, decoder_start_token_id=EOS_ID, forced_eos_token_id=None)
+  return transformers.M2M100ForConditionalGeneration(config)
+
+
 class TorchTrainTask:
-  """A full training step of `MarianMTModel`: forward, label-smoothed loss, backward, Adam."""
+  """A full training step of `MarianMTModel` (post-norm) or, given a `size` with
+  `norm='pre'`, of the pre-norm `pre_norm_model`: forward, label-smoothed loss, backward,
+  Adam."""
 
   def __init__(self, model: str = 'base', rows: int = 8, source_length: int = 64,
                target_length: int = 64, vocab_size: int = 37000,
-               attn_implementation: str | None = None, fused_adam: bool = False):
+               attn_implementation: str | None = None, fused_adam: bool = False,
+               size: dict[str, Any] | None = None):
     self.args = (model, rows, source_length, target_length, vocab_size)
     self.attn_implementation, self.fused_adam = attn_implementation, fused_adam
+    self.size = size
 
   def setup(self) -> dict[str, Any]:
     torch = _torch()
     model, rows, source_length, target_length, vocab_size = self.args
     start = time.perf_counter()
-    self.model = marian_model(model, vocab_size, self.attn_implementation).train()
+    if self.size and self.size.get('norm') == 'pre':
+      self.model = pre_norm_model(self.size, vocab_size).train()
+    else:
+      self.model = marian_model(model, vocab_size, self.attn_implementation).train()
     init_s = time.perf_counter() - start
     self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4, betas=(0.9, 0.98),
                                       eps=1e-9, fused=self.fused_adam or None)
@@ -124,6 +160,16 @@ class TorchTrainTask:
     self.optimizer.step()
     self.optimizer.zero_grad(set_to_none=True)
     self.loss = float(loss.detach())
+
+  def breakdown(self, steps: int) -> dict[str, Any]:
+    """Where `steps` more steps spend their time, by kind (`bench/breakdown.py`)."""
+    from torch import profiler
+    with profiler.profile(activities=[profiler.ProfilerActivity.CPU]) as prof:
+      start = time.perf_counter()
+      for _ in range(steps):
+        self.run()
+      wall_s = time.perf_counter() - start
+    return bench_breakdown.torch_breakdown(prof.events(), steps, wall_s)
 
 
 def exported_sources(model_dir: str) -> np.ndarray:

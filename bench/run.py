@@ -35,9 +35,10 @@ from typing import Any
 
 from transformer_jax.config import TransformerConfig
 
-from transformer_jax import flops
+from transformer_jax import flops, host_memory
+from bench import breakdown
 from bench import worker
-from bench.jax_side import MODEL_SIZES
+from bench.jax_side import run_config
 
 GIB = 1024 ** 3
 MAIN_JOB_RSS_GOAL = 8 * GIB
@@ -48,7 +49,7 @@ class Worker:
 
   def __init__(self, label: str, module: str, specs: list[dict[str, Any]],
                env: dict[str, str], log_dir: str):
-    self.label = label
+    self.label, self.specs = label, specs
     self.log_path = os.path.join(log_dir, f'{label}.log')
     self.log = open(self.log_path, 'w')
     start = time.perf_counter()
@@ -79,6 +80,11 @@ class Worker:
     self.process.stdin.write(json.dumps({'task': task, 'iters': iters}) + '\n')
     self.process.stdin.flush()
     return self._receive()['times']
+
+  def breakdown(self, task: str, iters: int) -> dict[str, Any]:
+    self.process.stdin.write(json.dumps({'breakdown': task, 'iters': iters}) + '\n')
+    self.process.stdin.flush()
+    return self._receive()['breakdown']
 
   def close(self) -> dict[str, Any]:
     self.process.stdin.write(json.dumps({'exit': True}) + '\n')
@@ -190,8 +196,6 @@ def importable(module: str) -> bool:
 class Sizes:
   model: str
   vocab: int
-  train_rows: int
-  train_length: int
   decode_batch: int
   decode_source: int
   decode_output: int
@@ -203,13 +207,12 @@ class Sizes:
 
 def cpu_sizes(quick: bool) -> Sizes:
   if quick:
-    return Sizes('tiny', 1000, 4, 16, 8, 8, 8, 512, 2, 2, 2)
-  return Sizes('base', 37000, 8, 64, 32, 32, 32, 2048, 5, 3, 2)
+    return Sizes('tiny', 1000, 8, 8, 8, 512, 2, 2, 2)
+  return Sizes('base', 37000, 32, 32, 32, 2048, 5, 3, 2)
 
 
 def model_config(model: str, vocab: int) -> TransformerConfig:
-  return TransformerConfig(vocab_size=vocab, **{k: v for k, v in MODEL_SIZES[model].items()
-                                                if k != 'dropout_rate'})
+  return TransformerConfig.from_config(run_config(model, vocab))
 
 
 def run_cpu(args, results: dict[str, Any], log_dir: str) -> None:
@@ -247,36 +250,81 @@ def run_cpu(args, results: dict[str, Any], log_dir: str) -> None:
     run_cpu_decode(args, s, results, log_dir, jenv, tenv, has_torch, has_ct2)
 
 
+# The CPU plan's training sizes: (rows, length a side, vocabulary, packed rows).
+CPU_TRAIN_SHAPES = {
+    'base': (8, 64, 37000, False),
+    'main': (8, 128, 8000, True),  # The main job's 1,024-token packed batches, 8,000 pieces.
+    'tiny': (4, 16, 1000, False),
+}
+BREAKDOWN_STEPS = 3
+
+
+def torch_size(cfg: TransformerConfig) -> dict[str, Any]:
+  """The reference model's dimensions and normalization, from ours."""
+  return dict(d_model=cfg.d_model, heads=cfg.num_heads, d_ff=cfg.d_ff,
+              encoder_layers=cfg.num_encoder_layers, decoder_layers=cfg.num_decoder_layers,
+              dropout=cfg.dropout_rate, norm=cfg.norm_position)
+
+
 def run_cpu_train(args, s, results, log_dir, jenv, tenv, has_torch, machine_peak):
-  """Training step: ours against MarianMTModel, the same batch shape, fp32."""
-  rows, length = s.train_rows, s.train_length
-  cfg = model_config(s.model, s.vocab)
+  """Training steps, ours against Hugging Face's of the same architecture, fp32: for each
+  model size (`--models`; the main job's config and the paper's base by default)."""
+  models = args.models.split(',') if args.models else (['tiny'] if args.quick
+                                                        else ['main', 'base'])
+  results['train'] = {}
+  for model in models:
+    if model not in CPU_TRAIN_SHAPES:
+      raise SystemExit(f'--models: {model!r} is not one of {sorted(CPU_TRAIN_SHAPES)} on the '
+                       'CPU plan.')
+    results['train'][model] = run_cpu_train_model(
+        model, s, log_dir, jenv, tenv, has_torch, machine_peak, args.glibc_malloc_too)
+
+
+def run_cpu_train_model(model, s, log_dir, jenv, tenv, has_torch, machine_peak,
+                        glibc_malloc_too=False):
+  rows, length, vocab, packed = CPU_TRAIN_SHAPES[model]
+  cfg = model_config(model, vocab)
   step_flops = flops.batch_flops(cfg, [length] * rows, [length] * rows)
   tokens = 2 * rows * length
-  group = {'jax': (Worker('train_jax', 'bench.jax_side', [dict(
-      name='train', kind='train', model=s.model, rows=rows, source_length=length,
-      target_length=length, vocab_size=s.vocab)], jenv, log_dir), 'train')}
+  group = {'jax': (Worker(f'train_{model}_jax', 'bench.jax_side', [dict(
+      name='train', kind='train', model=model, rows=rows, source_length=length,
+      target_length=length, vocab_size=vocab, packed=packed)], jenv, log_dir), 'train')}
   if has_torch:
-    group['torch'] = (Worker('train_torch', 'bench.marian', [dict(
-        name='train', kind='torch_train', model=s.model, rows=rows, source_length=length,
-        target_length=length, vocab_size=s.vocab)], tenv, log_dir), 'train')
+    group['torch'] = (Worker(f'train_{model}_torch', 'bench.marian', [dict(
+        name='train', kind='torch_train', model=model, rows=rows, source_length=length,
+        target_length=length, vocab_size=vocab, size=torch_size(cfg))], tenv, log_dir),
+        'train')
+  if glibc_malloc_too:  # Our step again, with glibc's malloc defaults (host_memory.py).
+    group['jax_glibc_malloc'] = (Worker(f'train_{model}_jax_glibc_malloc', 'bench.jax_side',
+                                        group['jax'][0].specs,
+                                        dict(jenv, **{host_memory.ENV_VAR: 'system'}),
+                                        log_dir), 'train')
   times = interleave(group, s.rounds, s.train_iters)
   train = {'model_flops_per_step': step_flops, 'tokens_per_step': tokens,
-           'batch': f'{rows} x {length} source + {length} target, no padding'}
+           'norm_position': cfg.norm_position,
+           'reference': ('M2M100ForConditionalGeneration' if cfg.norm_position == 'pre'
+                         else 'MarianMTModel'),
+           'batch': (f'{rows} x {length} source + {length} target, no padding'
+                     + (' (ours packed, several examples a row)' if packed else ''))}
   for name, (w, task) in group.items():
     st = summarize(times[name])
     entry = {'setup': w.ready[task], 'startup_s': w.startup_s, 'times': st}
     if st:
       entry['tokens_per_s'] = tokens / st['median_s']
+      entry['steps_per_s'] = 1 / st['median_s']
       entry['mfu'] = flops.mfu(step_flops, st['median_s'], machine_peak)
       entry['mfu_best'] = flops.mfu(step_flops, st['min_s'], machine_peak)
+      entry['breakdown'] = w.breakdown(task, BREAKDOWN_STEPS)
     entry['exit'] = w.close()
     train[name] = entry
   train['speedup_vs_torch'] = paired_speedup(train['jax'].get('times'),
                                              train.get('torch', {}).get('times'))
   train['best_speedup_vs_torch'] = best_speedup(train['jax'].get('times'),
                                                 train.get('torch', {}).get('times'))
-  results['train'] = train
+  if glibc_malloc_too:
+    train['speedup_vs_glibc_malloc'] = paired_speedup(
+        train['jax'].get('times'), train['jax_glibc_malloc'].get('times'))
+  return train
 
 
 def same_rows(ours: list[list[int]] | None, theirs: list[list[int]] | None) -> int | None:
@@ -436,6 +484,52 @@ def _fmt(x, spec='.1f', scale=1.0, suffix=''):
   return '-' if x is None else f'{x * scale:{spec}}{suffix}'
 
 
+def train_table(lines: list[str], model: str, t: dict[str, Any]) -> None:
+  """The CPU plan's rows for one training comparison, and where each step's time goes."""
+  add = lines.append
+  row = '{:<34} {:>14} {:>14} {:>14}'
+  add(f"Training step ({model}, {t['norm_position']}-norm, fp32, {t['batch']}; "
+      f"{t['model_flops_per_step'] / 1e9:.1f} model GFLOP/step)")
+  add(row.format('', 'JAX (ours)', f"HF {t['reference'][:11]}", 'ours/theirs'))
+  j, p = t['jax'], t.get('torch', {})
+  add(row.format('tokens/s (source+target)', _fmt(j.get('tokens_per_s')),
+                 _fmt(p.get('tokens_per_s')), _fmt(t['speedup_vs_torch'], '.2f', 1, 'x')))
+  add(row.format('steps/s', _fmt(j.get('steps_per_s'), '.2f'), _fmt(p.get('steps_per_s'), '.2f'),
+                 ''))
+  add(row.format('step time, median s', _fmt((j.get('times') or {}).get('median_s'), '.3f'),
+                 _fmt((p.get('times') or {}).get('median_s'), '.3f'), ''))
+  add(row.format('step time, best s', _fmt((j.get('times') or {}).get('min_s'), '.3f'),
+                 _fmt((p.get('times') or {}).get('min_s'), '.3f'),
+                 _fmt(t['best_speedup_vs_torch'], '.2f', 1, 'x')))
+  add(row.format('MFU vs machine matmul peak', _fmt(j.get('mfu'), '.1%'),
+                 _fmt(p.get('mfu'), '.1%'), ''))
+  add(row.format('MFU at the best step', _fmt(j.get('mfu_best'), '.1%'),
+                 _fmt(p.get('mfu_best'), '.1%'), ''))
+  add(row.format('compile s / first step s',
+                 f"{_fmt(j['setup'].get('compile_s'))} / "
+                 f"{_fmt(j['setup'].get('first_step_s'))}",
+                 f"- / {_fmt(p.get('setup', {}).get('first_step_s'))}", ''))
+  add(row.format('peak RSS GiB', _fmt(j['exit']['peak_rss_bytes'], '.2f', 1 / GIB),
+                 _fmt(p.get('exit', {}).get('peak_rss_bytes'), '.2f', 1 / GIB), ''))
+  add(f"  main job (JAX train) peak RSS goal < 8 GiB: "
+      f"{'met' if j['exit']['peak_rss_bytes'] < MAIN_JOB_RSS_GOAL else 'NOT met'}")
+  if 'jax_glibc_malloc' in t:
+    g = t['jax_glibc_malloc']
+    add(row.format('ours, glibc malloc defaults', _fmt(g.get('tokens_per_s')), '',
+                   _fmt(t['speedup_vs_glibc_malloc'], '.2f', 1, 'x')))
+  jb, pb = j.get('breakdown'), p.get('breakdown')
+  if jb:
+    add(f'  where a step goes, ms (profiled, {BREAKDOWN_STEPS} steps; bench/breakdown.py):')
+    for kind in breakdown.KINDS:
+      add(row.format(f'    {kind}', _fmt(jb['kinds_ms'][kind], '.1f'),
+                     _fmt(pb['kinds_ms'][kind] if pb else None, '.1f'), ''))
+    add(row.format('    idle (no operation running)', _fmt(jb['idle_ms'], '.1f'),
+                   _fmt(pb['idle_ms'] if pb else None, '.1f'), ''))
+    add(row.format('    operations a step', str(jb['operations']),
+                   str(pb['operations']) if pb else '-', ''))
+  add('')
+
+
 def table(results: dict[str, Any]) -> str:
   lines = []
   add = lines.append
@@ -451,32 +545,8 @@ def table(results: dict[str, Any]) -> str:
   add('')
   row = '{:<34} {:>14} {:>14} {:>14} {:>10}'
   if env['plan'] == 'cpu' and 'train' in results:
-    t = results['train']
-    add(f"Training step ({results['sizes']['model']}, fp32, {t['batch']}; "
-        f"{t['model_flops_per_step'] / 1e9:.1f} model GFLOP/step)")
-    add(row.format('', 'JAX (ours)', 'PyTorch HF', 'ours/theirs', ''))
-    j, p = t['jax'], t.get('torch', {})
-    add(row.format('tokens/s (source+target)', _fmt(j.get('tokens_per_s')),
-                   _fmt(p.get('tokens_per_s')), _fmt(t['speedup_vs_torch'], '.2f', 1, 'x'),
-                   ''))
-    add(row.format('step time, median s', _fmt((j.get('times') or {}).get('median_s'), '.3f'),
-                   _fmt((p.get('times') or {}).get('median_s'), '.3f'), '', ''))
-    add(row.format('step time, best s', _fmt((j.get('times') or {}).get('min_s'), '.3f'),
-                   _fmt((p.get('times') or {}).get('min_s'), '.3f'),
-                   _fmt(t['best_speedup_vs_torch'], '.2f', 1, 'x'), ''))
-    add(row.format('MFU vs machine matmul peak', _fmt(j.get('mfu'), '.1%'),
-                   _fmt(p.get('mfu'), '.1%'), '', ''))
-    add(row.format('MFU at the best step', _fmt(j.get('mfu_best'), '.1%'),
-                   _fmt(p.get('mfu_best'), '.1%'), '', ''))
-    add(row.format('compile s / first step s',
-                   f"{_fmt(j['setup'].get('compile_s'))} / "
-                   f"{_fmt(j['setup'].get('first_step_s'))}",
-                   f"- / {_fmt(p.get('setup', {}).get('first_step_s'))}", '', ''))
-    add(row.format('peak RSS GiB', _fmt(j['exit']['peak_rss_bytes'], '.2f', 1 / GIB),
-                   _fmt(p.get('exit', {}).get('peak_rss_bytes'), '.2f', 1 / GIB), '', ''))
-    add(f"  main job (JAX train) peak RSS goal < 8 GiB: "
-        f"{'met' if j['exit']['peak_rss_bytes'] < MAIN_JOB_RSS_GOAL else 'NOT met'}")
-    add('')
+    for model, t in results['train'].items():
+      train_table(lines, model, t)
   if env['plan'] == 'cpu' and 'decode' in results:
     d = results['decode']
     add(f"Decoding ({results['sizes']['model']}, fp32, batch {d['shape']['batch']}, source "
@@ -553,7 +623,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                       help='comma-separated parts: train,decode on the CPU plan; '
                       'train,budget,decode on the GPU plan (the matmul peak always runs)')
   parser.add_argument('--models', default='',
-                      help="GPU plan: comma-separated model sizes (default 'base,big')")
+                      help="comma-separated model sizes to train: CPU plan 'main' (the main "
+                      "job's config), 'base', 'tiny' (default 'main,base'; --quick 'tiny'); "
+                      "GPU plan 'base', 'big' (default 'base,big')")
+  parser.add_argument('--glibc_malloc_too', '--glibc-malloc-too', action='store_true',
+                      help="CPU plan: also time our training step with glibc's malloc "
+                      "defaults (TRANSFORMER_JAX_MALLOC=system), side by side")
   parser.add_argument('--attention', default='',
                       help="GPU plan: comma-separated attention_implementation values to "
                       "compare, e.g. 'xla,cudnn' ('' is automatic, the default: cuDNN on a "

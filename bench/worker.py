@@ -9,6 +9,8 @@ builds each task (compilation, model creation, conversion: timed, reported as se
 one JSON line `{"ready": {task: info}}`, then answers JSON commands read from stdin:
 
     {"task": name, "iters": n}  ->  {"times": [seconds of each of the n iterations]}
+    {"breakdown": name, "iters": n}  ->  {"breakdown": where n more iterations spent their
+                                          time, by kind (`bench/breakdown.py`)}
     {"exit": true}              ->  {"peak_rss_bytes": ..., ...} and the process ends.
 
 With `PROFILE_VAR` set to a directory in its environment (`bench.run --profile_dir`), a worker
@@ -126,6 +128,9 @@ def serve(factories: Mapping[str, Callable[..., Task]],
         info.update(extra_exit_info())
       send(info)
       return
+    if command.get('breakdown'):  # Where a step's time goes (tasks with `breakdown`).
+      send({'breakdown': tasks[command['breakdown']].breakdown(command['iters'])})
+      continue
     task = tasks[command['task']]
     times = []
     for _ in range(command['iters']):

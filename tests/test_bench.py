@@ -46,6 +46,32 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
   assert {'greedy', 'beam4'} <= traced, traced
 
 
+@pytest.mark.skipif(importlib.util.find_spec('transformers') is None,
+                    reason='the references are test and bench extras')
+def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp_path):
+  """`--models=main`: the main job's config (pre-norm, packed rows) against Hugging Face's
+  pre-norm M2M100 of the same size, with each step's time by kind on both sides."""
+  out = tmp_path / 'bench.json'
+  result = subprocess.run(
+      [sys.executable, '-m', 'bench.run', '--quick', '--only=train', '--models=main',
+       f'--json={out}'], cwd=train_testlib.REPO, env=train_testlib.subprocess_env(),
+      capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  train = json.loads(out.read_text())['train']['main']
+  assert train['norm_position'] == 'pre'
+  assert train['reference'] == 'M2M100ForConditionalGeneration'
+  assert train['tokens_per_step'] == 2 * 1024 and train['speedup_vs_torch'] > 0
+  for side in ('jax', 'torch'):
+    entry = train[side]
+    assert entry['tokens_per_s'] > 0 and entry['setup']['loss_per_token'] > 0, side
+    kinds = entry['breakdown']['kinds_ms']
+    # Every kind of work shows up on both sides, matmuls the most.
+    assert all(kinds[k] > 0 for k in ('matmul', 'attention', 'normalization', 'loss',
+                                      'optimizer')), (side, kinds)
+    assert kinds['matmul'] == max(kinds.values()), (side, kinds)
+  assert 'where a step goes' in result.stdout and 'M2M100' in result.stdout
+
+
 def test_jax_workers_get_the_extra_xla_flags_and_their_cpus(tmp_path):
   sys.path.insert(0, str(train_testlib.REPO))
   from bench import run as bench_run
