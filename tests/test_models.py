@@ -297,6 +297,16 @@ def test_loss_sums_aggregate_and_label_smoothing_matches_definition():
   nll = -jnp.take_along_axis(log_probs, targets[..., None], -1)[..., 0]
   np.testing.assert_allclose(m['nll'], (nll * weights).sum(), rtol=1e-6)
   assert m['tokens'] == 3
+  # 'correct' counts argmax hits: here the first token of each row is one.
+  guesses = targets.at[:, 0].set(jnp.argmax(logits[:, 0], axis=-1))
+  hits = (jnp.argmax(logits, axis=-1) == guesses) * weights
+  correct = losses.compute_metrics(logits, guesses, weights)['correct']
+  assert correct == hits.sum() and 2 <= correct < 3
+  # A tie for the largest logit counts as correct, whichever id argmax would pick.
+  tied = jnp.zeros((1, 1, 7)).at[0, 0, 2].set(1.0).at[0, 0, 5].set(1.0)
+  for target in (2, 5, 4):
+    correct = losses.compute_metrics(tied, jnp.array([[target]]), jnp.ones((1, 1)))['correct']
+    assert correct == (target != 4)
   # Sums over two halves add up to the sum over the whole.
   halves = [losses.compute_metrics(logits[i:i + 1], targets[i:i + 1], weights[i:i + 1])
             for i in range(2)]
