@@ -186,7 +186,14 @@ class TrainTask:
     }
 
   def run(self) -> None:
+    self.dispatch()
+    self.wait()
+
+  def dispatch(self) -> None:
+    """Enqueues one step and returns (JAX dispatches asynchronously)."""
     self.state, self.metrics = self.compiled(self.state, self.batch)
+
+  def wait(self) -> None:
     jax.block_until_ready((self.state, self.metrics))
 
   def breakdown(self, steps: int) -> dict[str, Any]:

@@ -76,8 +76,11 @@ class Worker:
   def ok(self, task: str) -> bool:
     return task in self.ready and 'error' not in self.ready[task]
 
-  def time(self, task: str, iters: int) -> list[float]:
-    self.process.stdin.write(json.dumps({'task': task, 'iters': iters}) + '\n')
+  def time(self, task: str, iters: int, chain: int = 0) -> list[float]:
+    """Seconds of each of `iters` runs; with `chain`, of each run among `chain` dispatched
+    back to back (tasks with `dispatch` and `wait`)."""
+    command = {'task': task, 'iters': iters} | ({'chain': chain} if chain else {})
+    self.process.stdin.write(json.dumps(command) + '\n')
     self.process.stdin.flush()
     return self._receive()['times']
 
@@ -386,10 +389,10 @@ def gpu_sizes(quick: bool) -> dict[str, Any]:
   if quick:  # Plumbing only: tiny shapes, which also run on a CPU with --platform=gpu.
     return dict(models=['tiny'], vocab=1000, length=16, tokens=256, matmul_n=512,
                 matmul_reps=2, decode_batches=[8, 32], decode_source=8, decode_output=8,
-                rounds=2, iters=2, budget_doublings=3)
+                rounds=2, iters=2, chain=5, budget_doublings=3)
   return dict(models=['base', 'big'], vocab=37000, length=64, tokens=25000, matmul_n=8192,
               matmul_reps=10, decode_batches=[32, 256, 1024], decode_source=32,
-              decode_output=32, rounds=3, iters=3, budget_doublings=6)
+              decode_output=32, rounds=3, iters=3, chain=50, budget_doublings=6)
 
 
 GPU_PARTS = ('train', 'budget', 'decode')
@@ -411,12 +414,16 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
   results['references'] = 'skipped on GPU: the reference systems would run on the host CPU'
   dtype = 'bfloat16'
 
-  def solo(label, specs, rounds, iters):
-    """One worker at a time, so that device memory peaks are its own."""
+  def solo(label, specs, rounds, iters, chain=0):
+    """One worker at a time, so that device memory peaks are its own. With `chain`, each
+    task is also timed over `chain` runs dispatched back to back ('<name>/chained')."""
     w = Worker(label, 'bench.jax_side', specs, env, log_dir)
     times = {spec['name']: summarize(interleave({spec['name']: (w, spec['name'])},
                                                 rounds, iters)[spec['name']])
              for spec in specs if spec['kind'] != 'budget'}
+    for spec in specs if chain else ():
+      if w.ok(spec['name']):
+        times[spec['name'] + '/chained'] = summarize([w.time(spec['name'], 2, chain)])
     exit_info = w.close()
     return w.ready, times, exit_info
 
@@ -428,6 +435,10 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
   peak = {k: ready[k]['flops_per_iter'] / times[k]['min_s'] for k in times if times[k]}
   results['matmul_peak_flops'] = peak
   results['machine_peak_flops'] = peak['bf16']
+  device = ready['bf16'].get('device', '')
+  datasheet = flops.peak_flops(device)
+  results['device'] = device
+  results['datasheet_bf16_flops'] = datasheet
 
   rows = -(-g['tokens'] // g['length'])
   rows = -(-rows // 8) * 8
@@ -440,13 +451,20 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
       ready, times, exit_info = solo(f'train_{model}_{attention or "auto"}', [dict(
           name='train', kind='train', model=model, dtype=dtype, rows=rows,
           source_length=g['length'], target_length=g['length'], vocab_size=g['vocab'],
-          attention=attention)], g['rounds'], g['iters'])
+          attention=attention)], g['rounds'], g['iters'], chain=g['chain'])
       entry = {'setup': ready['train'], 'times': times.get('train'), 'exit': exit_info,
+               'chained_times': times.get('train/chained'), 'chain': g['chain'],
                'model_flops_per_step': step_flops, 'tokens_per_step': 2 * rows * g['length'],
                'batch': f'{rows} x {g["length"]} source + {g["length"]} target, bf16'}
       if entry['times']:
         entry['tokens_per_s'] = entry['tokens_per_step'] / entry['times']['median_s']
         entry['mfu'] = flops.mfu(step_flops, entry['times']['median_s'], peak['bf16'])
+      if entry['chained_times']:  # Steps back to back, as training runs them.
+        step_s = entry['chained_times']['median_s']
+        entry['chained_tokens_per_s'] = entry['tokens_per_step'] / step_s
+        entry['chained_mfu'] = flops.mfu(step_flops, step_s, peak['bf16'])
+        entry['chained_mfu_datasheet'] = (flops.mfu(step_flops, step_s, datasheet)
+                                          if datasheet else None)
       train[label(model, attention)] = entry
     for remat in remats if 'budget' in parts else ():
       spec = dict(name='budget', kind='budget', model=model, dtype=dtype, remat=remat,
@@ -581,6 +599,9 @@ def table(results: dict[str, Any]) -> str:
         "it, CTranslate2 converts it. MiB/sentence: the memory one more search adds at its "
         "peak, over the batch.")
   if env['plan'] == 'gpu':
+    datasheet = results.get('datasheet_bf16_flops')
+    add(f"{results.get('device', '')}: datasheet bf16 dense "
+        + (f'{datasheet / 1e12:.0f} TFLOP/s' if datasheet else 'unknown to flops.py'))
     add(row.format('Training step, bf16', 'tokens/s', 'MFU', 'compile s', 'peak GiB'))
     for model, e in results['train'].items():
       fused = e['setup'].get('fused_attention_calls')
@@ -591,6 +612,10 @@ def table(results: dict[str, Any]) -> str:
       add(row.format(f"{model}: {e['batch']}", _fmt(e.get('tokens_per_s'), '.0f'),
                      _fmt(e.get('mfu'), '.1%'), _fmt(e['setup'].get('compile_s')),
                      _fmt(mem, '.1f', 1 / GIB)))
+      if e.get('chained_times'):
+        add(row.format(f"  {e['chain']} steps back to back", _fmt(e['chained_tokens_per_s'], '.0f'),
+                       _fmt(e['chained_mfu'], '.1%'),
+                       f"{_fmt(e['chained_mfu_datasheet'], '.1%')} of datasheet", ''))
       if 'error' in e['setup']:
         add(f"  {model}: {e['setup']['error']}")
     add('')

@@ -9,6 +9,10 @@ builds each task (compilation, model creation, conversion: timed, reported as se
 one JSON line `{"ready": {task: info}}`, then answers JSON commands read from stdin:
 
     {"task": name, "iters": n}  ->  {"times": [seconds of each of the n iterations]}
+    {"task": name, "iters": n, "chain": m}  ->  {"times": [seconds of each iteration / m]}, an
+                                          iteration being m runs dispatched back to back
+                                          (`task.dispatch()`) and waited for once at the end
+                                          (`task.wait()`), as the training loop runs steps
     {"breakdown": name, "iters": n}  ->  {"breakdown": where n more iterations spent their
                                           time, by kind (`bench/breakdown.py`)}
     {"exit": true}              ->  {"peak_rss_bytes": ..., ...} and the process ends.
@@ -132,9 +136,15 @@ def serve(factories: Mapping[str, Callable[..., Task]],
       send({'breakdown': tasks[command['breakdown']].breakdown(command['iters'])})
       continue
     task = tasks[command['task']]
+    chain = command.get('chain', 0)
     times = []
     for _ in range(command['iters']):
       start = time.perf_counter()
-      task.run()
-      times.append(time.perf_counter() - start)
+      if chain:
+        for _ in range(chain):
+          task.dispatch()
+        task.wait()
+      else:
+        task.run()
+      times.append((time.perf_counter() - start) / max(chain, 1))
     send({'times': times})

@@ -72,6 +72,24 @@ def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp
   assert 'where a step goes' in result.stdout and 'M2M100' in result.stdout
 
 
+def test_gpu_plan_times_steps_back_to_back_besides_blocked_ones(tmp_path):
+  """The GPU plan's training part, run on the CPU (`--platform=gpu --quick`): each step
+  blocked on, and `chain` steps dispatched back to back as the training loop runs them."""
+  out = tmp_path / 'bench.json'
+  result = subprocess.run(
+      [sys.executable, '-m', 'bench.run', '--platform=gpu', '--quick', '--only=train',
+       f'--json={out}'], cwd=train_testlib.REPO, env=train_testlib.subprocess_env(),
+      capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  results = json.loads(out.read_text())
+  entry = results['train']['tiny']
+  assert entry['chain'] == 5 and entry['chained_times']['n'] == 2
+  assert entry['chained_tokens_per_s'] > 0 and entry['chained_mfu'] > 0
+  # A CPU has no datasheet bf16 rate in flops.py; a GPU's MFU is also given against it.
+  assert results['datasheet_bf16_flops'] is None and entry['chained_mfu_datasheet'] is None
+  assert '5 steps back to back' in result.stdout
+
+
 def test_jax_workers_get_the_extra_xla_flags_and_their_cpus(tmp_path):
   sys.path.insert(0, str(train_testlib.REPO))
   from bench import run as bench_run
