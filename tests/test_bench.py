@@ -18,17 +18,23 @@ import pytest
 import train_testlib
 
 
+def run_bench(tmp_path, *args: str) -> tuple[dict, str]:
+  """`python -m bench.run ARGS --json=...`: its JSON results and its table."""
+  out = tmp_path / 'bench.json'
+  result = subprocess.run([sys.executable, '-m', 'bench.run', *args, f'--json={out}'],
+                          cwd=train_testlib.REPO, env=train_testlib.subprocess_env(),
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(out.read_text()), result.stdout
+
+
 @pytest.mark.skipif(importlib.util.find_spec('transformers') is None,
                     reason='the references are test and bench extras')
 def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
-  out = tmp_path / 'bench.json'
-  result = subprocess.run(
-      [sys.executable, '-m', 'bench.run', '--quick', '--only=decode', f'--json={out}',
-       f'--log_dir={tmp_path / "logs"}', f'--profile_dir={tmp_path / "profile"}'],
-      cwd=train_testlib.REPO,
-      env=train_testlib.subprocess_env(), capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  decode = json.loads(out.read_text())['decode']
+  results, table = run_bench(tmp_path, '--quick', '--only=decode',
+                             f'--log_dir={tmp_path / "logs"}',
+                             f'--profile_dir={tmp_path / "profile"}')
+  decode = results['decode']
   batch = decode['shape']['batch']
   systems = ['jax', 'hf', 'ct2']  # The test extra installs both references.
   for search in ('greedy', 'beam4'):
@@ -39,7 +45,7 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
       same = decode[search][name]['same_tokens_as_ours']
       assert same >= (batch - 1 if search == 'greedy' else batch // 2), (search, name, same)
     assert decode[search]['speedup_vs_hf'] > 0
-  assert 'same as ours' in result.stdout and 'MiB/sentence' in result.stdout
+  assert 'same as ours' in table and 'MiB/sentence' in table
   # --profile_dir: the JAX worker traced its tasks after timing them.
   traced = {p.parent.parent.parent.parent.name for p in (tmp_path / 'profile').glob(
       '*/plugins/profile/*/*.xplane.pb')}
@@ -51,13 +57,8 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
 def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp_path):
   """`--models=main`: the main job's config (pre-norm, packed rows) against Hugging Face's
   pre-norm M2M100 of the same size, with each step's time by kind on both sides."""
-  out = tmp_path / 'bench.json'
-  result = subprocess.run(
-      [sys.executable, '-m', 'bench.run', '--quick', '--only=train', '--models=main',
-       f'--json={out}'], cwd=train_testlib.REPO, env=train_testlib.subprocess_env(),
-      capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  train = json.loads(out.read_text())['train']['main']
+  results, table = run_bench(tmp_path, '--quick', '--only=train', '--models=main')
+  train = results['train']['main']
   assert train['norm_position'] == 'pre'
   assert train['reference'] == 'M2M100ForConditionalGeneration'
   assert train['tokens_per_step'] == 2 * 1024 and train['speedup_vs_torch'] > 0
@@ -69,25 +70,19 @@ def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp
     assert all(kinds[k] > 0 for k in ('matmul', 'attention', 'normalization', 'loss',
                                       'optimizer')), (side, kinds)
     assert kinds['matmul'] == max(kinds.values()), (side, kinds)
-  assert 'where a step goes' in result.stdout and 'M2M100' in result.stdout
+  assert 'where a step goes' in table and 'M2M100' in table
 
 
 def test_gpu_plan_times_steps_back_to_back_besides_blocked_ones(tmp_path):
   """The GPU plan's training part, run on the CPU (`--platform=gpu --quick`): each step
   blocked on, and `chain` steps dispatched back to back as the training loop runs them."""
-  out = tmp_path / 'bench.json'
-  result = subprocess.run(
-      [sys.executable, '-m', 'bench.run', '--platform=gpu', '--quick', '--only=train',
-       f'--json={out}'], cwd=train_testlib.REPO, env=train_testlib.subprocess_env(),
-      capture_output=True, text=True, timeout=600)
-  assert result.returncode == 0, result.stderr[-3000:]
-  results = json.loads(out.read_text())
+  results, table = run_bench(tmp_path, '--platform=gpu', '--quick', '--only=train')
   entry = results['train']['tiny']
   assert entry['chain'] == 5 and entry['chained_times']['n'] == 2
   assert entry['chained_tokens_per_s'] > 0 and entry['chained_mfu'] > 0
   # A CPU has no datasheet bf16 rate in flops.py; a GPU's MFU is also given against it.
   assert results['datasheet_bf16_flops'] is None and entry['chained_mfu_datasheet'] is None
-  assert '5 steps back to back' in result.stdout
+  assert '5 steps back to back' in table
 
 
 def test_jax_workers_get_the_extra_xla_flags_and_their_cpus(tmp_path):
