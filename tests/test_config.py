@@ -69,6 +69,7 @@ def test_untied_embeddings_add_the_expected_matrices():
     ('dropout_rate', -0.1, 'dropout_rate=-0.1 must be in [0, 1)'),
     ('attention_dropout_rate', 1.5, 'attention_dropout_rate=1.5'),
     ('norm_position', 'sandwich', 'norm_position'),
+    ('layer_norm_statistics', 'welford', 'layer_norm_statistics'),
     ('dtype', 'float8', 'dtype='),
     ('dtype', 'float16', 'needs loss scaling'),
     ('num_encoder_layers', 0, 'num_encoder_layers=0'),

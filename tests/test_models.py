@@ -385,3 +385,30 @@ def test_attention_fed_lengths_equals_the_dense_mask(attention_dropout):
   np.testing.assert_allclose(loss_l, loss, rtol=1e-6)
   jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4),
                          grads_l, grads)
+
+
+@pytest.mark.parametrize('norm_position', ['post', 'pre'])
+def test_one_pass_layer_norm_statistics_equal_two_pass_ones(norm_position):
+  """`layer_norm_statistics='one_pass'` (the default) gives the two-pass model's logits and
+  gradients to float32 rounding, from the same parameters."""
+  rng = np.random.default_rng(12)
+  inputs, targets = _tokens(rng, 3, 9), _tokens(rng, 3, 7)
+  one = dataclasses.replace(TINY, norm_position=norm_position)
+  two = dataclasses.replace(one, layer_norm_statistics='two_pass')
+  assert one.layer_norm_statistics == 'one_pass'
+  params = _init(one, inputs, targets)
+
+  def loss(cfg, p):
+    logits = Transformer(cfg).apply({'params': p}, inputs, targets)
+    return losses.compute_metrics(logits, targets, targets > 0)['loss'], logits
+
+  (loss_one, logits_one), grads_one = jax.value_and_grad(
+      lambda p: loss(one, p), has_aux=True)(params)
+  (loss_two, logits_two), grads_two = jax.value_and_grad(
+      lambda p: loss(two, p), has_aux=True)(params)
+  np.testing.assert_allclose(logits_one, logits_two, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(loss_one, loss_two, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads_one), jax.tree.leaves(grads_two)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  # The two differ at all: the field reaches the layer norms.
+  assert not np.array_equal(logits_one, logits_two)

@@ -116,10 +116,11 @@ class AddPositions(nn.Module):
 
 
 def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:
-  """Layer normalisation with statistics in float32 and logically named parameters."""
+  """Layer normalisation with statistics in float32 and logically named parameters, in one
+  pass over the input or two (`config.layer_norm_statistics`)."""
   return nn.LayerNorm(
-      epsilon=config.layer_norm_epsilon, dtype=config.dtype,
-      param_dtype=config.param_dtype, use_fast_variance=False,
+      epsilon=config.layer_norm_epsilon, dtype=config.dtype, param_dtype=config.param_dtype,
+      use_fast_variance=config.layer_norm_statistics == 'one_pass',
       scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ('embed',)),
       bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ('embed',)),
       name=name)
