@@ -144,9 +144,6 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def run(main: Callable[[list[str]], Any]) -> None:
   """Runs `main` as a command under the project's error policy (see the module doc)."""
-  # Before JAX starts its threads: XLA:CPU's step scratch memory is then reused, not
-  # page-faulted in afresh each step.
-  host_memory.retain_freed_memory()
 
   # The command's module is not __main__ (that is train.py or a console script): lend
   # `--help` its docstring and its key flags, which absl looks up under sys.argv[0].
@@ -171,6 +168,9 @@ def run(main: Callable[[list[str]], Any]) -> None:
       threading.excepthook = _thread_failure_to_debug_log
       sys.unraisablehook = _thread_failure_to_debug_log
     try:
+      # Before JAX starts its threads: XLA:CPU's step scratch memory is then reused, not
+      # page-faulted in afresh each step.
+      host_memory.retain_freed_memory()
       main(argv)
     except SystemExit:
       raise

@@ -16,7 +16,8 @@ or evaluation process reaches anyway in its first step.
 
 It applies only where JAX will run on the CPU (no accelerator plugin installed, or
 `JAX_PLATFORMS=cpu`), on glibc, and before JAX starts its threads (a thread keeps the arena of
-its first allocation). `TRANSFORMER_JAX_MALLOC=system` leaves glibc's defaults. tcmalloc
+its first allocation). `TRANSFORMER_JAX_MALLOC=system` leaves glibc's defaults (`retain`, or
+unset, applies them). tcmalloc
 (`LD_PRELOAD`) also removes the page faults, but only for processes started with it; this
 needs nothing installed and works for every command and the bench alike.
 """
@@ -27,6 +28,8 @@ import ctypes
 import importlib.util
 import os
 import platform
+
+from transformer_jax import errors
 
 ENV_VAR = 'TRANSFORMER_JAX_MALLOC'
 
@@ -59,8 +62,16 @@ def retain_freed_memory() -> bool:
 
   Call it before JAX's first computation. Returns whether the settings were applied: False
   with `TRANSFORMER_JAX_MALLOC=system`, off glibc, or where JAX will run on an accelerator.
+
+  Raises:
+    errors.ConfigError: `TRANSFORMER_JAX_MALLOC` is neither unset, 'retain' nor 'system'.
   """
-  if os.environ.get(ENV_VAR, '').strip().lower() == 'system':
+  choice = os.environ.get(ENV_VAR, '').strip().lower()
+  if choice not in ('', 'retain', 'system'):
+    raise errors.ConfigError(
+        f'{ENV_VAR}={os.environ[ENV_VAR]!r} is not one of retain (the default: keep freed '
+        'memory for reuse), system (glibc\'s defaults); set one or unset it.')
+  if choice == 'system':
     return False
   if platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc' or not _runs_on_cpu():
     return False
