@@ -18,6 +18,14 @@ import pytest
 import train_testlib
 
 
+# The reference systems come with the test extra (`pip install -e .[test]`, which the README's
+# test command runs); without them the bench has nothing to compare against.
+needs_references = pytest.mark.skipif(
+    importlib.util.find_spec('transformers') is None,
+    reason='Hugging Face transformers, the reference side, is not installed: '
+    "pip install -e '.[test]' (the README's test command does)")
+
+
 def run_bench(tmp_path, *args: str) -> tuple[dict, str]:
   """`python -m bench.run ARGS --json=...`: its JSON results and its table."""
   out = tmp_path / 'bench.json'
@@ -28,8 +36,7 @@ def run_bench(tmp_path, *args: str) -> tuple[dict, str]:
   return json.loads(out.read_text()), result.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec('transformers') is None,
-                    reason='the references are test and bench extras')
+@needs_references
 def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
   results, table = run_bench(tmp_path, '--quick', '--only=decode',
                              f'--log_dir={tmp_path / "logs"}',
@@ -52,8 +59,7 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
   assert {'greedy', 'beam4'} <= traced, traced
 
 
-@pytest.mark.skipif(importlib.util.find_spec('transformers') is None,
-                    reason='the references are test and bench extras')
+@needs_references
 def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp_path):
   """`--models=main`: the main job's config (pre-norm, packed rows) against Hugging Face's
   pre-norm M2M100 of the same size, with each step's time by kind on both sides."""
