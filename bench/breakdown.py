@@ -34,8 +34,8 @@ KINDS = ('matmul', 'attention', 'normalization', 'loss', 'optimizer', 'data move
 
 _MOVEMENT = ('transpose', 'copy', 'broadcast', 'concatenate', 'slice', 'pad', 'gather',
              'scatter', 'reshape', 'rev', 'iota')
-_INSTRUCTION = re.compile(
-    r'^\s*(?:ROOT )?%?([\w.\-]+) = [^=]*?\s([a-z][\w\-]*)\(.*?(?:op_name="([^"]*)")?', re.M)
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^=]*?\s([a-z][\w\-]*)\(')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 def jax_kind(name: str, opcode: str, op_name: str) -> str:
@@ -60,14 +60,12 @@ def jax_kind(name: str, opcode: str, op_name: str) -> str:
 def jax_kinds(hlo_text: str) -> dict[str, str]:
   """Instruction name -> kind, for every instruction of a compiled step's HLO text."""
   kinds = {}
-  for match in _INSTRUCTION.finditer(hlo_text):
-    name, opcode, op_name = match.group(1), match.group(2), match.group(3) or ''
-    line_end = hlo_text.find('\n', match.end())
-    line = hlo_text[match.start():line_end]
-    if not op_name:
-      found = re.search(r'op_name="([^"]*)"', line)
-      op_name = found.group(1) if found else ''
-    kinds[name] = jax_kind(name, opcode, op_name)
+  for line in hlo_text.splitlines():
+    instruction = _INSTRUCTION.match(line)
+    if instruction:
+      op_name = _OP_NAME.search(line)
+      name, opcode = instruction.groups()
+      kinds[name] = jax_kind(name, opcode, op_name.group(1) if op_name else '')
   return kinds
 
 
