@@ -72,10 +72,13 @@ def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp
     entry = train[side]
     assert entry['tokens_per_s'] > 0 and entry['setup']['loss_per_token'] > 0, side
     kinds = entry['breakdown']['kinds_ms']
-    # Every kind of work shows up on both sides, matmuls the most.
+    # Every kind of work shows up on both sides, and the kinds account for the busy time
+    # (which kind is largest is a timing, and differs between CPUs: it is never asserted).
     assert all(kinds[k] > 0 for k in ('matmul', 'attention', 'normalization', 'loss',
                                       'optimizer')), (side, kinds)
-    assert kinds['matmul'] == max(kinds.values()), (side, kinds)
+    breakdown = entry['breakdown']
+    assert sum(kinds.values()) == pytest.approx(breakdown['busy_ms'], rel=1e-6), (side, kinds)
+    assert breakdown['busy_ms'] <= breakdown['span_ms'] * (1 + 1e-6), (side, breakdown)
   assert 'where a step goes' in table and 'M2M100' in table
 
 
