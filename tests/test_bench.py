@@ -78,7 +78,8 @@ def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp
                                       'optimizer')), (side, kinds)
     breakdown = entry['breakdown']
     assert sum(kinds.values()) == pytest.approx(breakdown['busy_ms'], rel=1e-6), (side, kinds)
-    assert breakdown['busy_ms'] <= breakdown['span_ms'] * (1 + 1e-6), (side, breakdown)
+    if side == 'jax':  # The union of the operations' intervals lies within their span.
+      assert breakdown['busy_ms'] <= breakdown['span_ms'] * (1 + 1e-6), breakdown
   assert 'where a step goes' in table and 'M2M100' in table
 
 
