@@ -15,7 +15,8 @@ per step. XLA:CPU runs independent operations at once, on threads that share the
 instant is split evenly among the operations running then, so that JAX's kinds sum to the
 time in which any ran, as PyTorch's (one operator at a time, each on every thread) do.
 
-Imports neither JAX nor PyTorch: both workers use it.
+Imports neither JAX nor PyTorch: both workers use it. The JAX side's kinds are
+`transformer_jax.hlo_view.kind`'s, which `compile.py` also gives each kernel of a step.
 """
 
 from __future__ import annotations
@@ -25,48 +26,12 @@ import glob
 import gzip
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-KINDS = ('matmul', 'attention', 'normalization', 'loss', 'optimizer', 'data movement',
-         'other')
+from transformer_jax import hlo_view
 
-_MOVEMENT = ('transpose', 'copy', 'broadcast', 'concatenate', 'slice', 'pad', 'gather',
-             'scatter', 'reshape', 'rev', 'iota')
-_INSTRUCTION = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = [^=]*?\s([a-z][\w\-]*)\(')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-
-
-def jax_kind(name: str, opcode: str, op_name: str) -> str:
-  """The kind of one optimized-HLO instruction (`name`, `opcode`) from its JAX `op_name`."""
-  primitive = op_name.rsplit('/', 1)[-1]
-  if 'dot_general' in primitive or opcode in ('dot', 'convolution'):
-    return 'matmul'
-  if 'jvp(' not in op_name:
-    return 'optimizer'  # Outside the gradient: the update, norms, checks, metrics.
-  if any(m in primitive for m in _MOVEMENT) or opcode in ('copy', 'transpose') or (
-      name.split('.')[0] in ('copy', 'transpose', 'wrapped_broadcast', 'wrapped_transpose')):
-    return 'data movement'
-  if '/norm/' in op_name or 'final_norm' in op_name:
-    return 'normalization'
-  if 'attention' in op_name:
-    return 'attention'
-  if 'Transformer' not in op_name:
-    return 'loss'  # Under the gradient but outside the model: the loss over the logits.
-  return 'other'
-
-
-def jax_kinds(hlo_text: str) -> dict[str, str]:
-  """Instruction name -> kind, for every instruction of a compiled step's HLO text."""
-  kinds = {}
-  for line in hlo_text.splitlines():
-    instruction = _INSTRUCTION.match(line)
-    if instruction:
-      op_name = _OP_NAME.search(line)
-      name, opcode = instruction.groups()
-      kinds[name] = jax_kind(name, opcode, op_name.group(1) if op_name else '')
-  return kinds
+KINDS = hlo_view.KINDS
 
 
 def _shared_time(events: list[dict[str, Any]], kinds: Mapping[str, str]

@@ -28,7 +28,7 @@ from bench import breakdown as bench_breakdown
 from bench import marian as bench_marian
 from bench import worker
 from transformer_jax import aot, decode, flops, marian, models, optimizer, train_steps
-from transformer_jax import host_memory, translator
+from transformer_jax import hlo_view, host_memory, translator
 from transformer_jax import config as config_lib
 from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig, base_config
 from transformer_jax.models import Transformer
@@ -198,7 +198,7 @@ class TrainTask:
 
   def breakdown(self, steps: int) -> dict[str, Any]:
     """Where `steps` more steps spend their time, by kind (`bench/breakdown.py`)."""
-    kinds = bench_breakdown.jax_kinds(self.compiled.as_text())
+    kinds = hlo_view.instruction_kinds(self.compiled.as_text())
     with tempfile.TemporaryDirectory(prefix='bench_trace_') as directory:
       with jax.profiler.trace(directory):
         for _ in range(steps):

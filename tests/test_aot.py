@@ -48,6 +48,23 @@ def _check_train_step(r: dict, devices: int, kind: str) -> None:
   assert r['collectives']['all-reduce']['bytes'] >= 2 * r['params'] // shards
 
 
+def _check_kernels(train: dict, stdout: str) -> None:
+  """The step's kernels (`hlo_view`) as compile.py reports them."""
+  view = train['kernels']
+  assert view['kernels'] > view['matmul_kernels'] >= 3, view
+  # The logits' product, and its two gradients, read or write [tokens, vocab].
+  assert view['logits_passes'] >= 3, view
+  assert view['collective_kernels'] == sum(c['count'] for c in train['collectives'].values())
+  assert view['fused_attention_kernels'] == train['fused_attention_calls']
+  # The matrix products hlo_view finds are the model's, with what remat, cuDNN's backward
+  # and the causal discount change: the same order.
+  assert 0.5 < view['matmul_flops'] / train['model_flops'] < 2, view
+  assert 0 < view['estimate_s'] and 0 < view['estimated_mfu'] < 1, view
+  assert sum(view['estimate_s_by_kind'].values()) == pytest.approx(view['estimate_s'])
+  assert len(view['top_kernels']) == 10 and 'roofline estimate (not a measurement' in stdout
+  assert view['top_kernels'][0]['estimate_s'] >= view['top_kernels'][-1]['estimate_s']
+
+
 @pytest.mark.parametrize('topology,flags,kind,hosts,mesh', [
     ('v5e-8', [], 'TPU v5 lite', 1, {'data': 8, 'fsdp': 1, 'tensor': 1}),
     # Two hosts of 4: the mesh spans both; fsdp adds the parameter all-gathers and the
@@ -75,6 +92,7 @@ def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, 
     assert train['fused_attention_calls'] == 0
   if mesh['fsdp'] > 1:
     assert {'all-gather', 'reduce-scatter'} <= set(train['collectives'])
+  _check_kernels(train, result.stdout)
   decoder = report['decoder']
   assert decoder['fits'] and decoder['peak_bytes'] > 0
   assert decoder['beam_size'] == report['config']['beam_size']
@@ -111,6 +129,10 @@ def test_cpu_target_search_and_decoder(tmp_path):
   assert search['largest_tokens_per_batch'] == largest * search['length']
   assert len(probes) <= 8, probes  # A few compiles, not a doubling-and-bisection ladder.
   assert 'largest batch that fits' in result.stdout
+  # A CPU has no datasheet rates here: its kernels are counted, their time not estimated.
+  view = report['train_step']['kernels']
+  assert view['kernels'] > view['matmul_kernels'] > 0 and view['estimate_s'] is None
+  assert 'roofline estimate' not in result.stdout
 
 
 @pytest.mark.parametrize('flags,message', [

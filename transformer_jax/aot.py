@@ -29,6 +29,7 @@ import ml_collections
 
 from transformer_jax import config as config_lib
 from transformer_jax import flops as model_flops
+from transformer_jax import hlo_view
 from transformer_jax import input_pipeline
 from transformer_jax import loading
 from transformer_jax import models
@@ -66,13 +67,21 @@ TPU_HBM_PER_CHIP = {
     'TPU v5p': 95 * GiB,
     'TPU v6 lite': 32 * GiB,
 }
+# HBM bandwidth of one chip, bytes/s, from the Cloud TPU system-architecture pages; the
+# roofline estimate (`hlo_view.roofline`) divides bytes by it. GPUs take theirs from the
+# target config.
+TPU_BANDWIDTH_PER_CHIP = {
+    'TPU v3': 900e9,
+    'TPU v4': 1200e9,
+    'TPU v5 lite': 819e9,
+    'TPU v5': 2765e9,
+    'TPU v5p': 2765e9,
+    'TPU v6 lite': 1640e9,
+}
 GPU_SPECS = {'H100': 'h100_sxm.txtpb', 'H200': 'h200.txtpb'}
 _GPU_NAME = re.compile(r'^(?:(\d+)x)?(\d+)x(H100|H200)$', re.IGNORECASE)
 _COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
                 'collective-permute')
-_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2,
-                's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8,
-                'f8e4m3fn': 1, 'f8e5m2': 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +93,15 @@ class Target:
     devices: the target's devices (compile-only for TPU and GPU), every host's.
     memory_bytes: memory of one device (datasheet HBM for TPU, the target config's for GPU).
     platform: 'tpu', 'gpu' or 'cpu'.
+    peak_flops: one device's datasheet dense bf16 FLOP/s (None where unknown, as for CPUs).
+    bandwidth: one device's memory bandwidth in bytes/s (None where unknown).
   """
   name: str
   devices: tuple[Any, ...]
   memory_bytes: int
   platform: str
+  peak_flops: float | None = None
+  bandwidth: float | None = None
 
   @property
   def device_kind(self) -> str:
@@ -136,7 +149,10 @@ def _tpu_target(name: str) -> Target:
                       f'{sorted(TPU_HBM_PER_CHIP)}.')
   chips = collections.Counter(tuple(d.coords) for d in devices)
   cores_per_device_chip = max(chips.values())
-  return Target(name, tuple(devices), TPU_HBM_PER_CHIP[kind] // cores_per_device_chip, 'tpu')
+  peak = model_flops.peak_flops(kind)
+  return Target(name, tuple(devices), TPU_HBM_PER_CHIP[kind] // cores_per_device_chip, 'tpu',
+                peak and peak / cores_per_device_chip,
+                TPU_BANDWIDTH_PER_CHIP[kind] / cores_per_device_chip)
 
 
 def gpu_target_config(gpu: str) -> str:
@@ -155,7 +171,9 @@ def _gpu_target(name: str, hosts: int, per_host: int, gpu: str) -> Target:
   except (RuntimeError, NotImplementedError) as e:
     raise _aot_wheel_error('GPU', e) from e
   memory = int(re.search(r'device_memory_size:\s*(\d+)', spec).group(1))
-  return Target(name, tuple(devices), memory, 'gpu')
+  bandwidth = float(re.search(r'memory_bandwidth:\s*(\d+)', spec).group(1))
+  return Target(name, tuple(devices), memory, 'gpu',
+                model_flops.peak_flops(devices[0].device_kind), bandwidth)
 
 
 def _cpu_target(name: str) -> Target:
@@ -227,32 +245,6 @@ def compiled_flops(compiled: Any) -> float | None:
     return None
 
 
-def _shape_bytes(shape_text: str) -> int:
-  total = 0
-  for dtype, dims in re.findall(r'\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]', shape_text):
-    if dtype in _DTYPE_BYTES:
-      total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(',') if d)
-  return total
-
-
-def _top_level(shape_text: str) -> list[str]:
-  """The elements of a tuple shape `(a, (b, c), d)`; [shape_text] for an array shape."""
-  text = shape_text.strip()
-  if not text.startswith('('):
-    return [text]
-  parts, depth, begin = [], 0, 1
-  for i, ch in enumerate(text):
-    if ch in '([{':
-      depth += 1
-    elif ch in ')]}':
-      depth -= 1
-    elif ch == ',' and depth == 1:
-      parts.append(text[begin:i])
-      begin = i + 1
-  parts.append(text[begin:-1])
-  return parts
-
-
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
   """Count and result bytes on one device of each kind of collective in optimized HLO.
 
@@ -269,11 +261,11 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
       continue
     shape, kind, is_start = match.groups()
     if is_start and kind != 'all-reduce':
-      elements = _top_level(shape)
+      elements = hlo_view.top_level(shape)
       shape = elements[1] if len(elements) > 1 else elements[0]
     entry = found.setdefault(kind, {'count': 0, 'bytes': 0})
     entry['count'] += 1
-    entry['bytes'] += _shape_bytes(shape)
+    entry['bytes'] += hlo_view.shape_bytes(shape)
   return found
 
 
@@ -390,9 +382,30 @@ def report(compiled: Any, compile_s: float, target: Target, model_flops_per_devi
   }
 
 
+def step_view(hlo_text: str, tgt: Target, logits: tuple[int, int],
+              model_flops_per_device: float, top: int = 10) -> dict[str, Any]:
+  """The compiled step's kernels (`hlo_view`): counts, passes over the logits, bytes, and
+  on a target with known rates a roofline estimate of the step's time, the MFU that time
+  would give, and the `top` kernels by their estimated time. `logits`: the elements of one
+  device's logits and its share of the vocabulary (`hlo_view.kernels`)."""
+  kernels = hlo_view.kernels(hlo_text, *logits)
+  view = hlo_view.roofline(kernels, tgt.peak_flops, tgt.bandwidth)
+  if view['estimate_s']:
+    view['estimated_mfu'] = model_flops_per_device / view['estimate_s'] / tgt.peak_flops
+    costliest = sorted(kernels, key=lambda k: -hlo_view.estimate_s(k, tgt.peak_flops,
+                                                                   tgt.bandwidth))[:top]
+    view['top_kernels'] = [
+        {**dataclasses.asdict(k),
+         'estimate_s': hlo_view.estimate_s(k, tgt.peak_flops, tgt.bandwidth)}
+        for k in costliest]
+  return view
+
+
 def compile_train_step(config: ml_collections.ConfigDict, tgt: Target, *,
-                       tokens_per_batch: int | None = None) -> dict[str, Any]:
-  """Compiles `train.py`'s step for `tgt` and reports per device (see `report`).
+                       tokens_per_batch: int | None = None, top_kernels: int = 10
+                       ) -> dict[str, Any]:
+  """Compiles `train.py`'s step for `tgt` and reports per device (see `report`), with its
+  kernels (`step_view`, the `top_kernels` costliest listed).
 
   Raises:
     ConfigError: the config or its mesh does not suit the target (before compiling).
@@ -410,6 +423,10 @@ def compile_train_step(config: ml_collections.ConfigDict, tgt: Target, *,
     per_device = model_flops.batch_flops(setup.model_config, [length] * rows,
                                          [length] * rows) / len(tgt.devices)
     result = report(compiled, seconds, tgt, per_device)
+    vocab = setup.model_config.vocab_size
+    logits = (rows * length * vocab // len(tgt.devices),
+              vocab // setup.partitioner.mesh.shape['tensor'])
+    result['kernels'] = step_view(compiled.as_text(), tgt, logits, per_device, top_kernels)
   return {**describe(setup, tgt), 'batch': {'rows': rows, 'length': length,
                                             'tokens_per_side': rows * length}, **result}
 

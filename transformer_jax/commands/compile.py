@@ -13,7 +13,9 @@ config's mesh, shardings, dtype, remat and attention, and the input pipeline's l
 shape (the longest bucket, or packed rows), with the vocabulary size from the config
 (`vocab_size` or `vocab_size_target`). Printed per device: the memory the step needs
 against the device's (fits or not, and the headroom), XLA's FLOPs against the model count
-of `flops.py`, the collectives and their bytes, and the compile time; `--search_batch` adds
+of `flops.py`, the collectives and their bytes, the compile time, and the step's kernels
+(`hlo_view`: counts, passes over the logits, bytes, and on GPU and TPU targets a roofline
+estimate of the step's time, with the `--kernels` costliest listed); `--search_batch` adds
 the largest `tokens_per_batch` that fits (a search of a few compiles within
 --search_budget_s), and `--decode` compiles translate.py's beam search as well.
 
@@ -56,6 +58,9 @@ _MEMORY = flags.DEFINE_float(
     'memory_limit_gib', None, "Compare with this much memory a device instead of the "
     "device's own (e.g. what XLA_PYTHON_CLIENT_MEM_FRACTION leaves).")
 _DECODE = flags.DEFINE_bool('decode', False, "Also compile translate.py's search.")
+_KERNELS = flags.DEFINE_integer(
+    'kernels', 10, "List this many of the step's kernels, the costliest by the roofline "
+    'estimate (GPU and TPU targets).', lower_bound=0)
 
 
 def _gib(n) -> str:
@@ -91,6 +96,26 @@ def _print_step(name: str, r: dict) -> None:
     print(f'  cuDNN fused attention calls: {r["fused_attention_calls"]} ({masks})')
 
 
+def _print_kernels(v: dict) -> None:
+  """The step's kernels (`aot.step_view`)."""
+  print(f'  kernels a step: {v["kernels"]:,} ({v["matmul_kernels"]} matmul, '
+        f'{v["fused_attention_kernels"]} cuDNN attention, {v["collective_kernels"]} '
+        f'collective); {v["logits_passes"]} read or write a [tokens, vocab] array; '
+        f'{_gib(v["bytes_accessed"])} accessed')
+  if not v['estimate_s']:
+    return
+  kinds = ', '.join(f'{k} {s * 1e3:.2f}' for k, s in v['estimate_s_by_kind'].items() if s)
+  print(f'  roofline estimate (not a measurement; each kernel at the longer of its FLOPs at '
+        f'{v["peak_flops"] / 1e12:.0f} TFLOP/s and its bytes at '
+        f'{v["bandwidth_bytes_per_s"] / 1e12:.2f} TB/s): {v["estimate_s"] * 1e3:.2f} ms a '
+        f'step, MFU {v["estimated_mfu"]:.1%}; ms by kind: {kinds}')
+  for k in v.get('top_kernels', []):
+    where = k['op_name'].split('/')
+    print(f'    {k["estimate_s"] * 1e3:7.3f} ms  {k["category"]:<15} {k["kind"]:<13} '
+          f'{k["flops"] / 1e9:8.1f} GFLOP {_gib(k["bytes"]):>11}'
+          f'{"  x" + str(k["count"]) if k["count"] > 1 else ""}  {"/".join(where[-3:])}')
+
+
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   if _CONFIG.value is None:
@@ -109,7 +134,7 @@ def main(argv: list[str]) -> None:
     if _MEMORY.value <= 0:
       cli.fail(f'--memory_limit_gib={_MEMORY.value} must be positive.')
     target = dataclasses.replace(target, memory_bytes=int(_MEMORY.value * (1 << 30)))
-  result = aot.compile_train_step(config, target)
+  result = aot.compile_train_step(config, target, top_kernels=_KERNELS.value)
   mesh = ', '.join(f'{k}={v}' for k, v in result['mesh'].items())
   print(f'{target.name}: {result["devices"]} x {result["device_kind"]} on {result["hosts"]} '
         f'host(s); mesh {mesh}; {result["params"]:,} parameters, {result["dtype"]}, remat '
@@ -118,6 +143,8 @@ def main(argv: list[str]) -> None:
   print(f'batch: {b["rows"]} rows x {b["length"]} tokens a side ({b["tokens_per_side"]:,} token '
         'slots, the longest bucket or packed rows)')
   _print_step('train step', result)
+  if 'kernels' in result:
+    _print_kernels(result['kernels'])
   report = {'train_step': result}
   if _SEARCH.value:
     search = aot.largest_train_batch(config, target, time_budget_s=_SEARCH_BUDGET.value,
