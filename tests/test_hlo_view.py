@@ -34,6 +34,13 @@ MODULE = """HloModule jit_step, entry_computation_layout={(bf16[64,32]{1,0})->f3
   ROOT %lt = pred[] compare(%i, %limit), direction=LT
 }
 
+%fused_gather (param_0: f32[64,1000], param_1: s32[64,1]) -> f32[64] {
+  %param_0 = f32[64,1000]{1,0} parameter(0)
+  %param_1 = s32[64,1]{1,0} parameter(1)
+  %gather.1 = f32[64,1]{1,0} gather(%param_0, %param_1), offset_dims={}, collapsed_slice_dims={1}, start_index_map={1}, index_vector_dim=1, slice_sizes={1,1}
+  ROOT %bitcast.2 = f32[64]{0} bitcast(%gather.1)
+}
+
 %cheap (a: f32[4]) -> f32[4] {
   %a = f32[4]{0} parameter(0)
   ROOT %neg = f32[4]{0} negate(%a)
@@ -51,6 +58,8 @@ ENTRY %main (x: bf16[64,32], w: bf16[32,1000], q: bf16[2,8,4,16], s: (s32[], f32
   %logits = f32[64,1000]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(step)/jvp(Transformer)/decoder/bld,vd->blv/dot_general"}
   %bits = f32[64,1000]{1,0} bitcast(%logits)
   %sum = f32[64]{0} reduce(%bits, %zero), dimensions={1}, to_apply=%add, metadata={op_name="jit(step)/jvp()/reduce_sum"}
+  %labels = s32[64,1]{1,0} parameter(6)
+  %picked = f32[64]{0} fusion(%logits, %labels), kind=kLoop, calls=%fused_gather
   %s = (s32[], f32[16,16]{1,0}) parameter(3)
   %loop = (s32[], f32[16,16]{1,0}) while(%s), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
   %q = bf16[2,8,4,16]{3,2,1,0} parameter(2)
@@ -70,13 +79,17 @@ def test_kernels_of_a_hand_written_module():
   kernels = {k.name: k for k in hlo_view.kernels(MODULE, 64 * 1000, 1000)}
   # Names, views, tuples, the -done halves and scalar arithmetic (the loop's condition)
   # launch nothing; the loop's body and the costlier branch (two operations to one) do.
-  assert list(kernels) == ['logits', 'sum', 'gemm', 'fwd', 'bwd', 'ar', 'e', 'l', 'out']
+  assert list(kernels) == ['logits', 'sum', 'picked', 'gemm', 'fwd', 'bwd', 'ar', 'e', 'l',
+                           'out']
   logits = kernels['logits']
   assert (logits.category, logits.kind) == ('matmul', 'matmul')
   assert logits.flops == 2 * 64 * 1000 * 32
   assert logits.bytes == 64 * 32 * 2 + 32 * 1000 * 2 + 64 * 1000 * 4
   assert logits.touches_logits and kernels['sum'].touches_logits
   assert not kernels['gemm'].touches_logits
+  # A fusion that only gathers from the logits reads what it gathers: no pass over them.
+  assert kernels['picked'].bytes == 64 * 4 + 64 * 4 + 64 * 4
+  assert not kernels['picked'].touches_logits
   assert (kernels['sum'].category, kernels['sum'].kind) == ('reduce', 'loss')
   gemm = kernels['gemm']
   assert (gemm.category, gemm.count, gemm.flops) == ('matmul', 3, 2 * 16 * 16 * 16)
@@ -91,7 +104,7 @@ def test_kernels_of_a_hand_written_module():
 def test_roofline_takes_the_longer_of_compute_and_memory_for_each_kernel():
   kernels = hlo_view.kernels(MODULE, 64 * 1000, 1000)
   view = hlo_view.roofline(kernels, peak_flops=1e12, bandwidth=1e9)
-  assert view['kernels'] == 11 and view['matmul_kernels'] == 4
+  assert view['kernels'] == 12 and view['matmul_kernels'] == 4
   assert view['fused_attention_kernels'] == 2 and view['collective_kernels'] == 1
   assert view['logits_passes'] == 2
   on_device = [k for k in kernels if k.category != 'collective']
@@ -101,7 +114,7 @@ def test_roofline_takes_the_longer_of_compute_and_memory_for_each_kernel():
   assert sum(view['estimate_s_by_kind'].values()) == pytest.approx(expected)
   # At 1 GB/s everything here is bound by its bytes; at 1 TB/s and 1 GFLOP/s, the matmuls
   # and attention by their FLOPs.
-  assert view['kernels_bound_by'] == {'compute': 0, 'memory': 10}
+  assert view['kernels_bound_by'] == {'compute': 0, 'memory': 11}
   fast_memory = hlo_view.roofline(kernels, peak_flops=1e9, bandwidth=1e12)
   assert fast_memory['kernels_bound_by']['compute'] == 6  # 3 gemm trips, logits, fwd, bwd.
   assert hlo_view.roofline(kernels, None, None)['estimate_s'] is None

@@ -3,16 +3,17 @@
 A kernel is what a device launches: a fusion, a custom call (a cuBLAS or cuDNN call), a
 collective, or an unfused operation (a copy, a sort). For each one this module finds the
 FLOPs of its matrix multiplies (dots and dot-like convolutions, cuBLAS calls, cuDNN fused
-attention), the bytes it reads and writes (its operands and its result, whole), whether it
-touches a [tokens, vocab] array, and its kind of work from the JAX operation it came from
+attention), the bytes it writes and reads (its result; its operands whole, except one that
+it only gathers or slices from: what it takes), whether it passes over a [tokens, vocab]
+array (writes one or reads one whole), and its kind of work from the JAX operation it came from
 (`kind`). `roofline` turns them into an estimate of the step's time: each kernel takes the
 longer of its FLOPs at the device's peak rate and its bytes at the device's memory
 bandwidth.
 
-That is an estimate and a floor, not a measurement: a kernel that reads part of an operand
-(a slice, an update in place) counts the whole, launches and dependencies cost nothing, and
-a matmul runs at the peak rate. A compile without a device is also not autotuned, so the
-GPU's tiles and some fusion choices differ from a real run. Its use is comparing two
+That is an estimate, not a measurement. It leaves out what a real step also pays (launches
+and gaps between kernels, matmuls below the peak rate) and counts an update in place as a
+pass over its whole buffer. A compile without a device is also not autotuned, so the GPU's tiles and some fusion choices
+differ from a real run. Its use is comparing two
 compiles of the step: kernel counts, passes over the logits and bytes move the same way on
 the real device.
 
@@ -105,6 +106,7 @@ class Instruction:
   opcode: str
   operands: tuple[str, ...]
   attributes: str
+  arguments: str = ''  # The text between the parentheses (a parameter's number).
 
   @property
   def op_name(self) -> str:
@@ -139,7 +141,8 @@ def parse_instruction(line: str) -> Instruction | None:
     return None
   close = _balanced(rest, paren)
   operands = tuple(re.findall(r'%([\w.\-]+)', rest[paren + 1:close - 1]))
-  return Instruction(name, shape, rest[:paren], operands, rest[close:])
+  return Instruction(name, shape, rest[:paren], operands, rest[close:],
+                     rest[paren + 1:close - 1])
 
 
 def computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -201,7 +204,7 @@ class Kernel:
     kind: the kind of work (`KINDS`).
     flops: of its matrix multiplies (0 where it has none).
     bytes: its operands' and result's.
-    touches_logits: it reads or writes a [tokens, vocab] array.
+    touches_logits: it writes a [tokens, vocab] array or reads one whole.
     op_name: the JAX operation it came from.
     count: how many times a step runs it.
   """
@@ -353,6 +356,32 @@ def _scalar_arithmetic(i: Instruction, shapes: dict[str, str]) -> bool:
               shapes.get(o, '') for o in i.operands] for _, dims in arrays(shape)))
 
 
+_PART_READERS = ('gather', 'slice', 'dynamic-slice')
+
+
+def _read_bytes(i: Instruction, n: int, shape: str, found: dict[str, list[Instruction]]
+                ) -> int:
+  """Bytes a kernel reads of its operand `n`: all of it, or, where its fused computation
+  only gathers or slices that operand, what the gathers and slices take (the label's logit
+  of each token, not the logits)."""
+  if i.opcode != 'fusion' or not i.called():
+    return shape_bytes(shape)
+  fused = found.get(i.called()[0], [])
+  parameter = next((p.name for p in fused if p.opcode == 'parameter'
+                    and p.arguments.strip() == str(n)), None)
+  views, users = {parameter}, []
+  for u in fused:  # In order: a view's users come after it.
+    if views.intersection(u.operands):
+      if u.opcode in ('bitcast', 'reshape'):
+        views.add(u.name)
+      else:
+        users.append(u)
+  if not users or any(u.opcode not in _PART_READERS or u.operands[0] not in views
+                      or views.intersection(u.operands[1:]) for u in users):
+    return shape_bytes(shape)
+  return sum(shape_bytes(u.shape) for u in users)
+
+
 def _loop_parts(instruction: Instruction) -> tuple[str, str]:
   body = re.search(r'body=%?([\w.\-]+)', instruction.attributes)
   condition = re.search(r'condition=%?([\w.\-]+)', instruction.attributes)
@@ -377,8 +406,11 @@ def _kernel(i: Instruction, shapes: dict[str, str], found: dict[str, list[Instru
     flops, category = _attention_flops(i, shapes), 'fused attention'
   elif base in COLLECTIVES:
     category = 'collective'
-  touched = [i.shape] + [shapes.get(o, '') for o in i.operands]
-  size = sum(shape_bytes(s) for s in touched)
+  operands = [shapes.get(o, '') for o in i.operands]
+  reads = [_read_bytes(i, n, shape, found) for n, shape in enumerate(operands)]
+  size = shape_bytes(i.shape) + sum(reads)
+  # The arrays it writes, and those it reads whole.
+  touched = [i.shape] + [s for s, read in zip(operands, reads) if read == shape_bytes(s)]
   touches_logits = any(math.prod(dims) >= logits[0] and max(dims) >= logits[1]
                        for s in touched for _, dims in arrays(s))
   return Kernel(i.name, category, 'matmul' if category == 'matmul' else
