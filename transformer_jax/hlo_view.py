@@ -38,15 +38,14 @@ DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16'
 COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
                'collective-permute', 'collective-broadcast', 'ragged-all-to-all')
 
-# Operations that launch nothing: names, views and the halves of asynchronous pairs whose
-# other half is counted.
+# Operations that launch nothing: names, views, the TPU's DMAs between memory spaces
+# (prefetches that overlap the kernels) and the second halves of asynchronous pairs (any
+# `-done`; the `-start` of a collective is counted).
 _NOT_KERNELS = frozenset((
     'parameter', 'get-tuple-element', 'tuple', 'bitcast', 'constant', 'after-all',
-    'opt-barrier', 'partition-id', 'replica-id', 'add-dependency', 'domain',
-    # TPU: DMAs between memory spaces (prefetches that overlap the kernels).
-    'copy-start', 'copy-done',
-    'async-done', 'async-update', 'copy-done', 'send-done', 'recv-done', 'all-reduce-done',
-    'all-gather-done', 'collective-permute-done', 'reduce-scatter-done', 'all-to-all-done'))
+    'opt-barrier', 'partition-id', 'replica-id', 'add-dependency', 'domain', 'async-update',
+    'copy-start', 'slice-start'))
+_VIEW_CALLS = ('ConcatBitcast',)  # TPU custom calls that only reinterpret a buffer.
 _MOVEMENT = ('transpose', 'copy', 'broadcast', 'concatenate', 'slice', 'pad', 'gather',
              'scatter', 'reshape', 'rev', 'iota')
 _ARRAY = re.compile(r'\b([a-z]+[0-9]*[a-z0-9]*)\[([\d,]*)\]')
@@ -326,7 +325,8 @@ def kernels(hlo_text: str, logits_elements: int | None = None, vocab: int | None
     instructions = found.get(computation, [])
     shapes = {i.name: i.shape for i in instructions}
     for i in instructions:
-      if i.opcode in _NOT_KERNELS or _scalar_arithmetic(i, shapes):
+      if (i.opcode in _NOT_KERNELS or i.opcode.endswith('-done') or _view_call(i)
+          or _scalar_arithmetic(i, shapes)):
         continue
       if i.opcode == 'while':
         body, condition = _loop_parts(i)
@@ -345,6 +345,11 @@ def kernels(hlo_text: str, logits_elements: int | None = None, vocab: int | None
       yield _kernel(i, shapes, found, logits, count)
 
   return list(launches(entry, 1))
+
+
+def _view_call(i: Instruction) -> bool:
+  return i.opcode == 'custom-call' and any(
+      f'custom_call_target="{t}"' in i.attributes for t in _VIEW_CALLS)
 
 
 def _scalar_arithmetic(i: Instruction, shapes: dict[str, str]) -> bool:
