@@ -12,10 +12,10 @@ bandwidth.
 
 That is an estimate, not a measurement. It leaves out what a real step also pays (launches
 and gaps between kernels, matmuls below the peak rate) and counts an update in place as a
-pass over its whole buffer. A compile without a device is also not autotuned, so the GPU's tiles and some fusion choices
-differ from a real run. Its use is comparing two
-compiles of the step: kernel counts, passes over the logits and bytes move the same way on
-the real device.
+pass over its whole buffer. A compile without a device is also not autotuned, so the GPU's
+tiles and some fusion choices differ from a real run. Its use is comparing two compiles of
+the step: kernel counts, passes over the logits and bytes move the same way on the real
+device.
 
 Pure Python (no JAX): the bench's PyTorch worker reads `kind` too.
 """
