@@ -100,7 +100,7 @@ def _print_kernels(v: dict) -> None:
   """The step's kernels (`aot.step_view`)."""
   print(f'  kernels a step: {v["kernels"]:,} ({v["matmul_kernels"]} matmul, '
         f'{v["fused_attention_kernels"]} cuDNN attention, {v["collective_kernels"]} '
-        f'collective); {v["logits_passes"]} pass over a [tokens, vocab] array; '
+        f'collective); passes over a [tokens, vocab] array: {v["logits_passes"]}; '
         f'{_gib(v["bytes_accessed"])} accessed')
   if not v['estimate_s']:
     return
