@@ -104,15 +104,15 @@ def _print_kernels(v: dict) -> None:
         f'{_gib(v["bytes_accessed"])} accessed')
   if not v['estimate_s']:
     return
-  kinds = ', '.join(f'{k} {s * 1e3:.2f}' for k, s in v['estimate_s_by_kind'].items() if s)
+  kinds = ', '.join(f'{k} {s * 1e3:.3g}' for k, s in v['estimate_s_by_kind'].items() if s)
   print(f'  roofline estimate (not a measurement; each kernel at the longer of its FLOPs at '
         f'{v["peak_flops"] / 1e12:.0f} TFLOP/s and its bytes at '
-        f'{v["bandwidth_bytes_per_s"] / 1e12:.2f} TB/s): {v["estimate_s"] * 1e3:.2f} ms a '
+        f'{v["bandwidth_bytes_per_s"] / 1e12:.2f} TB/s): {v["estimate_s"] * 1e3:.3g} ms a '
         f'step, MFU {v["estimated_mfu"]:.1%}; ms by kind: {kinds}')
   for k in v.get('top_kernels', []):
     where = k['op_name'].split('/')
-    print(f'    {k["estimate_s"] * 1e3:7.3f} ms  {k["category"]:<15} {k["kind"]:<13} '
-          f'{k["flops"] / 1e9:8.1f} GFLOP {_gib(k["bytes"]):>11}'
+    print(f'    {k["estimate_s"] * 1e3:9.3g} ms  {k["category"]:<15} {k["kind"]:<13} '
+          f'{k["flops"] / 1e9:8.3g} GFLOP {_gib(k["bytes"]):>11}'
           f'{"  x" + str(k["count"]) if k["count"] > 1 else ""}  {"/".join(where[-3:])}')
 
 
