@@ -70,6 +70,7 @@ def test_untied_embeddings_add_the_expected_matrices():
     ('attention_dropout_rate', 1.5, 'attention_dropout_rate=1.5'),
     ('norm_position', 'sandwich', 'norm_position'),
     ('layer_norm_statistics', 'welford', 'layer_norm_statistics'),
+    ('logits_sum', 'mean', 'logits_sum'),
     ('dtype', 'float8', 'dtype='),
     ('dtype', 'float16', 'needs loss scaling'),
     ('num_encoder_layers', 0, 'num_encoder_layers=0'),
@@ -96,6 +97,17 @@ def test_auto_dtype_is_bfloat16_on_accelerators_and_float32_on_cpu(platform, dty
     assert model_config.dtype == dtype and model_config.param_dtype == jnp.float32
   assert TransformerConfig.from_config(base_config(), vocab_size=100).dtype == (
       jnp.bfloat16 if jax.default_backend() != 'cpu' else jnp.float32)
+
+
+@pytest.mark.parametrize('platform,automatic', [
+    ('cpu', 'reduce'), ('gpu', 'linear'), ('cuda', 'linear'), ('tpu', 'reduce')])
+def test_automatic_logits_sum_is_linear_on_gpus_only(platform, automatic):
+  config = base_config()
+  assert config.logits_sum == ''
+  assert TransformerConfig.from_config(config, 100, platform=platform).logits_sum == automatic
+  for chosen in ('linear', 'reduce'):
+    config.logits_sum = chosen
+    assert TransformerConfig.from_config(config, 100, platform=platform).logits_sum == chosen
 
 
 def test_config_is_frozen_and_modes_derive_by_replace():

@@ -412,3 +412,45 @@ def test_one_pass_layer_norm_statistics_equal_two_pass_ones(norm_position):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   # The two differ at all: the field reaches the layer norms.
   assert not np.array_equal(logits_one, logits_two)
+
+
+@pytest.mark.parametrize('variant', [
+    {}, {'tie_output_embedding': False}, {'logits_bias': True, 'decoder_start': 'zero'},
+    {'dtype': jnp.bfloat16}])
+def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
+  """`logits_sum='linear'` (GPUs' default: each token's sum of logits is the decoder output
+  times the projection's column sums) gives the reduction's metrics and gradients to
+  rounding: tied and untied projections, a bias and a zeroed pad logit, bfloat16."""
+  from transformer_jax import train_steps  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(13)
+  inputs, targets = _tokens(rng, 3, 9), _tokens(rng, 3, 7)
+  reduce = dataclasses.replace(TINY, **variant)
+  assert reduce.logits_sum == 'reduce'
+  linear = dataclasses.replace(reduce, logits_sum='linear')
+  params = _init(linear, inputs, targets)
+  if linear.logits_bias:  # Not zeros, so that its sum counts.
+    params['decoder']['logits_bias'] = jnp.asarray(rng.normal(size=VOCAB), jnp.float32)
+  batch = {'inputs': inputs, 'targets': targets,
+           'inputs_positions': None, 'targets_positions': None,
+           'inputs_segmentation': None, 'targets_segmentation': None}
+
+  def metrics(cfg, p):
+    sums = train_steps.batch_metrics(Transformer(cfg), p, batch, 0.1)
+    return sums['loss'], sums
+
+  tolerance = 1e-2 if variant.get('dtype') == jnp.bfloat16 else 1e-5
+  (loss_l, sums_l), grads_l = jax.value_and_grad(lambda p: metrics(linear, p),
+                                                 has_aux=True)(params)
+  (loss_r, sums_r), grads_r = jax.value_and_grad(lambda p: metrics(reduce, p),
+                                                 has_aux=True)(params)
+  for name in ('loss', 'nll', 'correct', 'tokens'):
+    np.testing.assert_allclose(sums_l[name], sums_r[name], rtol=tolerance)
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads_r))
+  for a, b in zip(jax.tree.leaves(grads_l), jax.tree.leaves(grads_r)):
+    np.testing.assert_allclose(a, b, rtol=tolerance, atol=tolerance * scale)
+  # The loss depends on the sums through the smoothing term: a wrong sum would show.
+  wrong = losses.compute_metrics(
+      Transformer(reduce).apply({'params': params}, inputs, targets), targets, targets > 0,
+      0.1, logit_sums=jnp.zeros(targets.shape))['loss']
+  gap = abs(float(loss_l) - float(loss_r))
+  assert abs(float(wrong) - float(loss_r)) > 10 * gap + 1e-4 * abs(float(loss_r)), gap

@@ -38,6 +38,7 @@ NORM_POSITIONS = ('post', 'pre')
 # How layer norms take their statistics: mean and mean square in one pass over the input
 # (variance = E[x^2] - E[x]^2, in float32), or the mean first, then the squared deviations.
 LAYER_NORM_STATISTICS = ('one_pass', 'two_pass')
+LOGITS_SUMS = ('', 'linear', 'reduce')  # '': automatic (`TransformerConfig.from_config`).
 # The feed-forward nonlinearity: the paper's ReLU, or Marian's others ('swish' is
 # x * sigmoid(x); 'gelu' is the exact, erf-based one).
 ACTIVATIONS = ('relu', 'swish', 'gelu')
@@ -69,7 +70,7 @@ RESUMABLE_FIELDS = frozenset({
     'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_batches',
     'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
     'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy', 'dtype',
-    'layer_norm_statistics',
+    'layer_norm_statistics', 'logits_sum',
     'attention_implementation', 'nonfinite', 'max_skipped_steps_in_a_row', 'tfds_data_dir',
     'text_files', 'vocab_path', 'data_threads', 'prepare_workers', 'prefetch_batches',
     'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
@@ -111,6 +112,12 @@ def base_config() -> ml_collections.ConfigDict:
   # 'one_pass' | 'two_pass' (LAYER_NORM_STATISTICS): the same to float32 rounding; one pass
   # made the main job's step 4-8% faster on CPU (bench/RESULTS.md, 2026-11-26).
   c.layer_norm_statistics = 'one_pass'
+  # '' | 'linear' | 'reduce' (LOGITS_SUMS): how label smoothing gets each token's sum of
+  # logits over the vocabulary: the decoder output times the output projection's column
+  # sums (no pass over the logits), or a reduction over them; the same to rounding. '':
+  # 'linear' on GPUs (one pass fewer of 7 in the compiled base step), 'reduce' elsewhere
+  # (XLA:TPU fuses the sum with another; on CPU no difference measured; bench/RESULTS.md).
+  c.logits_sum = ''
   c.share_embeddings = True  # One matrix for source and target embeddings.
   c.tie_output_embedding = True  # Pre-softmax projection = the target embedding.
   c.positional_encoding = 'sinusoidal'  # 'sinusoidal' | 'learned' | 'rope' | 'alibi'.
@@ -383,6 +390,7 @@ class TransformerConfig:
   norm_position: str = 'post'
   layer_norm_epsilon: float = 1e-6
   layer_norm_statistics: str = 'one_pass'
+  logits_sum: str = 'reduce'
   share_embeddings: bool = True
   tie_output_embedding: bool = True
   positional_encoding: str = 'sinusoidal'
@@ -429,6 +437,8 @@ class TransformerConfig:
     _require(self.layer_norm_statistics in LAYER_NORM_STATISTICS,
              f'layer_norm_statistics={self.layer_norm_statistics!r} is not one of '
              f'{LAYER_NORM_STATISTICS}.')
+    _require(self.logits_sum in LOGITS_SUMS,
+             f'logits_sum={self.logits_sum!r} is not one of {LOGITS_SUMS}.')
     _require(self.positional_encoding in POSITIONAL_ENCODINGS,
              f'positional_encoding={self.positional_encoding!r} is not one of '
              f'{POSITIONAL_ENCODINGS}; set --config.positional_encoding to one of them.')
@@ -500,6 +510,8 @@ class TransformerConfig:
         norm_position=config.norm_position,
         layer_norm_epsilon=config.layer_norm_epsilon,
         layer_norm_statistics=config.layer_norm_statistics,
+        logits_sum=config.logits_sum or ('linear' if platform in ('gpu', 'cuda')
+                                          else 'reduce'),
         share_embeddings=config.share_embeddings,
         tie_output_embedding=config.tie_output_embedding,
         positional_encoding=config.positional_encoding,

@@ -47,14 +47,15 @@ def token_losses(logits: Array, targets: Array, label_smoothing: float
   return _token_losses(logits, targets, label_smoothing)[0]
 
 
-def _token_losses(logits, targets, eps):
+def _token_losses(logits, targets, eps, sum_x=None):
   x = logits.astype(jnp.float32)
   top = jnp.max(x, axis=-1)
   shift = jnp.where(jnp.isfinite(top), top, 0.0)  # As jax.nn.logsumexp: no inf - inf.
   # Two plain sums, not one variadic reduction: XLA:CPU vectorizes the plain ones only (one
   # variadic reduction took 3x as long as both, at the main job's size).
   lse = shift + jnp.log(jnp.sum(jnp.exp(x - shift[..., None]), axis=-1))
-  sum_x = jnp.sum(x, axis=-1)
+  if sum_x is None:
+    sum_x = jnp.sum(x, axis=-1)
   # Gather from the logits' own dtype: the same value, and no float32 copy to gather from.
   target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
   target_logit = target_logit.astype(jnp.float32)
@@ -69,7 +70,7 @@ def _token_losses_fwd(logits, targets, eps):
   return out, (logits, targets, lse)
 
 
-def _token_losses_bwd(eps, residuals, cotangents):
+def _token_losses_bwd(eps, residuals, cotangents, uniform=True):
   logits, targets, lse = residuals
   g_smoothed, g_nll, _ = cotangents  # float32 [...]; `correct` has no gradient.
   vocab = logits.shape[-1]
@@ -77,16 +78,56 @@ def _token_losses_bwd(eps, residuals, cotangents):
   onehot = jax.nn.one_hot(targets, vocab, dtype=jnp.float32)
   # d smoothed = softmax - (1 - eps) onehot - eps / V;  d nll = softmax - onehot.
   grad = ((g_smoothed + g_nll)[..., None] * softmax
-          - ((1.0 - eps) * g_smoothed + g_nll)[..., None] * onehot
-          - (eps / vocab) * g_smoothed[..., None])
+          - ((1.0 - eps) * g_smoothed + g_nll)[..., None] * onehot)
+  if uniform:  # The smoothing term's -eps / V, unless its sum was given (`given_sums`).
+    grad = grad - (eps / vocab) * g_smoothed[..., None]
   return grad.astype(logits.dtype), None
 
 
 token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def token_losses_given_sums(logits: Array, targets: Array, logit_sums: Array,
+                            label_smoothing: float) -> tuple[Array, Array, Array]:
+  """`token_losses` with each token's sum of logits over the vocabulary given.
+
+  The logits are linear in the decoder's output y, so their sum over the vocabulary is y
+  times the output projection's column sums (`Decoder`'s 'logit_sums'): no reduction over
+  [..., vocab], two passes over the logits instead of three, and the sum's gradient goes to y
+  and the projection through that product instead of into the logits' gradient. The same as
+  `token_losses` to rounding (the given sum is of the logits before they are rounded to
+  their dtype).
+
+  Args:
+    logits: [..., vocab] in any float dtype.
+    targets: [...] reference ids.
+    logit_sums: [...] float32, each token's sum of its logits.
+    label_smoothing: eps.
+  """
+  return _token_losses(logits, targets, label_smoothing, logit_sums)[0]
+
+
+def _given_sums_fwd(logits, targets, logit_sums, eps):
+  out, lse = _token_losses(logits, targets, eps, logit_sums)
+  return out, (logits, targets, lse)
+
+
+def _given_sums_bwd(eps, residuals, cotangents):
+  logits, targets, lse = residuals
+  g_smoothed = cotangents[0]
+  # The smoothing term eps * (lse - sum / V): its lse part is in the logits' gradient, and
+  # its sum part, -eps / V, goes to the sums.
+  grad_logits, _ = _token_losses_bwd(eps, residuals, cotangents, uniform=False)
+  return grad_logits, None, -(eps / logits.shape[-1]) * g_smoothed
+
+
+token_losses_given_sums.defvjp(_given_sums_fwd, _given_sums_bwd)
+
+
 def compute_metrics(logits: Array, targets: Array, weights: Array,
-                    label_smoothing: float = 0.1) -> dict[str, Array]:
+                    label_smoothing: float = 0.1, logit_sums: Array | None = None
+                    ) -> dict[str, Array]:
   """Label-smoothed cross entropy (the objective) and plain cross entropy (for perplexity).
 
   Args:
@@ -94,13 +135,19 @@ def compute_metrics(logits: Array, targets: Array, weights: Array,
     targets: [batch, length] reference ids.
     weights: [batch, length], 1 on tokens that count (non-padding), 0 elsewhere.
     label_smoothing: eps.
+    logit_sums: [batch, length] float32, each token's sum of logits over the vocabulary
+      (`token_losses_given_sums`); None: summed from the logits.
 
   Returns:
     Sums over the counted tokens: 'loss' (label-smoothed cross entropy, the objective),
     'nll' (plain cross entropy: perplexity = exp(nll / tokens)), 'correct' (tokens whose
     reference has the largest logit) and 'tokens' (their number).
   """
-  smoothed, nll, correct = token_losses(logits, targets, label_smoothing)
+  if logit_sums is None:
+    smoothed, nll, correct = token_losses(logits, targets, label_smoothing)
+  else:
+    smoothed, nll, correct = token_losses_given_sums(logits, targets, logit_sums,
+                                                     label_smoothing)
   weights = weights.astype(jnp.float32)
   return {
       'loss': jnp.sum(smoothed * weights),

@@ -95,6 +95,12 @@ class Embed(nn.Module):
     logits = jnp.einsum('bld,vd->blv', x, jnp.asarray(self.embedding, self.config.dtype))
     return logits.at[..., PAD_ID].set(0) if self._zero_pad else logits
 
+  def attend_sums(self) -> Array:
+    """[d_model] float32: y times it is the sum over the vocabulary of `attend(y)`."""
+    rows = jnp.asarray(self.embedding, self.config.dtype).astype(jnp.float32)
+    total = jnp.sum(rows, axis=0)
+    return total - rows[PAD_ID] if self._zero_pad else total
+
 
 class AddPositions(nn.Module):
   """Adds sinusoidal or learned positions to the embeddings (nothing for RoPE and ALiBi)."""
@@ -266,16 +272,27 @@ class Decoder(nn.Module):
       y = layer_norm(cfg, 'final_norm')(y)
     if cfg.tie_output_embedding:
       logits = self.embed.attend(y)
+      column_sums = self.embed.attend_sums
     else:
-      logits = nn.Dense(
+      projection = nn.Dense(
           cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
           kernel_init=nn.with_logical_partitioning(
               nn.initializers.xavier_uniform(), ('embed', 'vocab')),
-          name='output_projection')(y)
+          name='output_projection')
+      logits = projection(y)
+      column_sums = lambda: jnp.sum(jnp.asarray(nn.meta.unbox(
+          projection.variables['params']['kernel']), cfg.dtype).astype(jnp.float32), axis=1)
+    bias_sum = 0.0
     if cfg.logits_bias:
       bias = self.param('logits_bias', nn.with_logical_partitioning(
           nn.initializers.zeros_init(), ('vocab',)), (cfg.vocab_size,), cfg.param_dtype)
       logits = logits + jnp.asarray(bias, cfg.dtype)
+      bias_sum = jnp.sum(jnp.asarray(bias, cfg.dtype).astype(jnp.float32))
+    if self.is_mutable_collection('logit_sums'):
+      # Each token's logits summed over the vocabulary, from their linear map of y
+      # (`losses.token_losses_given_sums`): no pass over the logits.
+      self.sow('logit_sums', 'sums',
+               jnp.einsum('bld,d->bl', y.astype(jnp.float32), column_sums()) + bias_sum)
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
 
 

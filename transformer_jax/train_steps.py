@@ -100,10 +100,17 @@ def batch_metrics(model: Transformer, params: Any, batch: Batch, label_smoothing
     Sums over the non-padding target tokens, see `losses.compute_metrics`.
   """
   rngs = {} if dropout_key is None else {'dropout': dropout_key}
-  logits = model.apply({'params': params}, **{k: batch[k] for k in BATCH_KEYS},
-                       rngs=rngs)  # [rows, length, vocab]
+  inputs = {k: batch[k] for k in BATCH_KEYS}
+  logit_sums = None
+  if model.config.logits_sum == 'linear':
+    logits, state = model.apply({'params': params}, **inputs, rngs=rngs,
+                                mutable=['logit_sums'])
+    logit_sums = state['logit_sums']['decoder']['sums'][0]
+  else:
+    logits = model.apply({'params': params}, **inputs, rngs=rngs)  # [rows, length, vocab]
   weights = batch['targets'] != PAD_ID
-  return losses.compute_metrics(logits, batch['targets'], weights, label_smoothing)
+  return losses.compute_metrics(logits, batch['targets'], weights, label_smoothing,
+                                logit_sums)
 
 
 def _microbatches(batch: Batch, k: int) -> Batch:
