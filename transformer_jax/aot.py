@@ -392,12 +392,10 @@ def step_view(hlo_text: str, tgt: Target, logits: tuple[int, int],
   view = hlo_view.roofline(kernels, tgt.peak_flops, tgt.bandwidth)
   if view['estimate_s']:
     view['estimated_mfu'] = model_flops_per_device / view['estimate_s'] / tgt.peak_flops
-    costliest = sorted(kernels, key=lambda k: -hlo_view.estimate_s(k, tgt.peak_flops,
-                                                                   tgt.bandwidth))[:top]
-    view['top_kernels'] = [
-        {**dataclasses.asdict(k),
-         'estimate_s': hlo_view.estimate_s(k, tgt.peak_flops, tgt.bandwidth)}
-        for k in costliest]
+    timed = [{**dataclasses.asdict(k),
+              'estimate_s': hlo_view.estimate_s(k, tgt.peak_flops, tgt.bandwidth)}
+             for k in kernels]
+    view['top_kernels'] = sorted(timed, key=lambda k: -k['estimate_s'])[:top]
   return view
 
 

@@ -448,9 +448,8 @@ def roofline(found: list[Kernel], peak_flops: float | None, bandwidth: float | N
   by_kind: dict[str, float] = collections.defaultdict(float)
   bound = {'compute': 0, 'memory': 0}
   for k in on_device:
-    compute, memory = k.flops / peak_flops, k.bytes / bandwidth
-    by_kind[k.kind] += max(compute, memory) * k.count
-    bound['compute' if compute >= memory else 'memory'] += k.count
+    by_kind[k.kind] += estimate_s(k, peak_flops, bandwidth)
+    bound['compute' if k.flops / peak_flops >= k.bytes / bandwidth else 'memory'] += k.count
   summary.update(estimate_s=sum(by_kind.values()),
                  estimate_s_by_kind={k: by_kind.get(k, 0.0) for k in KINDS},
                  kernels_bound_by=bound)
