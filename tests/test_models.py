@@ -438,7 +438,9 @@ def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
     sums = train_steps.batch_metrics(Transformer(cfg), p, batch, 0.1)
     return sums['loss'], sums
 
-  tolerance = 1e-2 if variant.get('dtype') == jnp.bfloat16 else 1e-5
+  # bfloat16 gradients differ by up to 0.6% of the largest here (f32: 2e-7): 5% leaves room
+  # for another CPU's rounding; a wrong sum is caught by the float32 cases and below.
+  tolerance = 5e-2 if variant.get('dtype') == jnp.bfloat16 else 1e-5
   (loss_l, sums_l), grads_l = jax.value_and_grad(lambda p: metrics(linear, p),
                                                  has_aux=True)(params)
   (loss_r, sums_r), grads_r = jax.value_and_grad(lambda p: metrics(reduce, p),
