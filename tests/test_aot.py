@@ -68,9 +68,10 @@ def _check_kernels(train: dict, stdout: str) -> None:
 @pytest.mark.parametrize('topology,flags,kind,hosts,mesh', [
     ('v5e-8', [], 'TPU v5 lite', 1, {'data': 8, 'fsdp': 1, 'tensor': 1}),
     # Two hosts of 4: the mesh spans both; fsdp adds the parameter all-gathers and the
-    # gradient reduce-scatters.
-    ('2x4xH100', ['--config.mesh.fsdp=2'], 'NVIDIA H100 80GB HBM3', 2,
-     {'data': 4, 'fsdp': 2, 'tensor': 1}),
+    # gradient reduce-scatters. The post-norm kernels are Pallas's, compiled by Triton, one
+    # each way a sub-layer on each device's rows.
+    ('2x4xH100', ['--config.mesh.fsdp=2', '--config.post_norm_kernel=pallas'],
+     'NVIDIA H100 80GB HBM3', 2, {'data': 4, 'fsdp': 2, 'tensor': 1}),
 ])
 def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, kind, hosts,
                                                      mesh):
@@ -93,6 +94,11 @@ def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, 
   if mesh['fsdp'] > 1:
     assert {'all-gather', 'reduce-scatter'} <= set(train['collectives'])
   _check_kernels(train, result.stdout)
+  config = report['config']
+  post_norms = 2 * config['num_encoder_layers'] + 3 * config['num_decoder_layers']
+  pallas = '--config.post_norm_kernel=pallas' in flags
+  assert train['kernels']['triton_kernels'] == (2 * post_norms if pallas else 0), train
+  assert ('Pallas (Triton)' in result.stdout) == pallas
   decoder = report['decoder']
   assert decoder['fits'] and decoder['peak_bytes'] > 0
   assert decoder['beam_size'] == report['config']['beam_size']

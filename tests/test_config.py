@@ -71,6 +71,7 @@ def test_untied_embeddings_add_the_expected_matrices():
     ('norm_position', 'sandwich', 'norm_position'),
     ('layer_norm_statistics', 'welford', 'layer_norm_statistics'),
     ('logits_sum', 'mean', 'logits_sum'),
+    ('post_norm_kernel', 'triton', "post_norm_kernel='triton' is not one of"),
     ('dtype', 'float8', 'dtype='),
     ('dtype', 'float16', 'needs loss scaling'),
     ('num_encoder_layers', 0, 'num_encoder_layers=0'),
@@ -199,3 +200,25 @@ def test_attention_choice_without_a_cudnn_library_is_xla_and_says_so(monkeypatch
   monkeypatch.setattr(config_lib, 'cudnn_version', lambda: None)
   choice = config_lib.attention_choice(base_config(), 'gpu', 'bfloat16')
   assert choice.implementation == 'xla' and 'no cuDNN library found' in choice.reason
+
+
+@pytest.mark.parametrize('platform,resolved', [
+    ('gpu', 'pallas'), ('cpu', 'pallas_interpret'), ('tpu', None)])
+def test_pallas_post_norm_kernel_compiles_on_gpus_interprets_on_cpu_and_names_the_fix(
+    platform, resolved):
+  config = base_config()
+  assert config.post_norm_kernel == 'xla'
+  config.post_norm_kernel = 'pallas'
+  if resolved:
+    assert TransformerConfig.from_config(config, 100, platform=platform).post_norm_kernel == (
+        resolved)
+  else:
+    with pytest.raises(ConfigError, match="not tpu; set post_norm_kernel='xla'"):
+      TransformerConfig.from_config(config, 100, platform=platform)
+  for field, value, message in (('norm_position', 'pre', "norm_position='pre' set "
+                                 "post_norm_kernel='xla'"),
+                                ('d_model', 768, 'power-of-two d_model')):
+    bad = base_config()
+    bad.update({'post_norm_kernel': 'pallas', field: value, 'num_heads': 8})
+    with pytest.raises(ConfigError, match=message):
+      TransformerConfig.from_config(bad, 100, platform='gpu')

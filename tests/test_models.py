@@ -456,3 +456,34 @@ def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
       0.1, logit_sums=jnp.zeros(targets.shape))['loss']
   gap = abs(float(loss_l) - float(loss_r))
   assert abs(float(wrong) - float(loss_r)) > 10 * gap + 1e-4 * abs(float(loss_r)), gap
+
+
+def test_pallas_post_norm_kernel_equals_xlas_with_the_same_dropout():
+  """`post_norm_kernel='pallas'` (Pallas's interpreter here; Triton on GPUs) gives XLA's
+  logits and gradients to float32 rounding, with dropout on: the same masks from the same
+  keys, the same parameter tree. (bfloat16: test_fused_norm.)"""
+  rng = np.random.default_rng(14)
+  inputs, targets = _tokens(rng, 3, 9), _tokens(rng, 3, 7)
+  xla = dataclasses.replace(TINY, dropout_rate=0.3, deterministic=False, num_encoder_layers=1,
+                            num_decoder_layers=1)
+  fused = dataclasses.replace(xla, post_norm_kernel='pallas_interpret')
+  params = _init(xla, inputs, targets)
+  assert jax.tree.structure(params) == jax.tree.structure(_init(fused, inputs, targets))
+
+  def run(cfg, seed=0):
+    def loss(p):
+      logits = Transformer(cfg).apply({'params': p}, inputs, targets,
+                                      rngs={'dropout': jax.random.key(seed)})
+      return losses.compute_metrics(logits, targets, targets > 0)['loss'], logits
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+  (loss_f, logits_f), grads_f = run(fused)
+  (loss_x, logits_x), grads_x = run(xla)
+  np.testing.assert_allclose(logits_f, logits_x, atol=1e-5 * float(np.abs(logits_x).max()))
+  np.testing.assert_allclose(loss_f, loss_x, rtol=1e-5)
+  largest = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads_x))
+  for a, b in zip(jax.tree.leaves(grads_f), jax.tree.leaves(grads_x)):
+    np.testing.assert_allclose(a, b, atol=1e-5 * largest)
+  # Another dropout key moves the logits by far more: the masks are live and the same.
+  (_, logits_other), _ = run(xla, seed=1)
+  assert np.abs(logits_other - logits_x).max() > 1e-2 * np.abs(logits_x).max()

@@ -39,6 +39,7 @@ NORM_POSITIONS = ('post', 'pre')
 # (variance = E[x^2] - E[x]^2, in float32), or the mean first, then the squared deviations.
 LAYER_NORM_STATISTICS = ('one_pass', 'two_pass')
 LOGITS_SUMS = ('', 'linear', 'reduce')  # '': automatic (`TransformerConfig.from_config`).
+POST_NORM_KERNELS = ('xla', 'pallas')
 # The feed-forward nonlinearity: the paper's ReLU, or Marian's others ('swish' is
 # x * sigmoid(x); 'gelu' is the exact, erf-based one).
 ACTIVATIONS = ('relu', 'swish', 'gelu')
@@ -70,7 +71,7 @@ RESUMABLE_FIELDS = frozenset({
     'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_batches',
     'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
     'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy', 'dtype',
-    'layer_norm_statistics', 'logits_sum',
+    'layer_norm_statistics', 'logits_sum', 'post_norm_kernel',
     'attention_implementation', 'nonfinite', 'max_skipped_steps_in_a_row', 'tfds_data_dir',
     'text_files', 'vocab_path', 'data_threads', 'prepare_workers', 'prefetch_batches',
     'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
@@ -118,6 +119,12 @@ def base_config() -> ml_collections.ConfigDict:
   # 'linear' on GPUs (one pass fewer of 7 in the compiled base step), 'reduce' elsewhere
   # (XLA:TPU fuses the sum with another; on CPU no difference measured; bench/RESULTS.md).
   c.logits_sum = ''
+  # 'xla' | 'pallas' (POST_NORM_KERNELS): a post-norm sub-layer's LayerNorm(x + Dropout(y))
+  # as XLA's kernels, or as one Pallas kernel each way (`fused_norm`: Triton on GPUs, an
+  # interpreter on CPU, for tests; not on TPUs). The same to rounding and the same dropout
+  # masks; 'pallas' needs norm_position='post' and a power-of-two d_model. Off by default: no
+  # GPU has shown it faster (bench/RESULTS.md).
+  c.post_norm_kernel = 'xla'
   c.share_embeddings = True  # One matrix for source and target embeddings.
   c.tie_output_embedding = True  # Pre-softmax projection = the target embedding.
   c.positional_encoding = 'sinusoidal'  # 'sinusoidal' | 'learned' | 'rope' | 'alibi'.
@@ -391,6 +398,8 @@ class TransformerConfig:
   layer_norm_epsilon: float = 1e-6
   layer_norm_statistics: str = 'one_pass'
   logits_sum: str = 'reduce'
+  # 'xla', 'pallas' (compiled by Triton) or 'pallas_interpret' (Pallas's interpreter).
+  post_norm_kernel: str = 'xla'
   share_embeddings: bool = True
   tie_output_embedding: bool = True
   positional_encoding: str = 'sinusoidal'
@@ -439,6 +448,15 @@ class TransformerConfig:
              f'{LAYER_NORM_STATISTICS}.')
     _require(self.logits_sum in LOGITS_SUMS,
              f'logits_sum={self.logits_sum!r} is not one of {LOGITS_SUMS}.')
+    _require(self.post_norm_kernel in POST_NORM_KERNELS + ('pallas_interpret',),
+             f'post_norm_kernel={self.post_norm_kernel!r} is not one of {POST_NORM_KERNELS}.')
+    if self.post_norm_kernel != 'xla':
+      _require(self.norm_position == 'post',
+               "post_norm_kernel='pallas' fuses a post-norm sub-layer's residual and norm; "
+               f"with norm_position={self.norm_position!r} set post_norm_kernel='xla'.")
+      _require(self.d_model & (self.d_model - 1) == 0,
+               f"post_norm_kernel='pallas' needs a power-of-two d_model (Triton's blocks), "
+               f"got {self.d_model}; set post_norm_kernel='xla'.")
     _require(self.positional_encoding in POSITIONAL_ENCODINGS,
              f'positional_encoding={self.positional_encoding!r} is not one of '
              f'{POSITIONAL_ENCODINGS}; set --config.positional_encoding to one of them.')
@@ -512,6 +530,7 @@ class TransformerConfig:
         layer_norm_statistics=config.layer_norm_statistics,
         logits_sum=config.logits_sum or ('linear' if platform in ('gpu', 'cuda')
                                           else 'reduce'),
+        post_norm_kernel=_post_norm_kernel(config.post_norm_kernel, platform),
         share_embeddings=config.share_embeddings,
         tie_output_embedding=config.tie_output_embedding,
         positional_encoding=config.positional_encoding,
@@ -551,6 +570,16 @@ def cudnn_version() -> int | None:
     return int(fused_attention_stablehlo.check_cudnn_version())
   except Exception:  # No CUDA plugin, no library, or a JAX that moved it: all mean "none".
     return None
+
+
+def _post_norm_kernel(choice: str, platform: str) -> str:
+  """'pallas' compiles for GPUs and interprets on CPU; Mosaic TPU kernels are not written."""
+  if choice != 'pallas' or platform in ('gpu', 'cuda'):
+    return choice
+  _require(platform == 'cpu',
+           f"post_norm_kernel='pallas' is a Triton kernel for GPUs, not {platform}; set "
+           "post_norm_kernel='xla' (XLA fuses these ops on TPUs).")
+  return 'pallas_interpret'
 
 
 def attention_choice(config: ml_collections.ConfigDict, platform: str,

@@ -198,8 +198,8 @@ class Kernel:
 
   Attributes:
     name: the HLO instruction.
-    category: 'matmul' (a dot or cuBLAS call), 'fused attention' (cuDNN), 'collective',
-      'fusion' or the opcode of an unfused operation.
+    category: 'matmul' (a dot or cuBLAS call), 'fused attention' (cuDNN), 'triton' (a
+      Pallas kernel), 'collective', 'fusion' or the opcode of an unfused operation.
     kind: the kind of work (`KINDS`).
     flops: of its matrix multiplies (0 where it has none).
     bytes: its operands' and result's.
@@ -409,6 +409,8 @@ def _kernel(i: Instruction, shapes: dict[str, str], found: dict[str, list[Instru
     flops, category = _dot_flops(i, shapes), 'matmul'
   elif target.startswith('__cudnn$fmha'):
     flops, category = _attention_flops(i, shapes), 'fused attention'
+  elif target == '__gpu$xla.gpu.triton':
+    category = 'triton'  # A Pallas kernel (`fused_norm`).
   elif base in COLLECTIVES:
     category = 'collective'
   operands = [shapes.get(o, '') for o in i.operands]
@@ -416,7 +418,7 @@ def _kernel(i: Instruction, shapes: dict[str, str], found: dict[str, list[Instru
   size = shape_bytes(i.shape) + sum(reads)
   # The arrays it writes, and those it reads whole.
   touched = [i.shape] + [s for s, read in zip(operands, reads) if read == shape_bytes(s)]
-  touches_logits = any(math.prod(dims) >= logits[0] and max(dims) >= logits[1]
+  touches_logits = any(math.prod(dims) >= logits[0] and max(dims, default=1) >= logits[1]
                        for s in touched for _, dims in arrays(s))
   return Kernel(i.name, category, 'matmul' if category == 'matmul' else
                 kind(i.name, i.opcode, i.op_name), flops, size, touches_logits, i.op_name,
@@ -436,6 +438,7 @@ def roofline(found: list[Kernel], peak_flops: float | None, bandwidth: float | N
       'matmul_kernels': sum(k.count for k in found if k.category == 'matmul'),
       'fused_attention_kernels': sum(k.count for k in found if k.category == 'fused attention'),
       'collective_kernels': sum(k.count for k in found if k.category == 'collective'),
+      'triton_kernels': sum(k.count for k in found if k.category == 'triton'),
       'logits_passes': sum(k.count for k in found if k.touches_logits),
       'matmul_flops': sum(k.flops * k.count for k in found),
       'bytes_accessed': sum(k.bytes * k.count for k in on_device),

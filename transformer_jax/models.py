@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from transformer_jax import fused_norm
 from transformer_jax.attention import Lengths, MultiHeadAttention
 from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
 
@@ -121,15 +122,49 @@ class AddPositions(nn.Module):
     return x  # RoPE and ALiBi act inside attention.
 
 
+_NORM_SCALE_INIT = nn.with_logical_partitioning(nn.initializers.ones_init(), ('embed',))
+_NORM_BIAS_INIT = nn.with_logical_partitioning(nn.initializers.zeros_init(), ('embed',))
+
+
 def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:
   """Layer normalisation with statistics in float32 and logically named parameters, in one
   pass over the input or two (`config.layer_norm_statistics`)."""
   return nn.LayerNorm(
       epsilon=config.layer_norm_epsilon, dtype=config.dtype, param_dtype=config.param_dtype,
       use_fast_variance=config.layer_norm_statistics == 'one_pass',
-      scale_init=nn.with_logical_partitioning(nn.initializers.ones_init(), ('embed',)),
-      bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), ('embed',)),
-      name=name)
+      scale_init=_NORM_SCALE_INIT, bias_init=_NORM_BIAS_INIT, name=name)
+
+
+class DropoutMask(nn.Module):
+  """Where `nn.Dropout(rate)` keeps its input. Named as that module is, it draws the same
+  random bits."""
+
+  rate: float
+
+  @nn.compact
+  def __call__(self, shape: tuple[int, ...]) -> Array:
+    return jax.random.bernoulli(self.make_rng('dropout'), 1.0 - self.rate, shape)
+
+
+class FusedResidualNorm(nn.Module):
+  """LayerNorm(x + Dropout(y)) as one Pallas kernel each way (`fused_norm`), with the
+  parameters `layer_norm` has; on a mesh, each device normalises its own rows."""
+
+  config: TransformerConfig
+
+  @nn.compact
+  def __call__(self, x: Array, y: Array, keep: Array | None) -> Array:
+    cfg = self.config
+    scale = self.param('scale', _NORM_SCALE_INIT, (x.shape[-1],), cfg.param_dtype)
+    bias = self.param('bias', _NORM_BIAS_INIT, (x.shape[-1],), cfg.param_dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = None
+    if not mesh.empty and mesh.size > 1:
+      spec = jax.sharding.PartitionSpec(*nn.logical_to_mesh_axes(('batch', 'length')), None)
+    return fused_norm.residual_layer_norm(
+        x.astype(cfg.dtype), y, keep, scale, bias, rate=cfg.dropout_rate,
+        epsilon=cfg.layer_norm_epsilon, interpret=cfg.post_norm_kernel == 'pallas_interpret',
+        spec=spec)
 
 
 _ACTIVATIONS = {
@@ -167,6 +202,12 @@ class SubLayer(nn.Module):
   @nn.compact
   def __call__(self, x: Array, sublayer, *args, **kwargs) -> Array:
     cfg = self.config
+    if cfg.post_norm_kernel != 'xla':  # Validated: post-norm only.
+      y = sublayer(x, *args, **kwargs)
+      keep = None
+      if not cfg.deterministic and cfg.dropout_rate > 0:
+        keep = DropoutMask(cfg.dropout_rate, name='Dropout_0')(y.shape)
+      return FusedResidualNorm(cfg, name='norm')(x, y, keep)
     norm = layer_norm(cfg, 'norm')
     y = sublayer(norm(x) if cfg.norm_position == 'pre' else x, *args, **kwargs)
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=cfg.deterministic)

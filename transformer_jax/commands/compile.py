@@ -98,8 +98,9 @@ def _print_step(name: str, r: dict) -> None:
 
 def _print_kernels(v: dict) -> None:
   """The step's kernels (`aot.step_view`)."""
+  triton = f'{v["triton_kernels"]} Pallas (Triton), ' if v['triton_kernels'] else ''
   print(f'  kernels a step: {v["kernels"]:,} ({v["matmul_kernels"]} matmul, '
-        f'{v["fused_attention_kernels"]} cuDNN attention, {v["collective_kernels"]} '
+        f'{v["fused_attention_kernels"]} cuDNN attention, {triton}{v["collective_kernels"]} '
         f'collective); passes over a [tokens, vocab] array: {v["logits_passes"]}; '
         f'{_gib(v["bytes_accessed"])} accessed')
   if not v['estimate_s']:
