@@ -72,6 +72,7 @@ def test_untied_embeddings_add_the_expected_matrices():
     ('layer_norm_statistics', 'welford', 'layer_norm_statistics'),
     ('logits_sum', 'mean', 'logits_sum'),
     ('post_norm_kernel', 'triton', "post_norm_kernel='triton' is not one of"),
+    ('qkv_projection', 'fused', "qkv_projection='fused' is not one of"),
     ('dtype', 'float8', 'dtype='),
     ('dtype', 'float16', 'needs loss scaling'),
     ('num_encoder_layers', 0, 'num_encoder_layers=0'),
@@ -100,15 +101,19 @@ def test_auto_dtype_is_bfloat16_on_accelerators_and_float32_on_cpu(platform, dty
       jnp.bfloat16 if jax.default_backend() != 'cpu' else jnp.float32)
 
 
-@pytest.mark.parametrize('platform,automatic', [
-    ('cpu', 'reduce'), ('gpu', 'linear'), ('cuda', 'linear'), ('tpu', 'reduce')])
-def test_automatic_logits_sum_is_linear_on_gpus_only(platform, automatic):
+@pytest.mark.parametrize('field,gpu,elsewhere', [
+    ('logits_sum', 'linear', 'reduce'), ('qkv_projection', 'stacked', 'separate')])
+@pytest.mark.parametrize('platform', ['cpu', 'gpu', 'cuda', 'tpu'])
+def test_automatic_choices_differ_on_gpus_only(field, gpu, elsewhere, platform):
   config = base_config()
-  assert config.logits_sum == ''
-  assert TransformerConfig.from_config(config, 100, platform=platform).logits_sum == automatic
-  for chosen in ('linear', 'reduce'):
-    config.logits_sum = chosen
-    assert TransformerConfig.from_config(config, 100, platform=platform).logits_sum == chosen
+  assert config[field] == ''
+  automatic = gpu if platform in ('gpu', 'cuda') else elsewhere
+  assert getattr(TransformerConfig.from_config(config, 100, platform=platform), field) == (
+      automatic)
+  for chosen in (gpu, elsewhere):
+    config[field] = chosen
+    assert getattr(TransformerConfig.from_config(config, 100, platform=platform), field) == (
+        chosen)
 
 
 def test_config_is_frozen_and_modes_derive_by_replace():

@@ -24,6 +24,7 @@ VARIANTS = {
     'alibi': dataclasses.replace(TINY, positional_encoding='alibi'),
     'separate_embeddings': dataclasses.replace(TINY, share_embeddings=False,
                                                tie_output_embedding=False),
+    'stacked_qkv': dataclasses.replace(TINY, qkv_projection='stacked'),
 }
 
 
@@ -458,6 +459,27 @@ def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
   assert abs(float(wrong) - float(loss_r)) > 10 * gap + 1e-4 * abs(float(loss_r)), gap
 
 
+def _loss_logits_and_grads(cfg, params, inputs, targets, seed=0):
+  """The loss, logits and parameter gradients of one jitted step (dropout from `seed`)."""
+  def loss(p):
+    logits = Transformer(cfg).apply({'params': p}, inputs, targets,
+                                    rngs={'dropout': jax.random.key(seed)})
+    return losses.compute_metrics(logits, targets, targets > 0)['loss'], logits
+  return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+
+def _assert_same_step(got, want, tolerance):
+  """Logits and gradients within `tolerance` of the largest, the loss within it relatively."""
+  (loss, logits), grads = got
+  (want_loss, want_logits), want_grads = want
+  np.testing.assert_allclose(logits, want_logits,
+                             atol=tolerance * float(np.abs(want_logits).max()))
+  np.testing.assert_allclose(loss, want_loss, rtol=tolerance)
+  largest = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(a, b, atol=tolerance * largest)
+
+
 def test_pallas_post_norm_kernel_equals_xlas_with_the_same_dropout():
   """`post_norm_kernel='pallas'` (Pallas's interpreter here; Triton on GPUs) gives XLA's
   logits and gradients to float32 rounding, with dropout on: the same masks from the same
@@ -469,21 +491,23 @@ def test_pallas_post_norm_kernel_equals_xlas_with_the_same_dropout():
   fused = dataclasses.replace(xla, post_norm_kernel='pallas_interpret')
   params = _init(xla, inputs, targets)
   assert jax.tree.structure(params) == jax.tree.structure(_init(fused, inputs, targets))
-
-  def run(cfg, seed=0):
-    def loss(p):
-      logits = Transformer(cfg).apply({'params': p}, inputs, targets,
-                                      rngs={'dropout': jax.random.key(seed)})
-      return losses.compute_metrics(logits, targets, targets > 0)['loss'], logits
-    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
-
-  (loss_f, logits_f), grads_f = run(fused)
-  (loss_x, logits_x), grads_x = run(xla)
-  np.testing.assert_allclose(logits_f, logits_x, atol=1e-5 * float(np.abs(logits_x).max()))
-  np.testing.assert_allclose(loss_f, loss_x, rtol=1e-5)
-  largest = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads_x))
-  for a, b in zip(jax.tree.leaves(grads_f), jax.tree.leaves(grads_x)):
-    np.testing.assert_allclose(a, b, atol=1e-5 * largest)
+  want = _loss_logits_and_grads(xla, params, inputs, targets)
+  _assert_same_step(_loss_logits_and_grads(fused, params, inputs, targets), want, 1e-5)
   # Another dropout key moves the logits by far more: the masks are live and the same.
-  (_, logits_other), _ = run(xla, seed=1)
-  assert np.abs(logits_other - logits_x).max() > 1e-2 * np.abs(logits_x).max()
+  (_, other), _ = _loss_logits_and_grads(xla, params, inputs, targets, seed=1)
+  logits = want[0][1]
+  assert np.abs(other - logits).max() > 1e-2 * np.abs(logits).max()
+
+
+@pytest.mark.parametrize('name', ['post_sinusoidal', 'rope'])
+def test_stacked_qkv_projection_equals_separate_ones(name):
+  """`qkv_projection='stacked'` (one matmul over the kernels stacked at use) initialises the
+  same parameters and gives the separate projections' logits and gradients to rounding."""
+  rng = np.random.default_rng(15)
+  inputs, targets = _tokens(rng, 3, 9), _tokens(rng, 3, 7)
+  separate = VARIANTS[name]
+  stacked = dataclasses.replace(separate, qkv_projection='stacked')
+  params = _init(separate, inputs, targets)
+  jax.tree.map(np.testing.assert_array_equal, _init(stacked, inputs, targets), params)
+  _assert_same_step(_loss_logits_and_grads(stacked, params, inputs, targets),
+                    _loss_logits_and_grads(separate, params, inputs, targets), 1e-5)

@@ -206,7 +206,7 @@ class MultiHeadAttention(nn.Module):
   is_self_attention: bool
   in_decoder: bool = False
 
-  def _projection(self, name: str, x: Array) -> Array:
+  def _projection_params(self, name: str) -> tuple[Array, Array]:
     cfg = self.config
     kernel = self.param(name + '_kernel', nn.with_logical_partitioning(
         _QKV_INIT, ('embed', 'heads', 'kv')), (cfg.d_model, cfg.num_heads, cfg.head_dim),
@@ -214,9 +214,23 @@ class MultiHeadAttention(nn.Module):
     bias = self.param(name + '_bias', nn.with_logical_partitioning(
         nn.initializers.zeros_init(), ('heads', 'kv')), (cfg.num_heads, cfg.head_dim),
                       cfg.param_dtype)
-    y = jnp.einsum('bld,dhk->blhk', x, jnp.asarray(kernel, cfg.dtype)) + jnp.asarray(
-        bias, cfg.dtype)
+    return jnp.asarray(kernel, cfg.dtype), jnp.asarray(bias, cfg.dtype)
+
+  def _projection(self, name: str, x: Array) -> Array:
+    kernel, bias = self._projection_params(name)
+    y = jnp.einsum('bld,dhk->blhk', x, kernel) + bias
     return nn.with_logical_constraint(y, ('batch', 'length', 'heads', 'kv'))
+
+  def _projections(self, names: tuple[str, ...], x: Array) -> tuple[Array, ...]:
+    """The projections of x by several kernels, as `_projection` gives them, from one matmul
+    when `config.qkv_projection` is 'stacked' (the kernels stacked at use, on an axis of
+    their own so that a split of the heads stays where it is; the parameters do not change)."""
+    if self.config.qkv_projection != 'stacked':
+      return tuple(self._projection(name, x) for name in names)
+    kernels, biases = zip(*(self._projection_params(name) for name in names))
+    y = jnp.einsum('bld,dnhk->blnhk', x, jnp.stack(kernels, 1)) + jnp.stack(biases)
+    return tuple(nn.with_logical_constraint(y[:, :, i], ('batch', 'length', 'heads', 'kv'))
+                 for i in range(len(names)))
 
   def _heads_major_projection(self, name: str, x: Array) -> Array:
     return _heads_major(self._projection(name, x))
@@ -251,12 +265,18 @@ class MultiHeadAttention(nn.Module):
     cfg = self.config
     uses_rope = cfg.positional_encoding == 'rope' and self.is_self_attention
     uses_alibi = cfg.positional_encoding == 'alibi' and self.is_self_attention
-    query = self._projection('query', inputs_q)  # [batch, q_length, heads, head_dim]
+    cached = cfg.decode and self.in_decoder
+    if self.is_self_attention and inputs_kv is inputs_q:
+      # [batch, length, heads, head_dim] each.
+      query, key, value = self._projections(('query', 'key', 'value'), inputs_q)
+    else:
+      query = self._projection('query', inputs_q)
+      if not cached or self.is_self_attention:
+        key, value = self._projections(('key', 'value'), inputs_kv)
     if uses_rope:
       query = rope(query, q_positions)
     bias = None
 
-    cached = cfg.decode and self.in_decoder
     if cached and not self.is_self_attention:
       # Keys and values of the source: projected once, when the cache is created, and the
       # same at every step, so they live apart from the per-step 'cache'.
@@ -266,8 +286,6 @@ class MultiHeadAttention(nn.Module):
                             'value', inputs_kv).value
       mask = self.variable('encoder_cache', 'cached_mask', lambda: mask).value
     else:
-      key = self._projection('key', inputs_kv)
-      value = self._projection('value', inputs_kv)
       if uses_rope:
         key = rope(key, kv_positions)
       if uses_alibi:

@@ -40,6 +40,7 @@ NORM_POSITIONS = ('post', 'pre')
 LAYER_NORM_STATISTICS = ('one_pass', 'two_pass')
 LOGITS_SUMS = ('', 'linear', 'reduce')  # '': automatic (`TransformerConfig.from_config`).
 POST_NORM_KERNELS = ('xla', 'pallas')
+QKV_PROJECTIONS = ('', 'separate', 'stacked')  # '': automatic (`TransformerConfig.from_config`).
 # The feed-forward nonlinearity: the paper's ReLU, or Marian's others ('swish' is
 # x * sigmoid(x); 'gelu' is the exact, erf-based one).
 ACTIVATIONS = ('relu', 'swish', 'gelu')
@@ -71,7 +72,7 @@ RESUMABLE_FIELDS = frozenset({
     'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_batches',
     'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
     'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy', 'dtype',
-    'layer_norm_statistics', 'logits_sum', 'post_norm_kernel',
+    'layer_norm_statistics', 'logits_sum', 'post_norm_kernel', 'qkv_projection',
     'attention_implementation', 'nonfinite', 'max_skipped_steps_in_a_row', 'tfds_data_dir',
     'text_files', 'vocab_path', 'data_threads', 'prepare_workers', 'prefetch_batches',
     'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
@@ -125,6 +126,12 @@ def base_config() -> ml_collections.ConfigDict:
   # masks; 'pallas' needs norm_position='post' and a power-of-two d_model. Off by default: no
   # GPU has shown it faster (bench/RESULTS.md).
   c.post_norm_kernel = 'xla'
+  # '' | 'separate' | 'stacked' (QKV_PROJECTIONS): attention's query, key and value
+  # projections (encoder-decoder attention: key and value) as a matmul each, or as one over
+  # the kernels stacked at use (the parameters do not change); the same to rounding. '':
+  # 'stacked' on GPUs (190 kernels fewer in the compiled base step), 'separate' elsewhere
+  # (XLA:TPU's step moves more bytes stacked; on CPU no difference measured; bench/RESULTS.md).
+  c.qkv_projection = ''
   c.share_embeddings = True  # One matrix for source and target embeddings.
   c.tie_output_embedding = True  # Pre-softmax projection = the target embedding.
   c.positional_encoding = 'sinusoidal'  # 'sinusoidal' | 'learned' | 'rope' | 'alibi'.
@@ -400,6 +407,7 @@ class TransformerConfig:
   logits_sum: str = 'reduce'
   # 'xla', 'pallas' (compiled by Triton) or 'pallas_interpret' (Pallas's interpreter).
   post_norm_kernel: str = 'xla'
+  qkv_projection: str = 'separate'
   share_embeddings: bool = True
   tie_output_embedding: bool = True
   positional_encoding: str = 'sinusoidal'
@@ -448,6 +456,8 @@ class TransformerConfig:
              f'{LAYER_NORM_STATISTICS}.')
     _require(self.logits_sum in LOGITS_SUMS,
              f'logits_sum={self.logits_sum!r} is not one of {LOGITS_SUMS}.')
+    _require(self.qkv_projection in QKV_PROJECTIONS[1:],
+             f'qkv_projection={self.qkv_projection!r} is not one of {QKV_PROJECTIONS}.')
     _require(self.post_norm_kernel in POST_NORM_KERNELS + ('pallas_interpret',),
              f'post_norm_kernel={self.post_norm_kernel!r} is not one of {POST_NORM_KERNELS}.')
     if self.post_norm_kernel != 'xla':
@@ -531,6 +541,8 @@ class TransformerConfig:
         logits_sum=config.logits_sum or ('linear' if platform in ('gpu', 'cuda')
                                           else 'reduce'),
         post_norm_kernel=_post_norm_kernel(config.post_norm_kernel, platform),
+        qkv_projection=config.qkv_projection or ('stacked' if platform in ('gpu', 'cuda')
+                                                  else 'separate'),
         share_embeddings=config.share_embeddings,
         tie_output_embedding=config.tie_output_embedding,
         positional_encoding=config.positional_encoding,
