@@ -8,11 +8,12 @@ gradient by `jax.custom_vjp`. It is `config.post_norm_kernel='pallas'`: compiled
 GPUs, run by Pallas's interpreter on CPU (for tests: slow), off by default because no GPU
 has yet shown it faster than XLA's kernels (bench/RESULTS.md).
 
-The dropout mask comes from the caller (`models.SubLayer` draws it with `nn.Dropout`, so the
-random stream is the XLA path's), one byte an element.
+The dropout mask comes from the caller (`models.SubLayer` draws it as `nn.Dropout` would,
+from the same random stream), one byte an element.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -146,6 +147,14 @@ def _local_backward(grad, total, keep, scale, mean, rstd, *, rate, interpret):
   return unpad(dx), unpad(dy), dscale, dbias
 
 
+def _mesh_axes(entries) -> list[str]:
+  """The mesh axes that PartitionSpec entries (None, a name, or a tuple of names) split over."""
+  axes = []
+  for entry in entries:
+    axes.extend(entry if isinstance(entry, tuple) else [entry] if entry else [])
+  return axes
+
+
 def _on_rows(fn, spec, in_kinds, out_kinds):
   """fn on each device's rows (`jax.shard_map` over spec's axes), or as it is without one.
 
@@ -154,10 +163,7 @@ def _on_rows(fn, spec, in_kinds, out_kinds):
   """
   if spec is None:
     return fn
-  axes = []
-  for entry in spec[:-1]:
-    axes.extend(entry if isinstance(entry, tuple) else [entry] if entry else [])
-  flat = P(tuple(axes) or None)
+  flat = P(tuple(_mesh_axes(spec[:-1])) or None)
   specs = {'x': spec, 'flat': flat, 'whole': P(), None: None}
   return jax.shard_map(fn, in_specs=tuple(specs[k] for k in in_kinds),
                        out_specs=tuple(specs[k] for k in out_kinds), check_vma=False)
@@ -207,11 +213,17 @@ def residual_layer_norm(x: Array, y: Array, keep: Array | None, scale: Array, bi
     interpret: run Pallas's interpreter (CPU) instead of compiling for a GPU.
     spec: how x is split over the current mesh (its last entry None), so that each device
       normalises its own rows; None: no mesh (XLA cannot split a Pallas call: it would
-      gather every row to every device).
+      gather every row to every device). Rows that do not split evenly (a small decoding
+      batch) are normalised whole.
 
   Returns:
     The normalised sum, like x.
   """
+  if spec is not None:
+    sizes = jax.sharding.get_abstract_mesh().shape
+    if any(size % math.prod(sizes[a] for a in _mesh_axes([entry]))
+           for size, entry in zip(x.shape, spec)):
+      spec = None
   if keep is not None:
     keep = keep.astype(jnp.int8)
   return _fused(x, y.astype(x.dtype), keep, scale, bias, float(rate), float(epsilon),

@@ -8,8 +8,6 @@ mlp, heads, kv, vocab`); how they map onto a device mesh is decided elsewhere, b
 
 from __future__ import annotations
 
-import math
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -163,11 +161,6 @@ class FusedResidualNorm(nn.Module):
     spec = None
     if not mesh.empty and mesh.size > 1:
       spec = jax.sharding.PartitionSpec(*nn.logical_to_mesh_axes(('batch', 'length')), None)
-      for size, entry in zip(x.shape, spec):
-        axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
-        if size % math.prod(mesh.shape[a] for a in axes):
-          spec = None  # Rows that do not split evenly (a small decoding batch): gathered.
-          break
     return fused_norm.residual_layer_norm(
         x.astype(cfg.dtype), y, keep, scale, bias, rate=cfg.dropout_rate,
         epsilon=cfg.layer_norm_epsilon, interpret=cfg.post_norm_kernel == 'pallas_interpret',
