@@ -11,10 +11,11 @@ loss, perplexity, learning rate, gradient norm, tokens/s, MFU, padding share and
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import shutil
-import math
 import sys
 import tempfile
 import time
@@ -25,7 +26,6 @@ from typing import Any
 import numpy as np
 import tqdm
 from absl import logging
-from tensorboardX import SummaryWriter
 
 from transformer_jax import flops as model_flops
 from transformer_jax import outputs
@@ -33,6 +33,27 @@ from transformer_jax import outputs
 
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
+# What tensorboardX imports when it is installed and this module never gives it: PyTorch (to
+# accept its tensors; 2 s of every train.py start where the tests or the benchmarks installed
+# it) and the Cloud Storage client (for gs:// log directories; a gs:// run's events are
+# written locally and uploaded whole, see `MetricsWriter`).
+_HIDDEN_FROM_TENSORBOARDX = ('torch', 'google.cloud.storage')
+
+
+@functools.cache
+def _summary_writer_class() -> type:
+  """tensorboardX's `SummaryWriter`, imported with `_HIDDEN_FROM_TENSORBOARDX` hidden (they
+  import as usual afterwards, for whoever needs them)."""
+  hidden = [name for name in _HIDDEN_FROM_TENSORBOARDX if name not in sys.modules]
+  for name in hidden:
+    sys.modules[name] = None  # `import name` raises ImportError, which tensorboardX expects.
+  try:
+    import tensorboardX  # pylint: disable=g-import-not-at-top
+  finally:
+    for name in hidden:
+      if sys.modules.get(name, False) is None:
+        del sys.modules[name]
+  return tensorboardX.SummaryWriter
 
 def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str, float],
                     skipped_total: int, timed: Mapping[str, float] | None = None,
@@ -121,7 +142,7 @@ class MetricsWriter:
       # through tensorboardX's own gs:// writer, which uploads once more when it is
       # collected: at the end of the process, when the run's last upload is long done.
       self._tb_local = tempfile.mkdtemp(prefix='transformer_jax_tensorboard_')
-    self._tb = SummaryWriter(self._tb_local if self._tb_remote else tensorboard,
+    self._tb = _summary_writer_class()(self._tb_local if self._tb_remote else tensorboard,
                              filename_suffix=f'.{uuid.uuid4().hex[:8]}')
     if config is not None:
       # Indented four spaces: Markdown code, so TensorBoard keeps the layout.
