@@ -9,10 +9,47 @@ import pytest
 from test_translator import build_test_run
 
 
+# Fixtures that start a service or train a model: a test that uses one is slow (pytest.ini).
+SLOW_FIXTURES = frozenset({'run_dir', 'gcs_server', 'bucket', 'cluster',
+                           'multihost_reference'})
+
+
+def pytest_collection_modifyitems(items):
+  """Refuses a test that uses a slow fixture without the slow mark: the quick tier
+  (-m "not slow") would start the service or train the model after all."""
+  unmarked = [item.nodeid for item in items if SLOW_FIXTURES & set(item.fixturenames)
+              and item.get_closest_marker('slow') is None]
+  if unmarked:
+    raise pytest.UsageError(
+        'These tests use a fixture that starts a service or trains a model '
+        f'({", ".join(sorted(SLOW_FIXTURES))}) but are not marked slow; add '
+        '@pytest.mark.slow (docs/developing.md, the tiers):\n  ' + '\n  '.join(unmarked))
+
+
 @pytest.fixture(scope='session')
 def run_dir(tmp_path_factory) -> str:
   """The work directory of the tiny trained translation model (trained once a session)."""
   return build_test_run(str(tmp_path_factory.getbasetemp() / 'translator_test_run'))
+
+
+@pytest.fixture(scope='session')
+def multihost_config(tmp_path_factory) -> str:
+  """The config file of the multi-process tests (test_multihost, test_launchers): 8 steps, a
+  checkpoint every 4."""
+  import train_testlib  # pylint: disable=g-import-not-at-top
+  return train_testlib.multihost_config(tmp_path_factory.mktemp('multihost'),
+                                        train_testlib.MULTIHOST_STEPS)
+
+
+@pytest.fixture(scope='session')
+def multihost_reference(multihost_config, tmp_path_factory) -> str:
+  """The work directory of `multihost_config` trained by one process with 8 devices: what a
+  job of several processes must reproduce."""
+  import train_testlib  # pylint: disable=g-import-not-at-top
+  workdir = str(tmp_path_factory.mktemp('one_process') / 'run')
+  done = train_testlib.run_train(multihost_config, workdir, devices=8)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return workdir
 
 
 @pytest.fixture(scope='session')

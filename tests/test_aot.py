@@ -73,6 +73,7 @@ def _check_kernels(train: dict, stdout: str) -> None:
     ('2x4xH100', ['--config.mesh.fsdp=2', '--config.post_norm_kernel=pallas'],
      'NVIDIA H100 80GB HBM3', 2, {'data': 4, 'fsdp': 2, 'tensor': 1}),
 ])
+@pytest.mark.slow
 def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, kind, hosts,
                                                      mesh):
   out = tmp_path / 'report.json'
@@ -104,6 +105,7 @@ def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, 
   assert decoder['beam_size'] == report['config']['beam_size']
 
 
+@pytest.mark.slow
 def test_h200_target_has_its_memory_and_kind():
   code = ('from transformer_jax import aot; t = aot.target("2x8xH200"); '
           'print(t.device_kind, len(t.devices), t.num_hosts, t.memory_bytes)')
@@ -114,6 +116,7 @@ def test_h200_target_has_its_memory_and_kind():
   assert result.stdout.split()[-4:] == ['H200', '16', '2', str(151397597184)]
 
 
+@pytest.mark.slow
 def test_cpu_target_search_and_decoder(tmp_path):
   """8 CPU devices and a made-up 50 MiB device: the search brackets the largest batch
   (a multiple of the batch shards) between a size that fits and one that does not."""
@@ -148,6 +151,7 @@ def test_cpu_target_search_and_decoder(tmp_path):
     (['--topology=cpu', '--memory_limit_gib=-1'], 'must be positive'),
     ([], '--topology is required'),
 ])
+@pytest.mark.slow
 def test_bad_input_fails_before_compiling(flags, message):
   result = _compile(*flags, timeout=120)
   assert result.returncode == 2, (result.stdout, result.stderr[-2000:])
@@ -155,6 +159,7 @@ def test_bad_input_fails_before_compiling(flags, message):
   assert 'Traceback' not in result.stderr
 
 
+@pytest.mark.slow
 def test_packed_rows_on_a_gpu_fall_back_to_xla_and_say_why(tmp_path):
   out = tmp_path / 'report.json'
   result = _compile('--topology=1xH100', '--config.packing=True', f'--json={out}',
@@ -172,6 +177,7 @@ def test_cudnn_attention_without_the_cudnn_library_is_a_clear_error():
       raise RuntimeError('cuDNN not found.')
 
 
+@pytest.mark.slow
 def test_missing_wheels_are_named_with_the_fix():
   """This Python has no libtpu (the test environment keeps it in .venv-aot)."""
   import importlib.util  # pylint: disable=import-outside-toplevel

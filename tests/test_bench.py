@@ -17,6 +17,8 @@ import pytest
 
 import train_testlib
 
+pytestmark = pytest.mark.slow  # the benchmarks, through subprocesses.
+
 
 # The reference systems come with the test extra (`pip install -e .[test]`, which the README's
 # test command runs); without them the bench has nothing to compare against.

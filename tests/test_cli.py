@@ -45,6 +45,7 @@ def _train(tmp_path, files, *flags, **overrides):
   return _command('train.py', f'--config={config}', f'--workdir={tmp_path / "run"}', *flags)
 
 
+@pytest.mark.slow
 def test_config_file_with_a_syntax_error(tmp_path):
   path = tmp_path / 'broken.py'
   path.write_text('def get_config(:\n  pass\n')
@@ -52,6 +53,7 @@ def test_config_file_with_a_syntax_error(tmp_path):
                      str(path), 'not valid Python', 'line 1')
 
 
+@pytest.mark.slow
 def test_config_file_without_get_config(tmp_path):
   path = tmp_path / 'empty.py'
   path.write_text('x = 1\n')
@@ -70,6 +72,7 @@ def _write(path, data: bytes) -> str:
     (b'\x00\x01\x02binary\x00\n\x00\n', ('NUL bytes', 'binary')),
     (b'ok\n\xff\xfe latin-1 \xe9\n', ('not UTF-8', 'line 2', 'iconv')),
 ])
+@pytest.mark.slow
 def test_unusable_text_files(tmp_path, data_files, target, phrases):
   source = _write(tmp_path / 'train.src', b'one\ntwo\n')
   files = dict(data_files, train=f'{source},{_write(tmp_path / "train.tgt", target)}')
@@ -84,6 +87,7 @@ def test_unusable_text_files(tmp_path, data_files, target, phrases):
     ({'bucket_boundaries': (0, 8)}, ('bucket_boundaries', 'positive')),
     ({'max_source_length': 0}, ('max_source_length=0', 'must be an int >= 1')),
 ])
+@pytest.mark.slow
 def test_config_values_that_cannot_work_fail_before_anything_runs(tmp_path, data_files,
                                                                   overrides, phrases):
   result = _train(tmp_path, data_files, **overrides)
@@ -91,6 +95,7 @@ def test_config_values_that_cannot_work_fail_before_anything_runs(tmp_path, data
   assert not os.path.exists(tmp_path / 'run' / 'vocab')  # Stopped before the data.
 
 
+@pytest.mark.slow
 def test_train_keeps_its_compiled_programs_in_the_compilation_cache(tmp_path, data_files):
   cache = tmp_path / 'cache'
   result = _train(tmp_path, data_files, f'--compilation_cache_dir={cache}',
@@ -103,6 +108,7 @@ def test_train_keeps_its_compiled_programs_in_the_compilation_cache(tmp_path, da
                      'is a file', 'give a directory')
 
 
+@pytest.mark.slow
 def test_verbose_adds_the_traceback(tmp_path, data_files):
   result = _train(tmp_path, data_files, '--verbose', vocab_size_target=2)
   assert result.returncode == 2
@@ -119,6 +125,7 @@ def _damage(directory: str, item: str, how: str) -> None:
         f.truncate(size // 2 if how == 'truncate' else 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('item,how', [('params', 'truncate'), ('meta', 'empty')])
 def test_damaged_checkpoint_names_the_step_and_suggests_another(run_dir, tmp_path, item, how):
   workdir = str(tmp_path / 'run')
@@ -130,6 +137,7 @@ def test_damaged_checkpoint_names_the_step_and_suggests_another(run_dir, tmp_pat
   _assert_user_error(result, f'Checkpoint {steps[-1]}', 'damaged', '--step', str(steps[0]))
 
 
+@pytest.mark.slow
 def test_damaged_checkpoint_stops_a_resume_with_the_way_out(tmp_path, data_files):
   assert _train(tmp_path, data_files, num_train_steps=2).returncode == 0
   checkpoints = tmp_path / 'run' / 'checkpoints'
@@ -208,6 +216,7 @@ def _flip_bytes(directory: str, item: str, count: int = 64) -> str:
   return path
 
 
+@pytest.mark.slow
 def test_flipped_bytes_in_parameters_are_caught_by_evaluation(run_dir, tmp_path):
   workdir = str(tmp_path / 'run')
   shutil.copytree(run_dir, workdir)
@@ -219,6 +228,7 @@ def test_flipped_bytes_in_parameters_are_caught_by_evaluation(run_dir, tmp_path)
   assert 'checksums' in result.stderr or 'cannot be read' in result.stderr
 
 
+@pytest.mark.slow
 def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path,
                                                                          data_files):
   """Steps 2 and 4 saved; 4's parameters get flipped bytes; resuming to 6 warns, names both
@@ -256,6 +266,7 @@ def test_checksums_catch_a_flipped_bit_and_swapped_words():
       checkpointing.verify_checksums(saved, bad)
 
 
+@pytest.mark.slow
 def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data_files):
   """Training on a 32 MB tmpfs that fills up after checkpoint 5: exit 2 with one paragraph
   naming the work directory and a checkpoint's size; the last complete checkpoint stays
@@ -313,6 +324,7 @@ def _installed_script(name: str) -> str:
   return path
 
 
+@pytest.mark.slow
 def test_console_scripts_take_shipped_config_names(tmp_path):
   """transformer-jax-train finds configs/tiny.py by name from any directory, and its config
   errors come before anything compiles, as train.py's do."""

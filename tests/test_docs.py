@@ -133,6 +133,7 @@ def _run_as_shown(line: str, cwd: str, **replace: str) -> subprocess.CompletedPr
                         timeout=600)
 
 
+@pytest.mark.slow
 @test_bible_en_es.needs_modules
 def test_the_guides_tiny_run_and_translate_lines_run_as_shown(tmp_path):
   """The training guide's tiny run (the Bible, prepared from nothing) and the evaluating

@@ -73,6 +73,7 @@ def test_paired_bootstrap_separates_a_better_system():
   assert 'bs:200' in result['bleu']['signature']
 
 
+@pytest.mark.slow
 def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
   steps = averaging.last_steps(run_dir, 2)
   assert steps == list(TRAIN_STEPS[-2:])
@@ -110,6 +111,7 @@ def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
     loading.load(run_dir, step=100, average_last=2)
 
 
+@pytest.mark.slow
 def test_average_and_evaluate_commands(run_dir, tmp_path):
   out = str(tmp_path / 'avg')
   result = _run('average_checkpoints.py', f'--workdir={run_dir}', f'--output_workdir={out}',
@@ -152,6 +154,7 @@ def test_average_and_evaluate_commands(run_dir, tmp_path):
     (['--beam_size=many'], 'invalid flags'),
     (['--step=999'], 'no checkpoint for step 999'),
 ])
+@pytest.mark.slow
 def test_evaluate_command_rejects_bad_requests_with_exit_code_2(run_dir, flags, message):
   if not any(f.startswith('--workdir') for f in flags):
     flags = [f'--workdir={run_dir}'] + flags
@@ -161,6 +164,7 @@ def test_evaluate_command_rejects_bad_requests_with_exit_code_2(run_dir, flags, 
   assert 'Traceback' not in result.stderr
 
 
+@pytest.mark.slow
 def test_averaging_takes_the_steps_that_exist_when_training_rotates_one_away(
     run_dir, tmp_path, monkeypatch, caplog):
   """evaluate.py --average_last=N beside a running training job: a step it listed is
@@ -186,6 +190,7 @@ def test_averaging_takes_the_steps_that_exist_when_training_rotates_one_away(
   assert 'rotated them away' in caplog.text and 'damaged' not in caplog.text
 
 
+@pytest.mark.slow
 def test_evaluate_checks_its_outputs_before_translating(run_dir, tmp_path):
   """--output_dir that is a file, and an output that is an input (the previous hypotheses
   compared against): exit 2 before any sentence is translated; the input is intact."""

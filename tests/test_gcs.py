@@ -29,6 +29,8 @@ from transformer_jax import outputs
 from transformer_jax import workdir_lock
 from transformer_jax.errors import PathError
 
+pytestmark = pytest.mark.slow  # a Cloud Storage server; commands and training through subprocesses.
+
 REPO = train_testlib.REPO
 
 

@@ -49,6 +49,7 @@ def _run(malloc: str) -> dict:
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith('linux'),
                     reason="retain_freed_memory sets glibc's malloc, which only Linux has; "
                     'elsewhere it changes nothing')
@@ -78,6 +79,7 @@ def test_it_applies_only_where_jax_runs_on_the_cpu(monkeypatch):
   assert host_memory.retain_freed_memory() is False
 
 
+@pytest.mark.slow
 def test_a_bad_setting_is_a_clear_error_before_any_work(tmp_path):
   """A command refuses an unknown TRANSFORMER_JAX_MALLOC in one paragraph, exit 2."""
   env = train_testlib.subprocess_env()

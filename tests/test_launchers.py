@@ -27,9 +27,11 @@ import test_multihost
 import train_testlib
 from transformer_jax import checkpointing
 
+pytestmark = pytest.mark.slow  # a SLURM cluster and Open MPI, training through them.
+
 REPO = train_testlib.REPO
 LOCAL_SLURM = os.path.join(REPO, 'scripts', 'local_slurm.sh')
-STEPS = 8
+STEPS = train_testlib.MULTIHOST_STEPS
 HEARTBEAT = 5
 
 
@@ -152,17 +154,14 @@ def assert_same_losses(workdir: str, reference: str) -> None:
 
 
 @pytest.fixture(scope='module')
-def config_path(tmp_path_factory):
-  return train_testlib.multihost_config(tmp_path_factory.mktemp('launchers'), STEPS)
+def config_path(multihost_config):
+  return multihost_config
 
 
 @pytest.fixture(scope='module')
-def reference(config_path, tmp_path_factory):
-  """The same run as one process with 8 devices."""
-  workdir = str(tmp_path_factory.mktemp('one_process') / 'run')
-  done = train_testlib.run_train(config_path, workdir, devices=8)
-  assert done.returncode == 0, done.stderr[-3000:]
-  return workdir
+def reference(multihost_reference):
+  """The same run as one process with 8 devices (shared with test_multihost)."""
+  return multihost_reference
 
 
 @pytest.fixture(scope='module')

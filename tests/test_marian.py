@@ -267,6 +267,7 @@ OPUS_SENTENCES = SOURCE_TEXT + ['the dog sings', 'a word it has never seen: zyx'
                                 '>>fr<< the cat']
 
 
+@pytest.mark.slow
 def test_imported_opus_mt_directory_translates_as_hugging_face_does(opus_mt_dir, tmp_path):
   directory, model, tokenizer = opus_mt_dir
   workdir = tmp_path / 'imported'
@@ -334,6 +335,7 @@ def test_import_into_an_empty_directory_and_a_retry_after_a_failure(opus_mt_dir,
     marian.import_model(str(directory), str(other))
 
 
+@pytest.mark.slow
 def test_imported_model_fine_tunes_from_its_config_file(opus_mt_dir, tmp_path):
   directory, model, _ = opus_mt_dir
   imported_dir = tmp_path / 'imported'
@@ -367,6 +369,7 @@ def test_imported_model_fine_tunes_from_its_config_file(opus_mt_dir, tmp_path):
   assert len(translator.translate(['the cat sat'])[0]) == 1
 
 
+@pytest.mark.slow
 def test_import_command_reports_a_bad_directory_in_one_paragraph(tmp_path):
   result = subprocess.run(
       [sys.executable, os.path.join(train_testlib.REPO, 'import_marian.py'),
@@ -422,6 +425,7 @@ def _hf_greedy(model, tokenizer, sentences):
   return outputs
 
 
+@pytest.mark.slow
 def test_exported_model_translates_in_hugging_face_as_here(exported):
   workdir, directory = exported
   translator, checkpoint = translator_lib.load_translator(
@@ -462,6 +466,7 @@ def _ct2_translates_as_here(workdir, exported_dir, tmp_path, sentences):
   assert len({tuple(_strip(h.tokens)) for (h,) in hyps}) > len(hyps) // 2
 
 
+@pytest.mark.slow
 def test_exported_model_converts_to_ctranslate2_and_translates_as_here(opus_mt_dir, tmp_path):
   # CTranslate2's Marian converter starts the decoder from a zero vector, as Marian does:
   # exact for a model whose decoder starts from a zero <pad> row, as OPUS-MT models do.
@@ -473,6 +478,7 @@ def test_exported_model_converts_to_ctranslate2_and_translates_as_here(opus_mt_d
   _ct2_translates_as_here(workdir, exported_dir, tmp_path, OPUS_SENTENCES)
 
 
+@pytest.mark.slow
 def test_own_model_trained_to_start_from_zero_exports_exactly_to_both(tmp_path, caplog):
   """decoder_start='zero' is what CTranslate2 assumes of every Marian model: such a model of
   this project translates there, and in Hugging Face, as here; one that starts from <s>
@@ -491,6 +497,7 @@ def test_own_model_trained_to_start_from_zero_exports_exactly_to_both(tmp_path, 
   assert 'CTranslate2 would not' in caplog.text and 'decoder_start=zero' in caplog.text
 
 
+@pytest.mark.slow
 def test_export_then_import_gives_the_same_parameters_bit_for_bit(exported, tmp_path):
   workdir, directory = exported
   marian.import_model(directory, str(tmp_path / 'back'))
@@ -528,6 +535,7 @@ def test_import_then_export_gives_the_marian_weights_back(opus_mt_dir, tmp_path)
     np.testing.assert_array_equal(got, expected, err_msg=name)
 
 
+@pytest.mark.slow
 def test_import_and_export_on_a_bucket_match_the_local_ones(opus_mt_dir, bucket, tmp_path):
   """A Marian directory imported from a bucket into a bucket (its checkpoint written there
   last) holds the parameters of a local import, and its export to a bucket the bytes of a

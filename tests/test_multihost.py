@@ -15,7 +15,9 @@ import pytest
 
 import train_testlib  # pylint: disable=wrong-import-position
 
-STEPS = 8
+pytestmark = pytest.mark.slow  # two training processes on a coordinator.
+
+STEPS = train_testlib.MULTIHOST_STEPS
 
 
 def free_port():
@@ -76,17 +78,14 @@ def train_losses(workdir):
   return {m['step']: m['loss'] for m in lines if m['split'] == 'train'}
 
 
-@pytest.fixture(scope='module')
-def config_path(tmp_path_factory):
-  return train_testlib.multihost_config(tmp_path_factory.mktemp('multihost'), STEPS)
+@pytest.fixture
+def config_path(multihost_config):
+  return multihost_config
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_they_resume_to_the_same_losses(
-    config_path, tmp_path):
-  reference = str(tmp_path / 'one_process')
-  done = train_testlib.run_train(config_path, reference, devices=8)
-  assert done.returncode == 0, done.stderr[-3000:]
-
+    config_path, multihost_reference, tmp_path):
+  reference = multihost_reference
   workdir = str(tmp_path / 'two_processes')
   pair = start_pair(config_path, workdir)
   wait_for_log(pair[0], 'step 2/')

@@ -30,6 +30,7 @@ def _prepare(config_path, workdir, *flags, part_size=None):
                         text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_two_hosts_prepare_and_training_reuses_the_stores(tmp_path):
   files = train_testlib.write_parallel_text(str(tmp_path))
   config_path = train_testlib.write_config_file(str(tmp_path / 'config.py'), files)
@@ -72,6 +73,7 @@ def test_two_hosts_prepare_and_training_reuses_the_stores(tmp_path):
     (['--workers=-1'], 'must be >= 0'),
     (['--config.prepare_workers=-2'], 'prepare_workers'),
 ])
+@pytest.mark.slow
 def test_bad_flags_fail_clearly(tmp_path, flags, message):
   files = train_testlib.write_parallel_text(str(tmp_path))
   config_path = train_testlib.write_config_file(str(tmp_path / 'config.py'), files)

@@ -12,12 +12,15 @@ import subprocess
 import threading
 import time
 
-import numpy as np
 import jax
+import numpy as np
+import pytest
 
 import train_testlib  # pylint: disable=wrong-import-position
 
 from transformer_jax import checkpointing  # pylint: disable=wrong-import-position
+
+pytestmark = pytest.mark.slow  # training through subprocesses, killed and resumed.
 
 STEPS = 12
 

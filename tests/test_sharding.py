@@ -17,6 +17,8 @@ import pytest
 
 import train_testlib  # pylint: disable=wrong-import-position
 
+pytestmark = pytest.mark.slow  # training on 8 devices through a subprocess.
+
 MESHES = {
     'data': {'data': 8, 'fsdp': 1, 'tensor': 1},
     'fsdp': {'data': 1, 'fsdp': 8, 'tensor': 1},

@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +165,26 @@ def read_metrics(workdir):
     return [json.loads(line) for line in f]
 
 
+def test_train_py_imports_neither_pytorch_nor_the_cloud_storage_client(tmp_path):
+  """tensorboardX imports both where they are installed (2 s of every start); the metrics
+  writer gives it neither, and they still import afterwards."""
+  code = ('import sys, importlib.util\n'
+          'from transformer_jax.commands import train\n'
+          'from transformer_jax import metrics_writer\n'
+          f'metrics_writer.MetricsWriter({str(tmp_path)!r}, total_steps=1, start_step=0,\n'
+          '                              enabled=True)\n'
+          'print(sorted(m for m in ("torch", "google.cloud.storage", "tensorboardX")\n'
+          '             if m in sys.modules))\n'
+          'import torch\n')
+  result = subprocess.run([sys.executable, '-c', code], cwd=train_testlib.REPO,
+                          env=train_testlib.subprocess_env(), capture_output=True, text=True,
+                          timeout=120)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.split('\n')[0] == "['tensorboardX']"
+  assert glob.glob(str(tmp_path / 'tensorboard' / 'events.out.tfevents.*'))
+
+
+@pytest.mark.slow
 def test_run_writes_metrics_tensorboard_and_checkpoints(finished_run):
   _, workdir, result = finished_run
   assert int(result.state.step) == 6 and not result.stopped_early
@@ -195,6 +216,7 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(finished_run):
   assert loading.load(workdir, step='best').step == best
 
 
+@pytest.mark.slow
 def test_profile_steps_trace_the_train_step(finished_run):
   _, workdir, _ = finished_run
   traces = glob.glob(os.path.join(workdir, 'profile', 'plugins', 'profile', '*', '*'))
@@ -229,6 +251,7 @@ def _fake_state(step):
                                 opt_state={'m': jnp.zeros(3)}, skipped_steps=jnp.int32(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('metric,kept,best', [('bleu', [2, 4, 6], 2), ('loss', [2, 3, 6], 3)])
 def test_the_best_checkpoints_are_kept_besides_the_latest(tmp_path, metric, kept, best):
   import grain  # pylint: disable=g-import-not-at-top
@@ -250,6 +273,7 @@ def test_the_best_checkpoints_are_kept_besides_the_latest(tmp_path, metric, kept
   assert step == best and float(params['w'][0]) == best
 
 
+@pytest.mark.slow
 def test_loading_for_inference_needs_only_the_workdir(finished_run, tmp_path):
   config, workdir, result = finished_run
   loaded = loading.load(workdir)
@@ -276,6 +300,7 @@ def test_loading_for_inference_needs_only_the_workdir(finished_run, tmp_path):
     checkpointing.restore_params(workdir, 5)
 
 
+@pytest.mark.slow
 def test_resuming_with_a_different_config_lists_the_fields(finished_run):
   config, workdir, _ = finished_run
   changed = train_testlib.small_config(
@@ -289,6 +314,7 @@ def test_resuming_with_a_different_config_lists_the_fields(finished_run):
   assert 'num_train_steps' not in message.split('Fields that may change')[0]
 
 
+@pytest.mark.slow
 def test_a_refused_resume_builds_nothing_first(finished_run):
   """Another vocabulary size would need a new vocabulary and token store: the resume is
   refused before they are built, and the work directory is left as it was."""
@@ -305,6 +331,7 @@ def test_a_refused_resume_builds_nothing_first(finished_run):
   assert after == before
 
 
+@pytest.mark.slow
 def test_init_from_starts_a_new_run_from_the_checkpoint_parameters(finished_run, tmp_path):
   config, workdir, _ = finished_run
   files = {k: config.text_files[k] for k in config.text_files}
@@ -333,6 +360,7 @@ def test_init_from_starts_a_new_run_from_the_checkpoint_parameters(finished_run,
   assert [m['step'] for m in read_metrics(tuned_dir) if m['split'] == 'train'] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_init_from_refuses_other_shapes_and_vocabularies_before_compiling(finished_run,
                                                                         tmp_path):
   config, workdir, _ = finished_run
@@ -393,6 +421,7 @@ def test_a_checkpoint_older_than_a_field_counts_as_its_legacy_value():
   assert checkpointing.config_differences(saved, config) == []
 
 
+@pytest.mark.slow
 def test_a_run_that_skips_every_update_stops_with_an_error(data_files, tmp_path):
   # A learning rate of 1e9 sends the parameters to infinity after the first update; from
   # then on every update is skipped and the parameters stay as they were.
@@ -419,6 +448,7 @@ class SignalAt(multihost.StopSignal):
     return super().should_stop(step)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_ctrl_c_save_that_step_and_stop(finished_run, tmp_path, signum):
   config, _, _ = finished_run
@@ -458,6 +488,7 @@ def config_file(data_files, tmp_path_factory):
   return train_testlib.write_config_file(path, data_files)
 
 
+@pytest.mark.slow
 def test_train_py_rejects_bad_setups_before_compiling(config_file, tmp_path):
   cases = {
       'unknown field': (['--config.no_such_field=1'], 'no_such_field is not a field'),

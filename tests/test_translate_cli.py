@@ -17,6 +17,8 @@ from test_translator import MAX_LEN
 from transformer_jax import attention_plot
 from transformer_jax import translator as translator_lib
 
+pytestmark = pytest.mark.slow  # translate.py with the trained fixture (run_dir).
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each entry is one input line's bytes (without its '\n').

@@ -154,6 +154,7 @@ def _model_level_searches(cfg, params, inputs, max_decode_len, beam_size):
   return greedy, beam
 
 
+@pytest.mark.slow
 def test_beam_size_one_is_greedy_search_on_the_model(loaded, run_dir):
   translator, checkpoint = loaded
   sources, _ = _test_sources(run_dir)
@@ -167,6 +168,7 @@ def test_beam_size_one_is_greedy_search_on_the_model(loaded, run_dir):
   assert np.mean(np.any(np.asarray(greedy_seqs) == EOS_ID, axis=1)) >= 0.75
 
 
+@pytest.mark.slow
 def test_search_in_phases_of_growing_cache_equals_one_loop(loaded, run_dir):
   """translator.search grows the caches in phases (16, 32, 40 positions here); one loop over
   a 40-position cache gives the same hypotheses and scores."""
@@ -192,6 +194,7 @@ def _teacher_forced_log_probs(cfg, params, inputs, sequences):
   return jnp.sum(jnp.where(sequences != PAD_ID, token, 0.0), axis=1)
 
 
+@pytest.mark.slow
 def test_beam_hypotheses_are_ordered_and_scored_by_the_full_forward_pass(loaded, run_dir):
   translator, checkpoint = loaded
   max_decode_len = 6  # Short enough that some hypotheses never finish.
@@ -241,6 +244,7 @@ def _beam_search_gathering_the_encoder_cache(cfg, params, inputs, max_decode_len
                             max_decode_len, alpha=0.6)
 
 
+@pytest.mark.slow
 def test_beam_search_over_the_shared_encoder_cache_equals_gathering_it(loaded, run_dir):
   translator, checkpoint = loaded
   cfg, params = checkpoint.model_config, checkpoint.params
@@ -257,13 +261,16 @@ def test_beam_search_over_the_shared_encoder_cache_equals_gathering_it(loaded, r
   np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
 
 
-def test_beam_search_loop_carries_no_encoder_keys_and_values(loaded):
-  _, checkpoint = loaded
-  cfg = checkpoint.model_config
+def test_beam_search_loop_carries_no_encoder_keys_and_values(tmp_path):
+  # The fixture's model, untrained: only the shapes in the search's loop matter.
+  cfg = TransformerConfig.from_config(fixture_config(str(tmp_path)), vocab_size=80)
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = jax.eval_shape(lambda: nn.unbox(
+      Transformer(cfg).init(jax.random.key(0), tokens, tokens)['params']))
   batch, source_length, max_decode_len, beam_size = 2, 7, 5, 3
   jaxpr = jax.make_jaxpr(functools.partial(
       translator_lib.search, cfg, options=translator_lib.DecodeOptions(beam_size=beam_size),
-      max_decode_len=max_decode_len))(checkpoint.params,
+      max_decode_len=max_decode_len))(params,
                                       jax.ShapeDtypeStruct((batch, source_length), jnp.int32))
   loops = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == 'while']
   assert len(loops) == 1
@@ -284,6 +291,7 @@ def test_beam_search_loop_carries_no_encoder_keys_and_values(loaded):
   assert carried.count((rows, heads, max_decode_len, head_dim)) == num_kv
 
 
+@pytest.mark.slow
 def test_cached_greedy_decoding_equals_rerunning_the_full_model(loaded, run_dir):
   translator, checkpoint = loaded
   cfg, params = checkpoint.model_config, checkpoint.params
@@ -301,16 +309,25 @@ def test_cached_greedy_decoding_equals_rerunning_the_full_model(loaded, run_dir)
   prefix = np.full((6, limit), 4, np.int32)
   done = np.zeros(6, bool)
   uncached = np.full((6, limit), PAD_ID, np.int32)
+  # The two paths round differently (1e-6): after a near-tie of the two best tokens a row
+  # may rightly go on either way, so each row is compared up to its first near-tie.
+  compared = np.full(6, limit)
   for t in range(limit):
     logits = np.array(full(jnp.asarray(prefix))[:, t])
     logits[:, PAD_ID] = -np.inf
     token = np.where(done, PAD_ID, np.argmax(logits, axis=-1))
+    top2 = np.sort(logits, axis=-1)[:, -2:]
+    near_tie = ~done & (top2[:, 1] - top2[:, 0] < 1e-3)
+    compared = np.where(near_tie & (compared == limit), t, compared)
     uncached[:, t] = token
     prefix[:, t] = np.where(done, 4, token)
     done |= token == EOS_ID
-  np.testing.assert_array_equal(cached, uncached)
+  for row in range(6):
+    np.testing.assert_array_equal(cached[row, :compared[row]], uncached[row, :compared[row]])
+  assert compared.sum() >= limit * 6 // 2, compared  # Most of the tokens were compared.
 
 
+@pytest.mark.slow
 def test_batches_keep_input_order_and_do_not_change_translations(loaded, run_dir):
   translator, _ = loaded
   sources, references = _test_sources(run_dir)
@@ -336,6 +353,7 @@ def test_batches_keep_input_order_and_do_not_change_translations(loaded, run_dir
   assert translator.num_compiled == compiled
 
 
+@pytest.mark.slow
 def test_translator_without_partitioner_gives_the_same_output(loaded, run_dir):
   translator, checkpoint = loaded
   sources, _ = _test_sources(run_dir)
@@ -352,6 +370,7 @@ def test_translator_without_partitioner_gives_the_same_output(loaded, run_dir):
   assert stats.tokens_per_second > 0 and stats.sentences_per_second > 0
 
 
+@pytest.mark.slow
 def test_long_sources_are_cut_to_max_len_and_outputs_are_limited(loaded):
   translator, checkpoint = loaded
   ids, cut = translator.encode_source(' '.join(['water'] * 40))
@@ -378,6 +397,7 @@ def test_decode_options_reject_bad_values():
     translator_lib.DecodeOptions(length_penalty_form='exp')
 
 
+@pytest.mark.slow
 def test_each_sentence_gets_its_own_output_limit(loaded, run_dir):
   """Source length + extra per sentence (the paper's), not per bucket: with extra 1, some
   outputs stop at exactly their own limit, below the bucket's (9 of these 24 did here)."""
@@ -402,6 +422,21 @@ def _short_sources(run_dir, tokenizer, count):
   return short
 
 
+def _assert_log_probs_are_the_models(checkpoint, translator, texts, lists):
+  """Each hypothesis's log_prob is log P(Y | X) by one full forward pass of the model."""
+  n = len(lists[0])
+  sources = _padded_inputs(checkpoint.tokenizer, [t for t in texts for _ in range(n)], 8)
+  flat = [h for hypotheses in lists for h in hypotheses]
+  outputs = np.full((len(flat), translator.max_decode_len(8)), PAD_ID, np.int32)
+  for row, h in enumerate(flat):
+    tokens = list(h.tokens) + ([EOS_ID] if h.length > len(h.tokens) else [])
+    outputs[row, :len(tokens)] = tokens
+  expected = _teacher_forced_log_probs(checkpoint.model_config, checkpoint.params, sources,
+                                       jnp.asarray(outputs))
+  np.testing.assert_allclose([h.log_prob for h in flat], expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
 def test_n_best_lists_the_beam_best_first_with_log_probabilities(loaded, run_dir):
   translator, checkpoint = loaded
   texts = _short_sources(run_dir, checkpoint.tokenizer, 4)
@@ -421,10 +456,14 @@ def test_n_best_lists_the_beam_best_first_with_log_probabilities(loaded, run_dir
     for h in hypotheses:  # log P(Y) = score * lp(|Y|), |Y| counting the EOS.
       lp = float(decode.length_penalty(h.length, options.length_penalty))
       assert h.log_prob == pytest.approx(h.score * lp, rel=1e-5)
+  # log P(Y) is the model's, by a full forward pass (the search derives it from the score,
+  # so the line above alone would hold whatever the score were).
+  _assert_log_probs_are_the_models(checkpoint, n_best, texts, lists[:-1])
   with pytest.raises(ValueError, match='raise beam_size to at least 4'):
     translator_lib.DecodeOptions(beam_size=3, n_best=4)
 
 
+@pytest.mark.slow
 def test_sampling_draws_n_samples_scored_by_the_model(loaded, run_dir):
   translator, checkpoint = loaded
   texts = _short_sources(run_dir, checkpoint.tokenizer, 4)
@@ -442,15 +481,7 @@ def test_sampling_draws_n_samples_scored_by_the_model(loaded, run_dir):
   other, _ = sampler(n_best=3, temperature=2.0, seed=2).translate_n_best(texts)
   assert other != samples
   # Each sample's log_prob is log P(Y | X) under the model, by a full forward pass.
-  sources = _padded_inputs(checkpoint.tokenizer, [t for t in texts for _ in range(3)], 8)
-  flat = [h for hypotheses in samples for h in hypotheses]
-  outputs = np.full((len(flat), hot.max_decode_len(8)), PAD_ID, np.int32)
-  for row, h in enumerate(flat):
-    tokens = list(h.tokens) + ([EOS_ID] if h.length > len(h.tokens) else [])
-    outputs[row, :len(tokens)] = tokens
-  expected = _teacher_forced_log_probs(checkpoint.model_config, checkpoint.params, sources,
-                                       jnp.asarray(outputs))
-  np.testing.assert_allclose([h.log_prob for h in flat], expected, rtol=1e-4, atol=1e-4)
+  _assert_log_probs_are_the_models(checkpoint, hot, texts, samples)
   # Temperature 0 is greedy search.
   cold, _ = sampler(temperature=0.0).translate(texts)
   greedy, _ = translator_lib.Translator(

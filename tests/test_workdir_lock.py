@@ -72,6 +72,7 @@ def test_heartbeat_touches_and_release_spares_a_lock_taken_over(tmp_path):
   assert path.exists()  # Not ours any more: left alone.
 
 
+@pytest.mark.slow
 def test_two_train_py_on_one_workdir(tmp_path):
   """A real second process refuses while the first runs; after the first is killed with
   SIGKILL (its lock left behind), a restart takes the lock over and finishes."""

@@ -98,6 +98,9 @@ def subprocess_env(devices: int = 1, *, fast_compile: bool = True) -> dict[str, 
   return env
 
 
+MULTIHOST_STEPS = 8  # Steps of the multi-process tests' runs (conftest.multihost_config).
+
+
 def multihost_config(directory, steps: int) -> str:
   """The config file of the multi-process tests: `steps` steps, a checkpoint every 4."""
   files = write_parallel_text(str(directory))
