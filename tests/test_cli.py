@@ -14,6 +14,7 @@ import time
 import pytest
 
 import train_testlib
+from transformer_jax import cli
 from transformer_jax import errors
 
 REPO = train_testlib.REPO
@@ -193,6 +194,8 @@ def test_user_errors_are_found_through_wrapping_exceptions():
     ('average_checkpoints.py', ('--workdir', '--output_workdir', '--verbose')),
     ('import_marian.py', ('--model_dir', '--workdir', '--verbose')),
     ('export_marian.py', ('--workdir', '--step', '--output_dir', '--verbose')),
+    ('compile.py', ('--config', '--topology', '--json', '--search_batch', '--[no]verbose')),
+    ('prepare_data.py', ('--config', '--workdir', '--splits', '--num_hosts', '--[no]verbose')),
 ])
 def test_help_lists_each_commands_own_flags(script, own_flags):
   result = _command(script, '--help', timeout=120)
@@ -245,6 +248,14 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
   assert 'did not provide metrics' not in result.stderr  # Orbax's warning at every save.
   assert (checkpoints / '4.damaged').is_dir()  # Kept, renamed.
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit())[-1] == '6'
+
+
+def test_an_input_line_loses_its_ending_and_bad_bytes_are_replaced_and_flagged():
+  assert cli.decode_line(b'hola\r\n') == ('hola', False)
+  assert cli.decode_line(b'sin final') == ('sin final', False)
+  assert cli.decode_line('a\u00f1o\n'.encode()) == ('a\u00f1o', False)
+  # Latin-1, not UTF-8: still one line of text, with what could not be read marked.
+  assert cli.decode_line(b'a\xf1o\n') == ('a\ufffdo', True)
 
 
 def test_checksums_catch_a_flipped_bit_and_swapped_words():

@@ -73,6 +73,31 @@ def test_paired_bootstrap_separates_a_better_system():
   assert 'bs:200' in result['bleu']['signature']
 
 
+def test_the_average_of_the_last_checkpoints_is_their_mean_in_their_dtypes(tmp_path):
+  """Parameters of any tree, any dtype: summed in float32, returned in each leaf's dtype."""
+  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from transformer_jax.tokenizer import train_tokenizer  # pylint: disable=g-import-not-at-top
+  tokenizer = train_tokenizer([f'word{i} other{i % 7} thing' for i in range(200)],
+                              str(tmp_path / 'spm.model'), vocab_size=60)
+  meta = checkpointing.make_meta(tiny.get_config(), tokenizer)
+  rng, workdir, saved = np.random.default_rng(0), str(tmp_path / 'run'), {}
+  for step in (1, 2, 3):
+    saved[step] = {'dense': {'kernel': rng.normal(size=(3, 4)).astype(np.float32)},
+                   'norm': {'scale': rng.normal(size=(4,)).astype(jax.numpy.bfloat16)}}
+    checkpointing.write_params_checkpoint(workdir, step, saved[step], meta)
+  assert averaging.last_steps(workdir, 2) == [2, 3]
+  averaged = averaging.average_params(workdir, [2, 3])
+  for path in (('dense', 'kernel'), ('norm', 'scale')):
+    got = averaged[path[0]][path[1]]
+    want = [saved[s][path[0]][path[1]] for s in (2, 3)]
+    assert got.dtype == want[0].dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32),
+                               (want[0].astype(np.float32) + want[1].astype(np.float32)) / 2,
+                               rtol=1e-2 if got.dtype != np.float32 else 1e-6)
+  with pytest.raises(ValueError, match='No checkpoint steps'):
+    averaging.average_params(workdir, [])
+
+
 @pytest.mark.slow
 def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
   steps = averaging.last_steps(run_dir, 2)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from transformer_jax import attention
 from transformer_jax import losses
 from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
 from transformer_jax.models import Transformer
@@ -49,6 +50,18 @@ def _params(cfg):
 @pytest.fixture(params=sorted(VARIANTS))
 def variant(request):
   return VARIANTS[request.param]
+
+
+def test_alibi_slopes_and_bias_are_press_et_als():
+  """The geometric slopes 2^(-8i/n), and for a head count that is not a power of two the
+  closest power's slopes plus every other slope of twice as many (Press et al. 2021, 3.1)."""
+  np.testing.assert_allclose(attention.alibi_slopes(8), 2.0 ** -np.arange(1, 9))
+  np.testing.assert_allclose(attention.alibi_slopes(6),
+                             [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
+  positions = jnp.arange(4)[None]
+  bias = attention.alibi_bias(2, positions, positions)  # [1, heads, q, kv]
+  np.testing.assert_allclose(bias[0, 1], -(2.0**-8) * np.abs(np.subtract.outer(
+      np.arange(4), np.arange(4))), rtol=1e-6)
 
 
 def test_changing_a_target_token_changes_no_earlier_logit(variant):

@@ -24,6 +24,7 @@ from transformer_jax import checkpointing
 from transformer_jax import errors
 from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import loading
+from transformer_jax import metrics_writer
 from transformer_jax import models
 from transformer_jax import multihost
 from transformer_jax import optimizer
@@ -163,6 +164,41 @@ def finished_run(data_files, tmp_path_factory):
 def read_metrics(workdir):
   with open(os.path.join(workdir, 'metrics.jsonl')) as f:
     return [json.loads(line) for line in f]
+
+
+def test_a_logging_interval_becomes_means_and_rates():
+  """Step metrics arrive as sums over the interval's steps; the summary divides them by the
+  tokens, the steps and the timed seconds (the first, compiling steps not timed)."""
+  step = {'loss': 6.0, 'nll': 4.0, 'correct': 1.0, 'tokens': 4.0, 'source_tokens': 6.0,
+          'slots': 16.0, 'grad_norm': 2.0}
+  sums = metrics_writer.sum_metrics([step, step])
+  summary = metrics_writer.summarize_train(
+      sums, steps=2, last={'learning_rate': 0.5}, skipped_total=1, timed=step, seconds=2.0,
+      flops=1e9, peak_flops=1e10, data_wait_seconds=0.5)
+  assert summary['loss'] == 1.5 and summary['accuracy'] == 0.25
+  assert summary['perplexity'] == pytest.approx(np.e)
+  assert summary['grad_norm'] == 2.0 and summary['learning_rate'] == 0.5
+  assert summary['padding_share'] == pytest.approx(1 - 20 / 32)
+  assert summary['tokens_per_second'] == 5.0 and summary['target_tokens_per_second'] == 2.0
+  assert summary['mfu'] == pytest.approx(0.05) and summary['data_wait_share'] == 0.25
+  assert summary['skipped_steps'] == 1.0
+  untimed = metrics_writer.summarize_train(sums, steps=2, last={'learning_rate': 0.5},
+                                           skipped_total=0)
+  assert 'tokens_per_second' not in untimed and 'mfu' not in untimed
+
+
+def test_validation_sums_every_batch_up_to_the_limit(harness):
+  batches = [{'tokens': np.full((1, 1), n)} for n in (1, 2, 4, 8)]
+  seen = []
+
+  def eval_step(params, batch):
+    seen.append(int(np.asarray(batch['tokens']).sum()))
+    n = float(seen[-1])
+    return {'loss': 2 * n, 'nll': 0.0, 'correct': n / 2, 'tokens': n}
+  metrics = train_loop.evaluate(eval_step, None, batches, harness.partitioner, max_batches=3)
+  assert seen == [1, 2, 4]
+  assert metrics == {'loss': 2.0, 'perplexity': 1.0, 'accuracy': 0.5, 'tokens': 7.0}
+  assert train_loop.evaluate(eval_step, None, batches, harness.partitioner)['tokens'] == 15.0
 
 
 def test_train_py_imports_neither_pytorch_nor_the_cloud_storage_client(tmp_path):

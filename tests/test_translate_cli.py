@@ -17,8 +17,6 @@ from test_translator import MAX_LEN
 from transformer_jax import attention_plot
 from transformer_jax import translator as translator_lib
 
-pytestmark = pytest.mark.slow  # translate.py with the trained fixture (run_dir).
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Each entry is one input line's bytes (without its '\n').
@@ -69,6 +67,7 @@ def file_run(run_dir, mixed_file, tmp_path_factory):
   return output.read_bytes(), result.stderr.decode()
 
 
+@pytest.mark.slow
 def test_every_input_line_gives_one_output_line_in_order(loaded, file_run):
   translator, _ = loaded
   output, stderr = file_run
@@ -88,6 +87,7 @@ def test_every_input_line_gives_one_output_line_in_order(loaded, file_run):
   assert f'{len(MIXED_LINES)} lines' in stderr and 'sentences/s' in stderr
 
 
+@pytest.mark.slow
 def test_stdin_on_two_devices_gives_the_same_lines(run_dir, mixed_file, file_run):
   with open(mixed_file, 'rb') as f:
     data = f.read()
@@ -97,6 +97,7 @@ def test_stdin_on_two_devices_gives_the_same_lines(run_dir, mixed_file, file_run
   assert b'sentences/s' not in result.stderr
 
 
+@pytest.mark.slow
 def test_attention_heatmap_of_one_sentence(run_dir, file_run, tmp_path):
   image = tmp_path / 'attention.png'
   result = _translate('--text=the cat sees a dog', f'--attention_plot={image}',
@@ -107,6 +108,25 @@ def test_attention_heatmap_of_one_sentence(run_dir, file_run, tmp_path):
   assert image.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+def test_a_heatmap_shows_each_head_or_their_mean_with_the_labels(tmp_path):
+  weights = np.random.default_rng(0).dirichlet(np.ones(3), size=(2, 4))  # [heads, out, src]
+  source, output = ['a', 'b', '</s>'], ['x', 'y', 'z', '</s>']
+  fig = attention_plot.plot(weights, source, output, str(tmp_path / 'all.png'), heads='all',
+                            title='layer 0')
+  panels = [ax for ax in fig.axes if ax.images]
+  assert len(panels) == 2 and (tmp_path / 'all.png').read_bytes()[:4] == b'\x89PNG'
+  for head, ax in enumerate(panels):
+    np.testing.assert_array_equal(ax.images[0].get_array(), weights[head])
+    assert [t.get_text() for t in ax.get_xticklabels()] == source
+  plt.close(fig)
+  fig = attention_plot.plot(weights, source, output, str(tmp_path / 'one.svg'), heads=1)
+  assert (tmp_path / 'one.svg').read_text().lstrip().startswith('<?xml')
+  plt.close(fig)
+  with pytest.raises(ValueError, match='but there are 4 output and 2 source labels'):
+    attention_plot.plot(weights, source[:2], output, str(tmp_path / 'bad.png'))
+
+
+@pytest.mark.slow
 def test_cross_attention_weights_and_labels(loaded, tmp_path):
   translator, checkpoint = loaded
   source = checkpoint.tokenizer.encode('the cat sees a dog')
@@ -145,6 +165,7 @@ def test_cross_attention_weights_and_labels(loaded, tmp_path):
     (['--step=latest'], "must be a step number or 'best'"),
     (['--step=best'], 'saved with validation bleu'),  # The fixture has no metrics.
 ])
+@pytest.mark.slow
 def test_bad_requests_exit_with_code_2(run_dir, flags, message):
   env = train_testlib.subprocess_env(fast_compile=False)
   if not any(f.startswith('--workdir') for f in flags):
@@ -173,6 +194,7 @@ def _n_best_lines(output: str) -> list[tuple[int, str, float, float]]:
   return rows
 
 
+@pytest.mark.slow
 def test_n_best_and_sampling_write_k_scored_lines_per_input(run_dir):
   stdin = b'the cat sees a dog\n\nsmall child\n'
   beam = _translate('--n_best=2', run_dir=run_dir, stdin=stdin)
@@ -194,12 +216,14 @@ def test_n_best_and_sampling_write_k_scored_lines_per_input(run_dir):
   assert all(r[1] for r in rows if r[0] != 1) and all(r[2] < 0 for r in rows if r[0] != 1)
 
 
+@pytest.mark.slow
 def test_closed_stdin_is_no_input(run_dir):
   result = _shell('{translate} <&-', run_dir)
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout == '' and 'Traceback' not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_closed_output_pipe_ends_quietly(run_dir, tmp_path):
   lines = tmp_path / 'many.txt'
   lines.write_text('the cat sees a dog\nsmall child\n' * 20)
@@ -210,6 +234,7 @@ def test_a_closed_output_pipe_ends_quietly(run_dir, tmp_path):
   assert result.returncode in (0, 141), result.stderr[-3000:]  # 141: like SIGPIPE's death.
 
 
+@pytest.mark.slow
 def test_output_paths_are_checked_before_the_model_loads(run_dir, tmp_path):
   """Each bad path: exit 2, one paragraph naming it and the fix, and nothing lost."""
   text = tmp_path / 'input.txt'
@@ -242,6 +267,7 @@ def test_output_paths_are_checked_before_the_model_loads(run_dir, tmp_path):
   assert text.read_text(encoding='utf-8') == 'the cat sees a dog\n'
 
 
+@pytest.mark.slow
 def test_an_output_file_is_replaced_whole(run_dir, mixed_file, tmp_path):
   """--output over an existing file: the new lines replace it in one rename, no temporary
   is left, and a killed writer's temporary there is cleaned up by the next run."""
