@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+import train_testlib
 from test_translator import build_test_run
 
 
@@ -36,7 +37,6 @@ def run_dir(tmp_path_factory) -> str:
 def multihost_config(tmp_path_factory) -> str:
   """The config file of the multi-process tests (test_multihost, test_launchers): 8 steps, a
   checkpoint every 4."""
-  import train_testlib  # pylint: disable=g-import-not-at-top
   return train_testlib.multihost_config(tmp_path_factory.mktemp('multihost'),
                                         train_testlib.MULTIHOST_STEPS)
 
@@ -45,7 +45,6 @@ def multihost_config(tmp_path_factory) -> str:
 def multihost_reference(multihost_config, tmp_path_factory) -> str:
   """The work directory of `multihost_config` trained by one process with 8 devices: what a
   job of several processes must reproduce."""
-  import train_testlib  # pylint: disable=g-import-not-at-top
   workdir = str(tmp_path_factory.mktemp('one_process') / 'run')
   done = train_testlib.run_train(multihost_config, workdir, devices=8)
   assert done.returncode == 0, done.stderr[-3000:]

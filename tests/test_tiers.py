@@ -42,21 +42,21 @@ def _imports(tree: ast.Module, modules: set[str]) -> dict[str, str]:
   return names
 
 
-def _used(node: ast.AST, imports: dict[str, str], functions: dict[str, ast.AST],
-          seen: set[str]) -> set[str]:
+def _used(node: ast.AST, modules: set[str], imports: dict[str, str],
+          functions: dict[str, ast.AST], seen: set[str]) -> set[str]:
   """The package modules `node` uses, through the file's functions it calls."""
   used = set()
   for child in ast.walk(node):
     if (isinstance(child, ast.Attribute) and isinstance(child.value, ast.Name)
         and child.value.id in imports
-        and f'transformer_jax.{child.attr}' in package_modules()):  # ip.token_store
+        and f'transformer_jax.{child.attr}' in modules):  # ip.token_store
       used.add(f'transformer_jax.{child.attr}')
     if isinstance(child, ast.Name):
       if child.id in imports:
         used.add(imports[child.id])
       elif child.id in functions and child.id not in seen:
         seen.add(child.id)
-        used |= _used(functions[child.id], imports, functions, seen)
+        used |= _used(functions[child.id], modules, imports, functions, seen)
     elif isinstance(child, ast.Constant) and isinstance(child.value, str):
       script = os.path.basename(child.value)
       if script.endswith('.py') and os.path.exists(
@@ -81,7 +81,7 @@ def quick_tier_modules() -> set[str]:
                  if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
     for name, function in functions.items():
       if name.startswith('test_') and not any(map(_is_slow_mark, function.decorator_list)):
-        used |= _used(function, imports, functions, {name})
+        used |= _used(function, modules, imports, functions, {name})
   return used
 
 
