@@ -394,11 +394,16 @@ def _own_checkpoint(root, **fields) -> str:
                      target_lang='fr', max_len=64, **fields))
   model_config = TransformerConfig.from_config(config, tokenizer.vocab_size)
   tokens = jnp.ones((1, 4), jnp.int32)
-  params = nn.unbox(Transformer(model_config).init(jax.random.key(3), tokens, tokens)['params'])
-  # Larger, non-trivial weights: outputs that depend on the input.
-  params = jax.tree_util.tree_map_with_path(
-      lambda path, x: x * 3 + 0.1 * jax.random.normal(jax.random.key(len(str(path))), x.shape),
-      params)
+
+  @jax.jit  # One program, not hundreds of eager operations to compile.
+  def make_params():
+    params = nn.unbox(Transformer(model_config).init(jax.random.key(3), tokens, tokens)[
+        'params'])
+    # Larger, non-trivial weights: outputs that depend on the input.
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: x * 3 + 0.1 * jax.random.normal(jax.random.key(len(str(path))),
+                                                        x.shape), params)
+  params = make_params()
   if model_config.decoder_start == 'zero':  # As training keeps it (`models.Embed`).
     params['shared_embedding']['embedding'] = (
         params['shared_embedding']['embedding'].at[PAD_ID].set(0))
