@@ -5,6 +5,8 @@
 #
 #   bash scripts/main_job.sh                 # WORKDIR defaults to ./workdir/bible_en_es
 #   WORKDIR=/tmp/run bash scripts/main_job.sh --config.num_train_steps=200   # extra flags go to train.py
+#
+# Ctrl-C during training saves a checkpoint and stops the job; rerunning it resumes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WORKDIR=${WORKDIR:-workdir/bible_en_es}

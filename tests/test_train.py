@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -495,11 +496,55 @@ def test_sigterm_and_ctrl_c_save_that_step_and_stop(finished_run, tmp_path, sign
   finally:
     stop.close()
   assert stopped.stopped_early and int(stopped.state.step) == 3
+  assert stopped.interrupted == (signum == signal.SIGINT)  # train.py then exits 130, not 0.
   # Step 3 is not a regular save step (every 2), and it is complete on return.
   assert checkpointing.list_steps(workdir) == [3]
   logged = [m['step'] for m in read_metrics(workdir) if m['split'] == 'train']
   assert logged == [1, 2, 3]
   assert signal.getsignal(signum) is not stop._on_signal  # pylint: disable=protected-access
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_exits_130_and_stops_the_script_and_a_rerun_resumes(data_files, tmp_path):
+  """Ctrl-C in a terminal (SIGINT to the whole process group) while a `set -e` script runs
+  train.py: it saves that step and exits 130, so the script stops before its next command
+  (with exit 0 bash would go on, as scripts/main_job.sh went on to evaluate); the same
+  command then resumes from that step."""
+  config = train_testlib.write_config_file(str(tmp_path / 'config.py'), data_files,
+                                           num_train_steps=100_000,
+                                           checkpoint_every_steps=100_000)
+  workdir = tmp_path / 'run'
+  train = [sys.executable, os.path.join(train_testlib.REPO, 'train.py'), f'--config={config}',
+           f'--workdir={workdir}']
+  script = tmp_path / 'job.sh'
+  script.write_text('set -euo pipefail\n"$@"\necho NEXT\n')
+  job = subprocess.Popen(['bash', str(script), *train], cwd=train_testlib.REPO,
+                         env=train_testlib.subprocess_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+  try:
+    metrics = workdir / 'metrics.jsonl'
+    deadline = time.monotonic() + 300
+    # A logged step: training runs, with the signal handler in place.
+    while not (metrics.exists() and metrics.read_text().strip()):
+      assert job.poll() is None, job.communicate()[1][-3000:]
+      assert time.monotonic() < deadline, 'train.py logged no step in 300 s'
+      time.sleep(0.2)
+    os.killpg(job.pid, signal.SIGINT)
+    out, err = job.communicate(timeout=300)
+  finally:
+    if job.poll() is None:
+      os.killpg(job.pid, signal.SIGKILL)
+  assert job.returncode == 130 and 'NEXT' not in out, (job.returncode, out, err[-3000:])
+  assert 'interrupted by Ctrl-C' in err and 'Traceback' not in err, err[-3000:]
+  saved = checkpointing.list_steps(str(workdir))
+  assert len(saved) == 1, saved
+  resumed = subprocess.run([*train, f'--config.num_train_steps={saved[0] + 1}'],
+                           cwd=train_testlib.REPO, env=train_testlib.subprocess_env(),
+                           capture_output=True, text=True, timeout=300)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert checkpointing.list_steps(str(workdir))[-1] == saved[0] + 1
+  logged = [m['step'] for m in read_metrics(str(workdir)) if m['split'] == 'train']
+  assert logged == list(range(1, saved[0] + 2)), logged  # Each step once: resumed, not redone.
 
 
 def test_a_second_ctrl_c_interrupts_at_once():

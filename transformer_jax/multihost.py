@@ -189,6 +189,7 @@ class StopSignal:
 
   def __init__(self):
     self._requested = threading.Event()
+    self._signum = None
     self._multiprocess = jax.process_count() > 1
     self._previous_handlers = {}
     if not self._multiprocess and threading.current_thread() is threading.main_thread():
@@ -206,7 +207,15 @@ class StopSignal:
             'to stop at once, without saving).', file=sys.stderr, flush=True)
     logging.warning('Received signal %d: saving a checkpoint after this step, then '
                     'stopping.', signum)
+    if self._signum is None:
+      self._signum = signum
     self._requested.set()
+
+  @property
+  def interrupted(self) -> bool:
+    """True when the stop came from Ctrl-C (SIGINT), which the command reports as an
+    interruption; a scheduler's SIGTERM is a normal end."""
+    return self._signum == signal.SIGINT
 
   def should_stop(self, step: int) -> bool:
     """True at the step where every process must save and stop."""

@@ -60,13 +60,16 @@ class TrainResult:
 
   Attributes:
     state: the final train state.
-    stopped_early: True when a stop signal (SIGTERM) ended it before `num_train_steps`.
+    stopped_early: True when a stop signal (SIGTERM or Ctrl-C) ended it before
+      `num_train_steps`, after saving that step.
     eval_metrics: the last validation metrics, if any were computed.
+    interrupted: True when that signal was Ctrl-C (SIGINT).
   """
 
   state: train_steps.TrainState
   stopped_early: bool
   eval_metrics: dict[str, float] | None
+  interrupted: bool = False
 
 
 def evaluate(eval_step: Callable, params: Any, batches: Iterable[Mapping[str, np.ndarray]],
@@ -504,7 +507,8 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
                    jax.process_index())
       writer.log(f'Stop requested: saved step {done}; rerun the same command to resume.')
       break
-  return TrainResult(state=state, stopped_early=stopped, eval_metrics=eval_metrics)
+  return TrainResult(state=state, stopped_early=stopped, eval_metrics=eval_metrics,
+                     interrupted=stopped and stop_signal.interrupted)
 
 
 class StepProfiler:

@@ -10,7 +10,8 @@ coordinator is found automatically, elsewhere pass --coordinator_address=HOST:PO
 
 Exit codes: 0 finished or stopped by SIGTERM after saving; 1 an unexpected error or a
 non-finite loss with nonfinite='stop'; 2 a config, flag, data, checkpoint, work-directory or
-full-disk problem (explained in one paragraph; the traceback only with --verbose).
+full-disk problem (explained in one paragraph; the traceback only with --verbose); 130
+interrupted by Ctrl-C (after saving that step, so a script that runs train.py stops too).
 """
 
 import sys
@@ -58,6 +59,10 @@ def main(argv: list[str]) -> None:
   except train_loop.NonFiniteError as e:
     print(f'train.py: stopped: {e}', file=sys.stderr)
     sys.exit(1)
+  if result.interrupted:
+    print(f'train.py: interrupted by Ctrl-C at step {int(result.state.step)}, after saving '
+          'its checkpoint; rerun the same command to resume.', file=sys.stderr)
+    sys.exit(130)
   if result.stopped_early:
     logging.info('Stopped at step %d on request; the checkpoint is complete.',
                  int(result.state.step))
