@@ -250,6 +250,21 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
   assert sorted(p.name for p in checkpoints.iterdir() if p.name.isdigit())[-1] == '6'
 
 
+def test_a_folder_named_like_a_shipped_config_does_not_shadow_it(tmp_path, monkeypatch):
+  """`--config=tiny` from a directory that holds `tiny/` (left by `--workdir=tiny`) is still
+  configs/tiny.py; a folder given as the config file is named as one."""
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / 'tiny').mkdir()
+  assert cli._shipped_config(['train.py', '--config=tiny']) == [  # pylint: disable=protected-access
+      'train.py', f'--config={os.path.join(cli.configs_directory(), "tiny.py")}']
+  (tmp_path / 'mine').mkdir()
+  argv = ['train.py', '--config=mine']
+  assert cli._shipped_config(argv) == argv  # pylint: disable=protected-access
+  message = cli._config_file_error(argv, IsADirectoryError(21, 'Is a directory'))  # pylint: disable=protected-access
+  assert message.startswith('--config=mine is a directory; pass a config file'), message
+  assert 'tiny' in message
+
+
 def test_an_input_line_loses_its_ending_and_bad_bytes_are_replaced_and_flagged():
   assert cli.decode_line(b'hola\r\n') == ('hola', False)
   assert cli.decode_line(b'sin final') == ('sin final', False)

@@ -80,11 +80,12 @@ def _config_file_error(argv: list[str], error: BaseException) -> str | None:
   if 'get_config' in text:
     return (f'--config={path} has no get_config() function; a config file defines '
             '`def get_config():` returning an ml_collections.ConfigDict (see configs/tiny.py).')
-  if isinstance(error, (FileNotFoundError, IOError)) and not os.path.exists(path):
+  if isinstance(error, (FileNotFoundError, IOError)) and not os.path.isfile(path):
     shipped = configs_directory()
     names = sorted(n[:-3] for n in os.listdir(shipped) if n.endswith('.py')
                    and not n.startswith('_')) if shipped else []
-    return (f'--config={path} does not exist; pass a config file, or the name of a shipped '
+    problem = 'is a directory' if os.path.isdir(path) else 'does not exist'
+    return (f'--config={path} {problem}; pass a config file, or the name of a shipped '
             f'one: {", ".join(names)}.')
   return None
 
@@ -102,14 +103,15 @@ def configs_directory() -> str | None:
 
 def _shipped_config(argv: list[str]) -> list[str]:
   """`--config=NAME` (no such file, no directory part) names a shipped config file:
-  `--config=bible_en_es` is configs/bible_en_es.py wherever the package is installed."""
+  `--config=bible_en_es` is configs/bible_en_es.py wherever the package is installed, even
+  where the current directory holds a folder of that name (a work directory, say)."""
   directory = configs_directory()
   out = []
   for arg in argv:
     if arg.startswith('--config='):
       value = arg.split('=', 1)[1]
       name = value if value.endswith('.py') else value + '.py'
-      if (directory and not os.path.exists(value) and os.sep not in value
+      if (directory and not os.path.isfile(value) and os.sep not in value
           and os.path.isfile(os.path.join(directory, name))):
         arg = f'--config={os.path.join(directory, name)}'
     out.append(arg)
