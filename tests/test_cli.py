@@ -4,12 +4,14 @@ no traceback (unless --verbose). One test per kind of bad input; `cli.py` is the
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
@@ -263,6 +265,24 @@ def test_a_folder_named_like_a_shipped_config_does_not_shadow_it(tmp_path, monke
   message = cli._config_file_error(argv, IsADirectoryError(21, 'Is a directory'))  # pylint: disable=protected-access
   assert message.startswith('--config=mine is a directory; pass a config file'), message
   assert 'tiny' in message
+
+
+def test_orbax_warnings_about_what_the_commands_mean_to_do_are_dropped(monkeypatch):
+  """Read-only opens and partial restores (24 lines of average_checkpoints.py) go; orbax's
+  other warnings stay; nothing of another library is touched."""
+  monkeypatch.setattr(cli, 'VERBOSE', types.SimpleNamespace(value=False))  # No --verbose.
+  def record(path, level, message):
+    return logging.LogRecord('absl', level, path, 1, message, None, None)
+  orbax = '/site-packages/orbax/checkpoint/checkpoint_manager.py'
+  for message in ('Given directory is read only=/runs/x/checkpoints',
+                  'CheckpointManagerOptions.read_only=True, setting save_interval_steps=0.',
+                  'Item "params" was found in the checkpoint, but could not be restored. '
+                  'Please provide a `CheckpointHandlerRegistry`'):
+    assert not cli._quiet_orbax(record(orbax, logging.WARNING, message)), message  # pylint: disable=protected-access
+  assert cli._quiet_orbax(record(orbax, logging.WARNING, 'Something else went wrong'))  # pylint: disable=protected-access
+  assert not cli._quiet_orbax(record(orbax, logging.INFO, 'Saving checkpoint'))  # pylint: disable=protected-access
+  assert cli._quiet_orbax(record('/site-packages/jax/x.py', logging.WARNING,  # pylint: disable=protected-access
+                                 'Given directory is read only'))
 
 
 def test_an_input_line_loses_its_ending_and_bad_bytes_are_replaced_and_flagged():

@@ -190,11 +190,19 @@ def run(main: Callable[[list[str]], Any]) -> None:
   app.run(guarded, flags_parser=parse_flags)
 
 
+# Orbax warnings about what the commands do on purpose: checkpoints saved between evaluations
+# carry no metrics; reading opens the checkpoints read-only; a restore of some items leaves
+# the others ("Item ... was found in the checkpoint, but could not be restored").
+_EXPECTED_ORBAX_WARNINGS = ('did not provide metrics', 'Given directory is read only',
+                            'read_only=True, setting save_interval_steps=0',
+                            'was found in the checkpoint, but could not be restored')
+
+
 def _quiet_orbax(record: std_logging.LogRecord) -> bool:
   """Drops orbax's INFO lines (dozens a save) and, without --verbose, the errors its
-  background threads log (each also reaches the main thread, which reports it); its
-  warnings still show, but for one that every checkpoint saved between evaluations (without
-  validation metrics, on purpose) would repeat."""
+  background threads log (each also reaches the main thread, which reports it) and its
+  warnings about what the commands do on purpose (`_EXPECTED_ORBAX_WARNINGS`); its other
+  warnings still show."""
   if '/orbax/' not in record.pathname:
     # An orbax failure can also arrive through asyncio ("Task exception was never
     # retrieved") with orbax's frames in its traceback.
@@ -204,7 +212,7 @@ def _quiet_orbax(record: std_logging.LogRecord) -> bool:
     return not from_orbax or VERBOSE.value
   if record.levelno >= std_logging.ERROR:
     return VERBOSE.value
-  if 'did not provide metrics' in record.getMessage():
+  if any(phrase in record.getMessage() for phrase in _EXPECTED_ORBAX_WARNINGS):
     return VERBOSE.value
   return record.levelno >= std_logging.WARNING
 
