@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import pathlib
 
 import jax
 import pytest
 
-import train_testlib
-from test_translator import build_test_run
+# Before anything compiles: LLVM's optimization off for every program the tests compile, in
+# this process and in the commands they start (which inherit XLA_FLAGS). The HLO programs,
+# and so what the tests check, are unchanged; the machine code is less tuned and compiles in
+# about 2/3 of the CPU time (bench/RESULTS.md, Test suite). Both sides of every comparison
+# are compiled alike, here or in a subprocess.
+os.environ['XLA_FLAGS'] = ' '.join(
+    [*os.environ.get('XLA_FLAGS', '').split(), '--xla_backend_optimization_level=0'])
+
+import train_testlib  # noqa: E402 (after XLA_FLAGS)
+from test_translator import build_test_run  # noqa: E402
 
 
 # Fixtures that start a service or train a model: a test that uses one is slow (pytest.ini).
@@ -41,28 +52,50 @@ def pytest_collection_modifyitems(items):
         '@pytest.mark.slow (docs/developing.md, the tiers):\n  ' + '\n  '.join(unmarked))
 
 
+@contextlib.contextmanager
+def made_once(tmp_path_factory, name: str):
+  """A directory `name` that every worker of this run (`-n`) shares, held under a lock while
+  the caller makes its contents: the first worker makes them, the others wait and find them
+  made (the caller checks for its own completion marker). Without xdist, this session's."""
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    base = base.parent  # pytest-N/, the parent of every worker's popen-gwN/.
+  path = pathlib.Path(base, name)
+  path.mkdir(exist_ok=True)
+  with open(base / f'{name}.lock', 'w') as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    yield path
+
+
 @pytest.fixture(scope='session')
 def run_dir(tmp_path_factory) -> str:
-  """The work directory of the tiny trained translation model (trained once a session)."""
-  return build_test_run(str(tmp_path_factory.getbasetemp() / 'translator_test_run'))
+  """The work directory of the tiny trained translation model (trained once a run)."""
+  with made_once(tmp_path_factory, 'translator_test_run') as root:
+    return build_test_run(str(root))
 
 
 @pytest.fixture(scope='session')
 def multihost_config(tmp_path_factory) -> str:
-  """The config file of the multi-process tests (test_multihost, test_launchers): 8 steps, a
-  checkpoint every 4."""
-  return train_testlib.multihost_config(tmp_path_factory.mktemp('multihost'),
-                                        train_testlib.MULTIHOST_STEPS)
+  """The config file of the multi-process tests (test_multihost, test_launchers, test_gcs):
+  8 steps, a checkpoint every 4."""
+  with made_once(tmp_path_factory, 'multihost') as directory:
+    path = directory / 'config.py'
+    if not path.exists():
+      train_testlib.multihost_config(directory, train_testlib.MULTIHOST_STEPS)
+    return str(path)
 
 
 @pytest.fixture(scope='session')
 def multihost_reference(multihost_config, tmp_path_factory) -> str:
   """The work directory of `multihost_config` trained by one process with 8 devices: what a
-  job of several processes must reproduce."""
-  workdir = str(tmp_path_factory.mktemp('one_process') / 'run')
-  done = train_testlib.run_train(multihost_config, workdir, devices=8)
-  assert done.returncode == 0, done.stderr[-3000:]
-  return workdir
+  job of several processes must reproduce (trained once a run)."""
+  with made_once(tmp_path_factory, 'one_process') as directory:
+    workdir, done_marker = directory / 'run', directory / 'DONE'
+    if not done_marker.exists():
+      done = train_testlib.run_train(multihost_config, str(workdir), devices=8)
+      assert done.returncode == 0, done.stderr[-3000:]
+      done_marker.touch()
+    return str(workdir)
 
 
 @pytest.fixture(scope='session')

@@ -24,7 +24,7 @@ def _compile(*flags, python=sys.executable, devices=1, timeout=600):
   return subprocess.run(
       [python, COMPILE, '--config=configs/tiny.py', *flags], capture_output=True, text=True,
       timeout=timeout, cwd=train_testlib.REPO,
-      env=train_testlib.subprocess_env(devices, fast_compile=False))
+      env=train_testlib.subprocess_env(devices))
 
 
 def _aot_python() -> str:

@@ -522,7 +522,7 @@ def test_searches_run_with_the_batch_sharded_over_two_devices(tmp_path):
         _search(model.params, cache, jax.random.key(0), search, options))
     expected[name + '_sequences'], expected[name + '_scores'] = sequences, scores
   np.savez(tmp_path / 'expected.npz', **expected)
-  env = train_testlib.subprocess_env(2, fast_compile=False)
+  env = train_testlib.subprocess_env(2)
   env['PYTHONPATH'] = os.pathsep.join([train_testlib.REPO, os.path.join(train_testlib.REPO,
                                                                          'tests')])
   result = subprocess.run(

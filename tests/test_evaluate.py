@@ -28,7 +28,7 @@ def _run(*args: str, cache_dir: str | None = None, timeout: int = 300):
   command = [sys.executable, *args]
   if cache_dir:
     command.append(f'--compilation_cache_dir={cache_dir}')
-  env = train_testlib.subprocess_env(fast_compile=False)
+  env = train_testlib.subprocess_env()
   return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                         timeout=timeout)
 

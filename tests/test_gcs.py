@@ -37,7 +37,7 @@ REPO = train_testlib.REPO
 def _command(script: str, *flags: str, env: dict[str, str] | None = None,
              timeout: int = 300) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, os.path.join(REPO, script), *flags], cwd=REPO,
-                        env=env or train_testlib.subprocess_env(fast_compile=False),
+                        env=env or train_testlib.subprocess_env(),
                         capture_output=True, text=True, timeout=timeout)
 
 
@@ -157,7 +157,7 @@ def test_bad_cloud_paths_get_one_paragraph_each(run_dir, gcs_server, tmp_path):
               f'--compilation_cache_dir={bucket}/cache', 'give a local path')
   assert not os.path.exists(os.path.join(REPO, 'gs:'))  # No local folder named gs:.
   # Nothing listens at the endpoint: gcsfs retries, then the command says so.
-  env = train_testlib.subprocess_env(fast_compile=False)
+  env = train_testlib.subprocess_env()
   env.update(gcs_testlib.environment(f'http://127.0.0.1:{gcs_testlib.free_port()}'))
   _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
                        f'--output={bucket}/out.txt', env=env),
@@ -419,19 +419,14 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bu
   assert sorted(expected) == list(range(1, STEPS + 1))
 
 
-def test_two_processes_train_on_one_bucket_as_one_process_does(bucket, tmp_path):
+def test_two_processes_train_on_one_bucket_as_one_process_does(bucket, multihost_config,
+                                                               multihost_reference, tmp_path):
   """The 2-process x 4-device job (no shared disk: each process has its own local cache) on
   one gs:// work directory: process 0 makes and publishes the vocabulary and token ids,
   process 1 downloads them, and the losses are those of one 8-device process."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import test_multihost  # pylint: disable=g-import-not-at-top
-  files = train_testlib.write_parallel_text(str(tmp_path))
-  config = train_testlib.write_config_file(
-      str(tmp_path / 'config.py'), files, num_train_steps=test_multihost.STEPS,
-      checkpoint_every_steps=4)
-  reference = str(tmp_path / 'one_process')
-  done = train_testlib.run_train(config, reference, devices=8)
-  assert done.returncode == 0, done.stderr[-3000:]
+  config, reference = multihost_config, multihost_reference
   run = f'{bucket}/pair'
   pair = test_multihost.start_pair(config, run, log_dir=str(tmp_path),
                                    caches=[str(tmp_path / 'host0'), str(tmp_path / 'host1')])

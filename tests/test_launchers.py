@@ -33,6 +33,10 @@ REPO = train_testlib.REPO
 LOCAL_SLURM = os.path.join(REPO, 'scripts', 'local_slurm.sh')
 STEPS = train_testlib.MULTIHOST_STEPS
 HEARTBEAT = 5
+# The states a job ends in. A job may pass through others than PENDING and RUNNING on the way
+# (CONFIGURING, COMPLETING, and SIGNALING while the time limit's --signal is delivered).
+ENDED = frozenset({'COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL', 'OUT_OF_MEMORY',
+                   'PREEMPTED', 'BOOT_FAIL', 'DEADLINE'})
 
 
 @pytest.fixture(scope='module')
@@ -110,7 +114,7 @@ class Job:
     while time.time() < deadline:
       if match := re.search(pattern, self.log()):
         return match
-      if self.state()[0] not in ('PENDING', 'RUNNING', 'CONFIGURING'):
+      if self.state()[0] in ENDED:
         break
       time.sleep(0.2)
     raise AssertionError(f'job {self.id}: no {pattern!r}:\n{self.log()[-4000:]}')
@@ -122,7 +126,7 @@ class Job:
 
   def finish(self, timeout: float = 300) -> tuple[str, str]:
     deadline = time.time() + timeout
-    while (state := self.state())[0] in ('PENDING', 'RUNNING', 'CONFIGURING', 'COMPLETING'):
+    while (state := self.state())[0] not in ENDED:
       if time.time() > deadline:
         in_cluster('scancel', '--signal=KILL', self.id)
         raise AssertionError(f'job {self.id} still {state} after {timeout}s:\n'

@@ -50,7 +50,7 @@ def mixed_file(tmp_path_factory) -> str:
 
 def _translate(*flags: str, run_dir: str, stdin: bytes | None = None,
                devices: int = 1) -> subprocess.CompletedProcess:
-  env = train_testlib.subprocess_env(devices, fast_compile=False)
+  env = train_testlib.subprocess_env(devices)
   cache = os.path.join(os.path.dirname(run_dir), 'jax_cache')
   return subprocess.run(
       [sys.executable, 'translate.py', f'--workdir={run_dir}',
@@ -167,7 +167,7 @@ def test_cross_attention_weights_and_labels(loaded, tmp_path):
 ])
 @pytest.mark.slow
 def test_bad_requests_exit_with_code_2(run_dir, flags, message):
-  env = train_testlib.subprocess_env(fast_compile=False)
+  env = train_testlib.subprocess_env()
   if not any(f.startswith('--workdir') for f in flags):
     flags = [f'--workdir={run_dir}'] + flags
   result = subprocess.run([sys.executable, 'translate.py', *flags], cwd=REPO, env=env,
@@ -181,7 +181,7 @@ def _shell(command: str, run_dir: str) -> subprocess.CompletedProcess:
   translate = (f'{sys.executable} translate.py --workdir={run_dir} '
                f'--compilation_cache_dir={cache}')
   return subprocess.run(['bash', '-c', 'set -o pipefail; ' + command.format(translate=translate)],
-                        cwd=REPO, env=train_testlib.subprocess_env(fast_compile=False),
+                        cwd=REPO, env=train_testlib.subprocess_env(),
                         capture_output=True, text=True, timeout=300)
 
 

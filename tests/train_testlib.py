@@ -63,12 +63,11 @@ def write_config_file(path: str, files: dict[str, str], **overrides) -> str:
   return path
 
 
-def subprocess_env(devices: int = 1, *, fast_compile: bool = True) -> dict[str, str]:
+def subprocess_env(devices: int = 1) -> dict[str, str]:
   """The environment for a command run as a subprocess, on `devices` simulated CPU devices.
 
-  `fast_compile` turns LLVM's optimization off, which compiles 2-3x faster on a small CPU;
-  leave it off where the subprocess's numbers are compared with this process's (another
-  code path may differ in the last bits). The caller's XLA_FLAGS are kept.
+  The caller's XLA_FLAGS are kept: under pytest, conftest's LLVM setting, so a subprocess
+  compiles as the test process does and their numbers can be compared.
   """
   env = dict(os.environ)
   xla_flags = [env.get('XLA_FLAGS', ''), f'--xla_force_host_platform_device_count={devices}',
@@ -76,8 +75,6 @@ def subprocess_env(devices: int = 1, *, fast_compile: bool = True) -> dict[str, 
                # than XLA:CPU's 40 s before it aborts the process (seen twice in full runs).
                '--xla_cpu_collective_call_terminate_timeout_seconds=600',
                '--xla_cpu_collective_call_warn_stuck_timeout_seconds=120']
-  if fast_compile:
-    xla_flags.append('--xla_backend_optimization_level=0')
   if devices > 1:
     # XLA:CPU runs the simulated devices' work on max(cores, devices) threads (PJRT_NPROC
     # stands in for the core count): one thread a device on 2 cores. There, test_sharding's
