@@ -40,9 +40,26 @@ def pytest_configure(config):
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
+# The files that took longest in the last measured whole run (bench/RESULTS.md, Test suite),
+# longest first. The workers take whole files (`--dist loadfile`) in collection order
+# (`--no-loadscope-reorder`; xdist would otherwise start with the files of most tests, the
+# quick ones), so these start first and no long file is left to run alone at the end. A file
+# not named here runs after them, in name order; a stale order costs time, never a result.
+# test_model_options and test_decode are placed for the quick tier, where they are longest.
+LONGEST_FIRST = ('test_launchers', 'test_gcs', 'test_cli', 'test_aot', 'test_bench',
+                 'test_docs', 'test_marian', 'test_models', 'test_model_options',
+                 'test_translate_cli', 'test_train', 'test_translator', 'test_decode',
+                 'test_sharding')
+
+
 def pytest_collection_modifyitems(items):
-  """Refuses a test that uses a slow fixture without the slow mark: the quick tier
-  (-m "not slow") would start the service or train the model after all."""
+  """Puts the longest files first (LONGEST_FIRST). Refuses a test that uses a slow fixture
+  without the slow mark: the quick tier (-m "not slow") would start the service or train the
+  model after all."""
+  def rank(item):
+    name = item.path.stem
+    return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+  items.sort(key=rank)  # Stable: a file's tests keep their order.
   unmarked = [item.nodeid for item in items if SLOW_FIXTURES & set(item.fixturenames)
               and item.get_closest_marker('slow') is None]
   if unmarked:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -355,7 +356,7 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
 
 # --- Training on a bucket. ---
 
-STEPS = 150  # More than the first run reaches before it is killed.
+STEPS = 30  # More than the first run reaches: it is stopped at its third checkpoint.
 
 
 def _train(config_path: str, workdir: str, cache: str, *flags: str) -> subprocess.Popen:
@@ -368,8 +369,8 @@ def _train(config_path: str, workdir: str, cache: str, *flags: str) -> subproces
 
 def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bucket,
                                                                                tmp_path):
-  """train.py --workdir=gs://...: killed with SIGKILL once a second job has been refused
-  (at some step after its third checkpoint), then rerun as if on another host (an empty
+  """train.py --workdir=gs://...: frozen (SIGSTOP) as it saves its third checkpoint, killed
+  with SIGKILL once a second job has been refused, then rerun as if on another host (an empty
   local cache): it takes over the dead job's lock, downloads the vocabulary and token ids
   published to the bucket instead of making them again, resumes, and ends with the
   parameters and the metrics rows of an uninterrupted local run, bitwise. A second job
@@ -389,6 +390,7 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bu
     log.append(line)
     if 'Saving checkpoint 15 ' in line:
       break
+  first.send_signal(signal.SIGSTOP)  # Alive, holding the lock, and no further than STEPS.
   second = train_testlib.run_train(config, run)
   first.kill()
   assert first.wait(timeout=60) == -9  # Killed, not finished.
