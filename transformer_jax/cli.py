@@ -187,7 +187,24 @@ def run(main: Callable[[list[str]], Any]) -> None:
         traceback.print_exc()
       fail(str(user_error))
 
-  app.run(guarded, flags_parser=parse_flags)
+  try:
+    app.run(guarded, flags_parser=parse_flags)
+  except SystemExit as e:
+    # absl prints the help asked for (--help, -?, --helpshort, --helpfull, --helpxml) and
+    # exits 1; help given is a success, so `command --help && ...` goes on.
+    if e.code == 1 and _asks_for_help(sys.argv[1:]):
+      sys.exit(0)
+    raise
+
+
+HELP_FLAGS = ('--help', '-help', '-?', '--helpshort', '-helpshort', '--helpfull',
+              '-helpfull', '--helpxml', '-helpxml')
+
+
+def _asks_for_help(args: list[str]) -> bool:
+  """Whether absl reads one of `args` (before any `--`) as a help flag."""
+  options = args[:args.index('--')] if '--' in args else args
+  return any(arg in HELP_FLAGS for arg in options)
 
 
 # Orbax warnings about what the commands do on purpose: checkpoints saved between evaluations
