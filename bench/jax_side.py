@@ -295,7 +295,8 @@ class DecodeTask:
     pieces = ['<pad>', '<s>', '</s>', '<unk>'] + [
         f't{i}' for i in range(FIRST_ORDINARY_ID, self.model_config.vocab_size)]
     marian.write_model(self.export_dir, nn.unbox(self.params), self.model_config, pieces, {},
-                       source_lang='src', target_lang='tgt', beam_size=self.beam_size)
+                       source_lang='src', target_lang='tgt',
+                       decoding={'beam_size': self.beam_size})
     np.save(os.path.join(self.export_dir, bench_marian.SOURCES_FILE),
             self._exported_ids(np.asarray(self.inputs)))
 

@@ -416,7 +416,9 @@ def _own_checkpoint(root, **fields) -> str:
 @pytest.fixture(scope='module')
 def exported(tmp_path_factory):
   root = tmp_path_factory.mktemp('export')
-  workdir = _own_checkpoint(root)
+  # Decoding options of its own (none of them the default): the round trip keeps them.
+  workdir = _own_checkpoint(root, beam_size=2, length_penalty=0.8, length_penalty_form='power',
+                            max_decode_extra_length=7)
   return workdir, marian.export_model(workdir, str(root / 'marian'))
 
 
@@ -505,6 +507,12 @@ def test_own_model_trained_to_start_from_zero_exports_exactly_to_both(tmp_path, 
 @pytest.mark.slow
 def test_export_then_import_gives_the_same_parameters_bit_for_bit(exported, tmp_path):
   workdir, directory = exported
+  # Every file of the export has the mode a new file gets here (safetensors' own is 0600).
+  umask = os.umask(0)
+  os.umask(umask)
+  modes = {name: os.stat(os.path.join(directory, name)).st_mode & 0o777
+           for name in os.listdir(directory)}
+  assert set(modes.values()) == {0o666 & ~umask}, modes
   marian.import_model(directory, str(tmp_path / 'back'))
   original = loading.load(workdir)
   back = loading.load(str(tmp_path / 'back'))
@@ -515,6 +523,35 @@ def test_export_then_import_gives_the_same_parameters_bit_for_bit(exported, tmp_
                back.params, original.params)
   assert back.tokenizer.pieces() == original.tokenizer.pieces()
   assert back.tokenizer.encode('the cat sat') == original.tokenizer.encode('the cat sat')
+  # What Marian has no field for comes back too: layer norm's epsilon and the decoding.
+  assert back.model_config.layer_norm_epsilon == original.model_config.layer_norm_epsilon
+  assert original.model_config.layer_norm_epsilon != marian.MARIAN_LAYER_NORM_EPSILON
+  for name in marian.DECODING_FIELDS:
+    assert back.config[name] == original.config[name], name
+  assert (original.config.beam_size, original.config.length_penalty) == (2, 0.8)
+  # Hugging Face reads the beam and the ('power') length penalty from the export.
+  with open(os.path.join(directory, 'generation_config.json'), encoding='utf-8') as f:
+    generation = json.load(f)
+  assert (generation['num_beams'], generation['length_penalty']) == (2, 0.8)
+
+
+def test_export_says_when_hugging_face_uses_another_layer_norm_epsilon(exported, tmp_path,
+                                                                        caplog):
+  workdir, _ = exported
+  with caplog.at_level(logging.WARNING):
+    marian.export_model(workdir, str(tmp_path / 'again'))
+  assert "layer_norm_epsilon=1e-06 to the variance; Hugging Face's MarianMTModel and " \
+         'CTranslate2 add 1e-05' in caplog.text, caplog.text
+
+
+def test_a_foreign_model_directory_gives_its_stated_beam_and_length_penalty(tmp_path):
+  config = {'model_type': 'marian', 'num_beams': 6}
+  assert marian.imported_decoding(str(tmp_path), config) == {'beam_size': 6}
+  (tmp_path / 'generation_config.json').write_text(
+      json.dumps({'num_beams': 5, 'length_penalty': 1.2}))
+  assert marian.imported_decoding(str(tmp_path), config) == {
+      'beam_size': 5, 'length_penalty': 1.2, 'length_penalty_form': 'power'}
+  assert marian.imported_decoding(str(tmp_path / 'none'), {'model_type': 'marian'}) == {}
 
 
 def test_import_then_export_gives_the_marian_weights_back(opus_mt_dir, tmp_path):

@@ -6,7 +6,9 @@ import dataclasses
 import glob
 import gzip
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -338,6 +340,20 @@ def test_loading_for_inference_needs_only_the_workdir(finished_run, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_rerunning_a_finished_run_says_so_and_trains_nothing(finished_run, tmp_path, caplog):
+  config, workdir, _ = finished_run
+  copy = str(tmp_path / 'run')
+  shutil.copytree(workdir, copy)
+  with caplog.at_level(logging.INFO):
+    again = train_loop.train_and_evaluate(config, copy)
+  assert int(again.state.step) == 6 and not again.stopped_early
+  assert ('the run is already finished (step 6 of num_train_steps=6): nothing to train; '
+          'raise --config.num_train_steps to train on') in caplog.text, caplog.text[-3000:]
+  assert 'training steps' not in caplog.text
+  assert [m['step'] for m in read_metrics(copy) if m['split'] == 'train'] == [1, 2, 3, 4, 5, 6]
+
+
 def test_resuming_with_a_different_config_lists_the_fields(finished_run):
   config, workdir, _ = finished_run
   changed = train_testlib.small_config(
@@ -598,3 +614,5 @@ def test_train_py_rejects_bad_setups_before_compiling(config_file, tmp_path):
     assert 'Traceback' not in stderr, (name, stderr[-3000:])
     assert expected in stderr, (name, stderr[-3000:])
     assert 'First step' not in stderr
+  # A dataset that is not there is found before the work directory is made.
+  assert not os.path.exists(tmp_path / 'dataset')

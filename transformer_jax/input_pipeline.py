@@ -138,6 +138,14 @@ def _default_data_dir(config: ml_collections.ConfigDict) -> str:
           or os.path.expanduser('~/tensorflow_datasets'))
 
 
+def check_prepared(config: ml_collections.ConfigDict) -> None:
+  """Raises DatasetNotFoundError (saying how to prepare it) unless `config.dataset`'s
+  training split is there to read: a TFDS dataset is never downloaded here. The text files
+  and the Bible corpus, which are read or built where they are, pass."""
+  if config.dataset not in ('text', 'bible_en_es'):
+    _tfds_records(config, config.train_split)
+
+
 def _tfds_records(config: ml_collections.ConfigDict,
                   split: str) -> tuple[Sequence[Any], str | None]:
   """The split's records and the prepared dataset's directory (None if unknown)."""

@@ -8,7 +8,12 @@ Transformer with a few differences, each a config field here:
   * the feed-forward nonlinearity may be swish or gelu (`activation`);
   * the decoder starts from the pad token (`decoder_start='pad'`), whose embedding is zero in
     OPUS-MT models, where Marian itself starts from a zero vector (`decoder_start='zero'`);
-  * layer norm's epsilon is 1e-5 (`layer_norm_epsilon`).
+  * layer norm's epsilon is 1e-5 (`layer_norm_epsilon`; an export of a model with another
+    says so, and records its own for the import back).
+
+An export also records how the run decodes (DECODING_FIELDS; Hugging Face's `num_beams`,
+and `length_penalty` where the run's is the 'power' form, which is Hugging Face's), and an
+import restores them.
 
 Weights: Hugging Face's `nn.Linear` stores [out, in]; this project's kernels are [in, out],
 with the attention's heads as their own axis ([d_model, heads, head_dim] for the query, key
@@ -47,6 +52,11 @@ FINETUNE_CONFIG_FILE = 'finetune_config.py'  # In the work directory: train.py -
 # Run config fields the import sets: the model's, and what its vocabulary and data need.
 _RUN_FIELDS = ('source_lang', 'target_lang', 'dataset', 'vocab_path', 'max_source_length',
                'max_target_length')
+# How the run decodes: an export records them, and an import of that export restores them.
+DECODING_FIELDS = ('beam_size', 'length_penalty', 'length_penalty_form',
+                   'max_decode_extra_length')
+# Hugging Face's Marian layers use nn.LayerNorm's default, and config.json has no field for it.
+MARIAN_LAYER_NORM_EPSILON = 1e-5
 
 # The key of config.json under which an export records the fields Marian has no name for.
 EXPORT_KEY = 'transformer_jax'
@@ -90,7 +100,8 @@ def config_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
       dropout_rate=float(get('dropout', 0.1)),
       attention_dropout_rate=float(get('attention_dropout', 0.0)),
       norm_position='post',
-      layer_norm_epsilon=1e-5,  # Hugging Face's Marian layers use nn.LayerNorm's default.
+      # An export from this project records its own; Marian's is fixed.
+      layer_norm_epsilon=float(own.get('layer_norm_epsilon', MARIAN_LAYER_NORM_EPSILON)),
       share_embeddings=bool(get('share_encoder_decoder_embeddings', True)),
       tie_output_embedding=bool(get('tie_word_embeddings', True)),
       positional_encoding='sinusoidal',
@@ -325,6 +336,7 @@ def _write_import(staging: str, workdir: str, model_dir: str, imported_from: str
       spm_bytes['source'], spm_bytes['target'])
   config = config_lib.base_config()
   config.update(fields)
+  config.update(imported_decoding(model_dir, hf_config))
   tokenizer_config = {}
   if os.path.exists(os.path.join(model_dir, 'tokenizer_config.json')):
     tokenizer_config = _read_json(os.path.join(model_dir, 'tokenizer_config.json'))
@@ -339,8 +351,29 @@ def _write_import(staging: str, workdir: str, model_dir: str, imported_from: str
   meta['tokenizer']['path'] = config.vocab_path
   meta['imported_from'] = imported_from
   _write_finetune_config(os.path.join(staging, FINETUNE_CONFIG_FILE), imported_from, workdir,
-                         {name: config[name] for name in tuple(fields) + _RUN_FIELDS})
+                         {name: config[name]
+                          for name in tuple(fields) + _RUN_FIELDS + DECODING_FIELDS})
   return meta
+
+
+def imported_decoding(model_dir: str, hf_config: Mapping[str, Any]) -> dict[str, Any]:
+  """The decoding options a model directory states: all of them where this project exported
+  it; else Hugging Face's `num_beams`, and its `length_penalty` (score / length**penalty,
+  this project's 'power' form), from generation_config.json or config.json. Others keep
+  this project's defaults."""
+  own = (hf_config.get(EXPORT_KEY) or {}).get('decoding')
+  if own:
+    return {name: own[name] for name in DECODING_FIELDS if name in own}
+  stated = dict(hf_config)
+  if os.path.exists(os.path.join(model_dir, 'generation_config.json')):
+    stated.update(_read_json(os.path.join(model_dir, 'generation_config.json')))
+  decoding = {}
+  if isinstance(stated.get('num_beams'), int) and stated['num_beams'] >= 1:
+    decoding['beam_size'] = stated['num_beams']
+  if isinstance(stated.get('length_penalty'), (int, float)):
+    decoding.update(length_penalty=float(stated['length_penalty']),
+                    length_penalty_form='power')
+  return decoding
 
 
 def _decoder_start(fields: Mapping[str, Any], hf_config: Mapping[str, Any],
@@ -448,8 +481,9 @@ def exportable(config: TransformerConfig) -> None:
                         f'{name} has nothing to map it to).')
 
 
-def _hf_config(config: TransformerConfig, beam_size: int) -> dict[str, Any]:
-  """config.json of `MarianMTModel` for `config`, this project's special ids kept."""
+def _hf_config(config: TransformerConfig, decoding: Mapping[str, Any]) -> dict[str, Any]:
+  """config.json of `MarianMTModel` for `config`, this project's special ids kept; what
+  Marian has no field for under EXPORT_KEY."""
   start = exported_id(config.decoder_start_id, config.vocab_size)
   return {
       'architectures': ['MarianMTModel'], 'model_type': 'marian',
@@ -466,10 +500,12 @@ def _hf_config(config: TransformerConfig, beam_size: int) -> dict[str, Any]:
       'pad_token_id': exported_id(PAD_ID, config.vocab_size),
       'eos_token_id': exported_id(EOS_ID, config.vocab_size), 'decoder_start_token_id': start,
       'bos_token_id': None, 'forced_eos_token_id': None, 'init_std': 0.02,
-      'is_encoder_decoder': True, 'use_cache': True, 'num_beams': beam_size,
+      'is_encoder_decoder': True, 'use_cache': True, 'num_beams': decoding['beam_size'],
       'max_length': config.max_len,
       EXPORT_KEY: {'sinusoid_layout': config.sinusoid_layout,
-                   'logits_bias': config.logits_bias, 'decoder_start': config.decoder_start},
+                   'logits_bias': config.logits_bias, 'decoder_start': config.decoder_start,
+                   'layer_norm_epsilon': config.layer_norm_epsilon,
+                   'decoding': dict(decoding)},
   }
 
 
@@ -511,13 +547,13 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
     write_model(staging, checkpoint.params, checkpoint.model_config,
                 checkpoint.tokenizer.pieces(), checkpoint.tokenizer.sentencepiece_models(),
                 source_lang=run.source_lang, target_lang=run.target_lang,
-                beam_size=run.beam_size)
+                decoding={name: run[name] for name in DECODING_FIELDS})
   return output_dir
 
 
 def write_model(output_dir: str, params: Any, config: TransformerConfig, pieces: list[str],
                 sentencepiece_models: Mapping[str, bytes], *, source_lang: str,
-                target_lang: str, beam_size: int) -> str:
+                target_lang: str, decoding: Mapping[str, Any]) -> str:
   """Writes `params` of `config` as a Marian model directory in Hugging Face's layout.
 
   <pad> goes last, as in Marian's own vocabularies (`exported_id`); the position table is
@@ -530,6 +566,7 @@ def write_model(output_dir: str, params: Any, config: TransformerConfig, pieces:
     pieces: the vocabulary, this project's id i is `pieces[i]`.
     sentencepiece_models: 'source' and 'target' model bytes, written as source.spm and
       target.spm ({} writes none: a directory for the model alone, as the bench's).
+    decoding: how the run decodes (DECODING_FIELDS; those left out: the defaults).
   """
   import jax  # pylint: disable=g-import-not-at-top
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
@@ -552,16 +589,35 @@ def write_model(output_dir: str, params: Any, config: TransformerConfig, pieces:
         "embedding of %s, which is not zero (Hugging Face's MarianMTModel is exact). Models "
         "trained with --config.decoder_start=zero export exactly to both.",
         '<pad>' if config.decoder_start_id == PAD_ID else 'id 1 (<s>)')
+  if config.layer_norm_epsilon != MARIAN_LAYER_NORM_EPSILON:
+    logging.warning(
+        "This model's layer norms add layer_norm_epsilon=%g to the variance; Hugging Face's "
+        "MarianMTModel and CTranslate2 add %g (Marian has no field for it), so their scores "
+        "differ from this project's in the last digits and a close choice of the search may "
+        "differ. Importing this export back restores %g (it is recorded under %r in "
+        "config.json).", config.layer_norm_epsilon, MARIAN_LAYER_NORM_EPSILON,
+        config.layer_norm_epsilon, EXPORT_KEY)
+  base = config_lib.base_config()
+  decoding = {name: base[name] for name in DECODING_FIELDS} | dict(decoding)
   os.makedirs(output_dir, exist_ok=True)
-  save_file(state, os.path.join(output_dir, 'model.safetensors'), metadata={'format': 'pt'})
-  hf_config = _hf_config(config, beam_size)
+  weights = os.path.join(output_dir, 'model.safetensors')
+  save_file(state, weights, metadata={'format': 'pt'})
+  # safetensors creates its file readable by its owner only (0600); give it the mode its
+  # siblings get, so a model directory shared with others is readable whole.
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(weights, 0o666 & ~umask)
+  hf_config = _hf_config(config, decoding)
+  # Hugging Face's length penalty is this project's 'power' form; 'gnmt' has no equivalent.
+  length_penalty = ({'length_penalty': decoding['length_penalty']}
+                    if decoding['length_penalty_form'] == 'power' else {})
   files = {
       'config.json': hf_config,
       'generation_config.json': {
           key: hf_config[key] for key in ('decoder_start_token_id', 'eos_token_id',
                                            'pad_token_id', 'forced_eos_token_id')} | {
           'bad_words_ids': [[hf_config['pad_token_id']]],
-          'max_length': config.max_len, 'num_beams': beam_size},
+          'max_length': config.max_len, 'num_beams': decoding['beam_size']} | length_penalty,
       'vocab.json': {pieces[i]: j for j, i in enumerate(order)},
       'tokenizer_config.json': {
           'tokenizer_class': 'MarianTokenizer', 'source_lang': source_lang,

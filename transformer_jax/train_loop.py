@@ -142,6 +142,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   """
   outputs.check_scheme(workdir, '--workdir')
   _check_data_paths(config)
+  input_pipeline.check_prepared(config)  # Before the work directory is made.
   workdir = outputs.resolve(workdir)
   # Every field, checked now with a stand-in vocabulary size: building the real vocabulary
   # can take minutes.
@@ -247,9 +248,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       writer = metrics_writer.MetricsWriter(workdir, total_steps=config.num_train_steps,
                                             start_step=start, enabled=jax.process_index() == 0,
                                             config=config)
+      to_do = (f'training steps {start + 1} to {config.num_train_steps}'
+               if start < config.num_train_steps else
+               f'the run is already finished (step {start} of num_train_steps='
+               f'{config.num_train_steps}): nothing to train; raise '
+               '--config.num_train_steps to train on')
       writer.log(f'{train_steps.count_params(state.params):,} parameters; '
-                 f'{datasets.steps_per_epoch} steps an epoch; training steps {start} to '
-                 f'{config.num_train_steps}.')
+                 f'{datasets.steps_per_epoch} steps an epoch; {to_do}.')
       meta = checkpointing.make_meta(config, datasets.tokenizer)
       validation = None
       if config.eval_every_steps and config.eval_bleu_sentences:

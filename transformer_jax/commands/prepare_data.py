@@ -89,7 +89,7 @@ def main(argv: list[str]) -> None:
     print(f'{split}: {len(store):,} pairs, {tokens[0]:,} source and {tokens[1]:,} target '
           f'tokens, {store.meta["blank"]} with a blank side -> {directory}'
           f'{f" (published to {_WORKDIR.value})" if remote else ""} ({seconds:.0f} s, '
-          f'up to {workers} processes)')
+          f'up to {workers} process{"" if workers == 1 else "es"})')
 
 
 flags.adopt_module_key_flags(cli)

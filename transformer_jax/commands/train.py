@@ -57,10 +57,10 @@ def main(argv: list[str]) -> None:
   try:
     result = train_loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except train_loop.NonFiniteError as e:
-    print(f'train.py: stopped: {e}', file=sys.stderr)
+    print(f'{cli.program()}: stopped: {e}', file=sys.stderr)
     sys.exit(1)
   if result.interrupted:
-    print(f'train.py: interrupted by Ctrl-C at step {int(result.state.step)}, after saving '
+    print(f'{cli.program()}: interrupted by Ctrl-C at step {int(result.state.step)}, after saving '
           'its checkpoint; rerun the same command to resume.', file=sys.stderr)
     sys.exit(130)
   if result.stopped_early:

@@ -134,7 +134,8 @@ def main(argv: list[str]) -> None:
       output = stack.enter_context(outputs.writing(_OUTPUT.value))
     stats = _translate(translator, output, stack)
   if not _QUIET.value:
-    print(f'translate.py: {stats.sentences} lines (checkpoint steps {steps}) in '
+    lines = f'{stats.sentences} line{"" if stats.sentences == 1 else "s"}'
+    print(f'{cli.program()}: {lines} (checkpoint steps {steps}) in '
           f'{stats.decode_seconds:.1f}s (+{stats.compile_seconds:.1f}s compiling): '
           f'{stats.sentences_per_second:.1f} sentences/s, {stats.tokens_per_second:.1f} '
           'output tokens/s.', file=sys.stderr)
@@ -151,7 +152,7 @@ def main(argv: list[str]) -> None:
                           heads=int(heads) if heads.isdigit() else heads)
     except ValueError as e:
       cli.fail(str(e))
-    print(f'translate.py: wrote {_ATTENTION_PLOT.value}', file=sys.stderr)
+    print(f'{cli.program()}: wrote {_ATTENTION_PLOT.value}', file=sys.stderr)
 
 
 def _translate(translator, output, stack: contextlib.ExitStack):
