@@ -212,10 +212,16 @@ def test_largest_fitting_when_the_compiler_refuses():
   def fits(n):
     return (True, 10 * n) if n <= 200 else (False, None)
 
+  lines = []
   found = aot.largest_fitting(fits, start=16, multiple=8, limit_bytes=10_000,
-                              time_budget_s=60)
+                              time_budget_s=60, log=lines.append)
   assert 192 <= found['largest'] <= 200 and found['smallest_not_fitting'] > 200
   assert all(int(n) % 8 == 0 for n in found['probes'])
+  # Each probe's line says what happened; a refused one names no byte count.
+  assert any('needs 160 bytes of 10,000: fits' in line for line in lines), lines
+  refused = [line for line in lines if 'does not fit' in line]
+  assert refused and all('the compiler refused it' in line for line in refused), lines
+  assert not any('None' in line for line in lines), lines
 
 
 def test_collectives_count_results_once():

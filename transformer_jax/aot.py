@@ -484,8 +484,9 @@ def largest_fitting(fits: Callable[[int], tuple[bool, int | None]], *, start: in
 
   def probe(n: int) -> bool:
     ok, probes[n] = fits(n)
-    log(f'{n}: needs {probes[n]} bytes of {limit_bytes}: '
-        f'{"fits" if ok else "does not fit"} ({elapsed():.0f} s)')
+    need = (f'needs {probes[n]:,} bytes of {limit_bytes:,}' if probes[n] is not None
+            else 'the compiler refused it (more memory than the device has)')
+    log(f'{n}: {need}: {"fits" if ok else "does not fit"} ({elapsed():.0f} s)')
     return ok
 
   def at_limit(a: int, b: int) -> int | None:
