@@ -228,7 +228,7 @@ def test_evaluate_checks_its_outputs_before_translating(run_dir, tmp_path):
   root = os.path.dirname(run_dir)
   out = tmp_path / 'out'
   out.mkdir()
-  previous = out / 'test.hyp.txt'
+  previous = out / 'test.en.hyp.txt'  # The hypotheses' name for --source_file=.../test.en.
   previous.write_text('the previous system\n' * 24, encoding='utf-8')
   result = _run('evaluate.py', f'--workdir={run_dir}', f'--output_dir={out}',
                 f'--source_file={root}/test.en', f'--reference_file={root}/test.de',
@@ -237,4 +237,4 @@ def test_evaluate_checks_its_outputs_before_translating(run_dir, tmp_path):
   assert f'the output {previous} is also --compare_to={previous}' in result.stderr
   assert 'Translating' not in result.stderr
   assert previous.read_text() == 'the previous system\n' * 24
-  assert sorted(os.listdir(out)) == ['test.hyp.txt']
+  assert sorted(os.listdir(out)) == ['test.en.hyp.txt']

@@ -120,8 +120,9 @@ def test_commands_read_a_run_and_write_their_results_on_a_bucket(run_dir, bucket
                     f'--compilation_cache_dir={cache}')
   assert result.returncode == 0, result.stderr[-3000:]
   results = f'{run}/eval/avg2_step_{TRAIN_STEPS[-2]}-{TRAIN_STEPS[-1]}'
-  metrics = json.loads(epath.Path(f'{results}/test.metrics.json').read_text())
-  hypotheses = epath.Path(f'{results}/test.hyp.txt').read_text().splitlines()
+  # Named after the source file (test.en), not the test split.
+  metrics = json.loads(epath.Path(f'{results}/test.en.metrics.json').read_text())
+  hypotheses = epath.Path(f'{results}/test.en.hyp.txt').read_text().splitlines()
   assert len(hypotheses) == metrics['decoding']['sentences'] == len(lines)
   assert metrics['workdir'] == run and metrics['checkpoint_steps'] == list(TRAIN_STEPS[-2:])
   # The beam-search outputs of the average: the last checkpoint's own are the same lines

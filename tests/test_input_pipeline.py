@@ -2,6 +2,8 @@
 
 import collections
 import json
+import os
+import types
 
 import grain
 import numpy as np
@@ -176,6 +178,27 @@ def test_token_store_is_reused_and_rebuilt_when_data_or_vocabulary_change(corpus
     changed = ip.token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='b')
   assert changed.meta['created'] != made and 'the data changed' in caplog.text
   np.testing.assert_array_equal(changed.lengths, first.lengths)
+
+
+def test_token_ids_stay_out_of_another_runs_work_directory(tmp_path):
+  """Beside the vocabulary where it is this run's or a plain folder's; in this run's work
+  directory where the vocabulary is another run's (an imported model fine-tuned: only read)."""
+  pairs = types.SimpleNamespace(name='text[train] en->de')
+  run = str(tmp_path / 'run')
+
+  def directory(vocabulary):
+    os.makedirs(os.path.dirname(vocabulary), exist_ok=True)
+    return ip.store_directory(config_lib.base_config(), run,
+                              types.SimpleNamespace(model_path=vocabulary), pairs)
+  assert directory(str(tmp_path / 'vocab' / 'spm.model')) == str(
+      tmp_path / 'vocab' / 'spm.tokens' / 'text_train_en-to-de')
+  imported = tmp_path / 'imported'
+  (imported / 'checkpoints').mkdir(parents=True)
+  assert directory(str(imported / 'marian_vocab.json')) == os.path.join(
+      run, 'tokens', 'marian_vocab', 'text_train_en-to-de')
+  (tmp_path / 'run' / 'checkpoints').mkdir(parents=True)  # This run's own vocabulary.
+  assert directory(os.path.join(run, 'spm.model')) == os.path.join(
+      run, 'spm.tokens', 'text_train_en-to-de')
 
 
 def test_preparation_on_two_hosts_and_two_processes_equals_one(corpus, tmp_path, monkeypatch):

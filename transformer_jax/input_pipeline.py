@@ -64,6 +64,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from transformer_jax import bible_en_es
+from transformer_jax import checkpointing
 from transformer_jax import outputs
 from transformer_jax import token_store
 from transformer_jax.errors import ConfigError, DataError, DatasetNotFoundError
@@ -358,10 +359,13 @@ def _load_or_train(config: ml_collections.ConfigDict, path: str,
 def store_directory(config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer,
                     pairs: ParallelText) -> str:
   """Where the token ids of `pairs` live: beside the vocabulary, in '<vocabulary>.tokens/'
-  (in the work directory's 'tokens/' when the vocabulary's directory is read-only)."""
+  (in the work directory's 'tokens/' when the vocabulary's directory is read-only or is
+  another run's work directory, such as an imported model's, which is only read)."""
   name = re.sub(r'[^A-Za-z0-9_.-]+', '_', pairs.name.replace('->', '-to-')).strip('_')
   beside = os.path.dirname(os.path.abspath(tokenizer.model_path))
-  if os.access(beside, os.W_OK):
+  others_run = (os.path.isdir(os.path.join(beside, checkpointing.CHECKPOINT_DIR))
+                and beside != os.path.abspath(local_directory(workdir)))
+  if os.access(beside, os.W_OK) and not others_run:
     root = os.path.splitext(os.path.abspath(tokenizer.model_path))[0] + '.tokens'
   else:
     root = os.path.join(local_directory(workdir), 'tokens', os.path.basename(

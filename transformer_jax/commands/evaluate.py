@@ -10,8 +10,10 @@ r"""Translates a test set with a trained checkpoint and scores it.
 
 Reports sacreBLEU (with its signature) and chrF on detokenized output, tokenized BLEU with
 compound splitting (to compare with the paper), sentences/s and tokens/s; writes
-`<split>.hyp.txt` and `<split>.metrics.json` to WORKDIR/eval/<step_N | avgK_step_A-B>/ (or
---output_dir). Decoding options default to the run's config.
+`<split>.hyp.txt` and `<split>.metrics.json` (for --source_file=newstest2014.en:
+`newstest2014.en.hyp.txt` and `newstest2014.en.metrics.json`) to
+WORKDIR/eval/<step_N | avgK_step_A-B>/ (or --output_dir). Decoding options default to the
+run's config.
 
 Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory, checkpoint or data problem
 (explained in one paragraph; the traceback only with --verbose).
@@ -82,7 +84,9 @@ def main(argv: list[str]) -> None:
   translator, checkpoint = cli.load_translator(_CHECKPOINT)
   config, steps = checkpoint.config, checkpoint.steps
 
-  name = (os.path.splitext(os.path.basename(_SOURCE_FILE.value))[0] if _SOURCE_FILE.value
+  # A source file's whole name (newstest2014.en), so that its results never take the name
+  # of a split's (test.en gives test.en.hyp.txt beside the test split's test.hyp.txt).
+  name = (os.path.basename(_SOURCE_FILE.value) if _SOURCE_FILE.value
           else _SPLIT.value or config.test_split)
   output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'eval', evaluation.result_tag(steps))
   if jax.process_index() == 0:  # The one writer; before any sentence is translated.
