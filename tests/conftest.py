@@ -27,6 +27,16 @@ SLOW_FIXTURES = frozenset({'run_dir', 'gcs_server', 'bucket', 'cluster',
                            'multihost_reference'})
 
 
+def pytest_xdist_auto_num_workers(config):
+  """`-n auto` (pytest.ini): a worker a core for the quick tier, whose tests keep the cores
+  busy compiling; one more for the whole suite, whose slow tests also wait (on SLURM's
+  time-limit sweep, on Cloud Storage retries, on subprocesses starting), which a third
+  worker fills on 2 cores. Measured in bench/RESULTS.md (Test suite)."""
+  cores = len(os.sched_getaffinity(0))
+  quick = 'not slow' in (config.option.markexpr or '')
+  return cores if quick else cores + 1
+
+
 def pytest_configure(config):
   """Keeps what the tests compile in JAX's persistent compilation cache, in pytest's cache
   directory (`--cache-clear` empties it): a rerun after a change compiles only the programs
