@@ -32,7 +32,8 @@ def pytest_xdist_auto_num_workers(config):
   busy compiling; one more for the whole suite, whose slow tests also wait (on SLURM's
   time-limit sweep, on Cloud Storage retries, on subprocesses starting), which a third
   worker fills on 2 cores. Measured in bench/RESULTS.md (Test suite)."""
-  cores = len(os.sched_getaffinity(0))
+  cores = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')  # Linux
+           else os.cpu_count() or 1)
   quick = 'not slow' in (config.option.markexpr or '')
   return cores if quick else cores + 1
 
