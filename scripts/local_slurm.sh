@@ -18,6 +18,7 @@
 # config_overrides), so the recipes' 8 tasks a node fit on a 2-core machine; the partition
 # lets 4 jobs share a CPU (OverSubscribe=FORCE:4). Its files (slurm.conf, the daemons' logs
 # and state) are in LOCAL_SLURM_DIR. `start` is a no-op when the cluster answers already;
+# otherwise it starts from an empty state (no job of a cluster killed earlier comes back);
 # it exits 1 with the daemons' logs when the cluster does not come up within 60 s.
 set -euo pipefail
 
@@ -122,9 +123,15 @@ munged, slurmctld and slurmd as root); run it with sudo."
   mkdir -p "$dir"
   start_munge
   stop_daemons
-  if ! ip netns list | grep -qw "$netns"; then
+  if ip netns list | grep -qw "$netns"; then
+    # A cluster whose daemons were killed (a session or a test run ended hard) leaves its jobs'
+    # processes in the namespace and its jobs in the saved state: a restart would recover
+    # them, and the node would stay busy with jobs nothing runs. Start from nothing.
+    ip netns pids "$netns" | xargs -r kill -9 2>/dev/null || true
+  else
     ip netns add "$netns"
   fi
+  rm -rf "$dir/state" "$dir/spool"
   ip netns exec "$netns" ip link set lo up
   write_conf
   in_netns slurmctld -f "$conf"

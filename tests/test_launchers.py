@@ -337,3 +337,26 @@ def test_bad_launches_get_one_paragraph_on_every_process(cluster, config_path, t
   assert len(paragraphs(busy.stderr, f'Port {port} on this host is in use')) == 1
   assert len(paragraphs(busy.stderr, 'Process 1 of 2 could not join the job within')) == 1
   assert took < HEARTBEAT + 60, took
+
+
+def test_a_cluster_whose_daemons_were_killed_mid_job_starts_again_idle(cluster, tmp_path):
+  # A session or a test run that ends hard kills slurmctld and slurmd while a job runs. The
+  # next `start` must not recover that job (nothing runs it: the node would stay busy and the
+  # start would time out), and the job's leftover processes go with it.
+  script = tmp_path / 'sleeper.sbatch'
+  script.write_text('#!/bin/bash\n#SBATCH --ntasks=1\nsrun sleep 600\n')
+  job = Job(script.read_text(), str(tmp_path), 'sleeper')
+  deadline = time.time() + 60
+  while job.state()[0] != 'RUNNING':
+    assert time.time() < deadline, job.state()
+    time.sleep(0.2)
+  directory = os.environ.get('LOCAL_SLURM_DIR', '/tmp/transformer_jax_slurm')
+  for daemon in ('slurmctld', 'slurmd'):
+    with open(os.path.join(directory, f'{daemon}.pid')) as f:
+      os.kill(int(f.read()), signal.SIGKILL)
+  started = subprocess.run(['bash', LOCAL_SLURM, 'start'], capture_output=True, text=True,
+                           timeout=120)
+  assert started.returncode == 0 and 'is up (node' in started.stdout, started.stderr
+  assert in_cluster('sinfo', '-h', '-o', '%T').stdout.split() == ['idle']
+  assert in_cluster('squeue', '-h').stdout.strip() == ''
+  assert subprocess.run(['pgrep', '-f', 'sleep 600'], capture_output=True).returncode == 1
