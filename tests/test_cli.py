@@ -23,9 +23,8 @@ REPO = train_testlib.REPO
 
 
 def _command(script: str, *flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, os.path.join(REPO, script), *flags], cwd=REPO,
-                        env=train_testlib.subprocess_env(), capture_output=True, text=True,
-                        timeout=timeout)
+  return train_testlib.run_command([sys.executable, os.path.join(REPO, script), *flags],
+                                   env=train_testlib.subprocess_env(), timeout=timeout)
 
 
 def _assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> None:

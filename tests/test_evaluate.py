@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import jax
@@ -29,8 +28,7 @@ def _run(*args: str, cache_dir: str | None = None, timeout: int = 300):
   if cache_dir:
     command.append(f'--compilation_cache_dir={cache_dir}')
   env = train_testlib.subprocess_env()
-  return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=timeout)
+  return train_testlib.run_command(command, env=env, timeout=timeout)
 
 
 def test_compound_splitting_follows_tensor2tensor():

@@ -37,9 +37,8 @@ REPO = train_testlib.REPO
 
 def _command(script: str, *flags: str, env: dict[str, str] | None = None,
              timeout: int = 300) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, os.path.join(REPO, script), *flags], cwd=REPO,
-                        env=env or train_testlib.subprocess_env(),
-                        capture_output=True, text=True, timeout=timeout)
+  return train_testlib.run_command([sys.executable, os.path.join(REPO, script), *flags],
+                                   env=env or train_testlib.subprocess_env(), timeout=timeout)
 
 
 def _user_error(result: subprocess.CompletedProcess, *phrases: str) -> str:
@@ -174,9 +173,9 @@ def _run(config_path: str, workdir: str, cache: str, *flags: str, script: str = 
   """A command run to its end as if on a host whose local cache is `cache`."""
   env = train_testlib.subprocess_env()
   env['TRANSFORMER_JAX_CACHE'] = cache
-  return subprocess.run([sys.executable, os.path.join(REPO, script), f'--config={config_path}',
-                         f'--workdir={workdir}', *flags], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+  return train_testlib.run_command([sys.executable, os.path.join(REPO, script),
+                                    f'--config={config_path}', f'--workdir={workdir}', *flags],
+                                   env=env, timeout=timeout)
 
 
 def test_text_files_a_vocabulary_and_init_from_on_a_bucket(bucket, tmp_path):

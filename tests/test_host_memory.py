@@ -84,9 +84,8 @@ def test_a_bad_setting_is_a_clear_error_before_any_work(tmp_path):
   """A command refuses an unknown TRANSFORMER_JAX_MALLOC in one paragraph, exit 2."""
   env = train_testlib.subprocess_env()
   env[host_memory.ENV_VAR] = 'jemalloc'
-  result = subprocess.run([sys.executable, 'translate.py', f'--workdir={tmp_path}'],
-                          cwd=train_testlib.REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+  result = train_testlib.run_command([sys.executable, 'translate.py', f'--workdir={tmp_path}'],
+                                     env=env, timeout=300)
   assert result.returncode == 2, result.stderr[-2000:]
   assert "TRANSFORMER_JAX_MALLOC='jemalloc' is not one of retain" in result.stderr
   assert 'Traceback' not in result.stderr

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 
 import flax.linen as nn
@@ -371,10 +370,10 @@ def test_imported_model_fine_tunes_from_its_config_file(opus_mt_dir, tmp_path):
 
 @pytest.mark.slow
 def test_import_command_reports_a_bad_directory_in_one_paragraph(tmp_path):
-  result = subprocess.run(
+  result = train_testlib.run_command(
       [sys.executable, os.path.join(train_testlib.REPO, 'import_marian.py'),
        f'--model_dir={tmp_path}', f'--workdir={tmp_path / "out"}'],
-      capture_output=True, text=True, timeout=300, env=train_testlib.subprocess_env())
+      timeout=300, env=train_testlib.subprocess_env())
   assert result.returncode == 2, result.stderr
   assert 'config.json does not exist' in result.stderr
   assert 'Traceback' not in result.stderr

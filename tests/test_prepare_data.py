@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -26,8 +25,7 @@ def _prepare(config_path, workdir, *flags, part_size=None):
   command = ([sys.executable, '-c', code] if code else
              [sys.executable, PREPARE, f'--config={config_path}', f'--workdir={workdir}',
               *flags])
-  return subprocess.run(command, cwd=train_testlib.REPO, env=env, capture_output=True,
-                        text=True, timeout=300)
+  return train_testlib.run_command(command, env=env, timeout=300)
 
 
 @pytest.mark.slow

@@ -52,11 +52,10 @@ def _translate(*flags: str, run_dir: str, stdin: bytes | None = None,
                devices: int = 1) -> subprocess.CompletedProcess:
   env = train_testlib.subprocess_env(devices)
   cache = os.path.join(os.path.dirname(run_dir), 'jax_cache')
-  return subprocess.run(
+  return train_testlib.run_command(
       [sys.executable, 'translate.py', f'--workdir={run_dir}',
        f'--compilation_cache_dir={cache}', *flags],
-      cwd=REPO, env=env, input=stdin if stdin is not None else b'', capture_output=True,
-      timeout=300)
+      env=env, input=stdin if stdin is not None else b'', text=False, timeout=300)
 
 
 @pytest.fixture(scope='module')
@@ -170,8 +169,8 @@ def test_bad_requests_exit_with_code_2(run_dir, flags, message):
   env = train_testlib.subprocess_env()
   if not any(f.startswith('--workdir') for f in flags):
     flags = [f'--workdir={run_dir}'] + flags
-  result = subprocess.run([sys.executable, 'translate.py', *flags], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+  result = train_testlib.run_command([sys.executable, 'translate.py', *flags], env=env,
+                                     timeout=120)
   assert result.returncode == 2, result.stderr[-3000:]
   assert message in result.stderr and 'Traceback' not in result.stderr
 
@@ -257,9 +256,8 @@ def test_output_paths_are_checked_before_the_model_loads(run_dir, tmp_path):
   for flags, message in cases:
     if not any(f.startswith('--workdir') for f in flags):
       flags = [f'--workdir={run_dir}'] + flags
-    result = subprocess.run([sys.executable, 'translate.py', *flags], cwd=REPO,
-                            env=train_testlib.subprocess_env(), capture_output=True,
-                            text=True, timeout=120)
+    result = train_testlib.run_command([sys.executable, 'translate.py', *flags],
+                                       env=train_testlib.subprocess_env(), timeout=120)
     assert result.returncode == 2, (flags, result.stderr[-3000:])
     assert 'Traceback' not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import locale
 import os
 import random
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -113,9 +117,77 @@ def train_command(config_path: str, workdir: str, *flags: str) -> list[str]:
 def run_train(config_path: str, workdir: str, *flags: str, devices: int = 1,
               timeout: float = 240) -> subprocess.CompletedProcess:
   """Runs train.py to the end; returns the completed process (output in .stderr)."""
-  return subprocess.run(train_command(config_path, workdir, *flags), cwd=REPO,
-                        env=subprocess_env(devices), capture_output=True, text=True,
-                        timeout=timeout, check=False)
+  return run_command(train_command(config_path, workdir, *flags), env=subprocess_env(devices),
+                     timeout=timeout)
+
+
+class _CommandServer:
+  """tests/command_server.py, started once a test process: see its docstring."""
+
+  def __init__(self):
+    self.directory = tempfile.mkdtemp(prefix='command_server')
+    self.socket = os.path.join(self.directory, 'socket')
+    self.env = subprocess_env()
+    self.process = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, 'tests', 'command_server.py'), self.socket],
+        env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    ready = self.process.stdout.readline()
+    assert ready == 'ready\n', f'tests/command_server.py did not start: {ready!r}'
+
+  def serves(self, argv: list[str], cwd: str, env: dict[str, str]) -> bool:
+    """Whether the server can run `argv` as a new Python would: a script of the checkout,
+    under an environment whose JAX_* variables (read at import) are the server's."""
+    jax_vars = lambda e: {k: v for k, v in e.items() if k.startswith('JAX_')}
+    return (self.process.poll() is None and len(argv) >= 2 and argv[0] == sys.executable
+            and argv[1].endswith('.py') and os.path.isfile(os.path.join(cwd, argv[1]))
+            and jax_vars(env) == jax_vars(self.env))
+
+  def run(self, argv: list[str], cwd: str, env: dict[str, str], stdin, stdout, stderr,
+          timeout: float) -> int:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+      conn.connect(self.socket)
+      request = json.dumps({'argv': argv[1:], 'cwd': cwd, 'env': env}).encode()
+      socket.send_fds(conn, [request], [stdin.fileno(), stdout.fileno(), stderr.fileno()])
+      replies = conn.makefile('r')
+      pid = int(replies.readline())
+      conn.settimeout(timeout)
+      try:
+        status = replies.readline()
+      except TimeoutError:
+        os.kill(pid, signal.SIGKILL)
+        raise subprocess.TimeoutExpired(argv, timeout) from None
+    return os.waitstatus_to_exitcode(int(status))
+
+
+_server: _CommandServer | None = None
+
+
+def run_command(argv: list[str], *, env: dict[str, str], cwd: str = REPO,
+                input: str | bytes | None = None,  # pylint: disable=redefined-builtin
+                text: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+  """`subprocess.run(argv, capture_output=True, ...)` for `python SCRIPT.py ...`, started by
+  tests/command_server.py (a fork, not a new Python) where it can be."""
+  global _server
+  if _server is None or _server.process.poll() is not None:
+    _server = _CommandServer()
+  if not _server.serves(argv, cwd, env):
+    return subprocess.run(argv, cwd=cwd, env=env, input=input, capture_output=True, text=text,
+                          timeout=timeout, check=False)
+  with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, \
+       tempfile.TemporaryFile() as stderr:
+    if input is not None:
+      stdin.write(input.encode() if isinstance(input, str) else input)
+      stdin.seek(0)
+    returncode = _server.run(argv, cwd, env, stdin, stdout, stderr, timeout)
+    outputs = []
+    for stream in (stdout, stderr):
+      stream.seek(0)
+      output = stream.read()
+      if text:  # Decoded as subprocess.run(text=True) decodes.
+        output = output.decode(locale.getpreferredencoding(False))
+        output = output.replace('\r\n', '\n').replace('\r', '\n')
+      outputs.append(output)
+  return subprocess.CompletedProcess(argv, returncode, *outputs)
 
 
 def dead_pid() -> int:
