@@ -20,11 +20,13 @@ AOT_PYTHON = os.path.join(train_testlib.REPO, '.venv-aot', 'bin', 'python')
 COMPILE = os.path.join(train_testlib.REPO, 'compile.py')
 
 
-def _compile(*flags, python=sys.executable, devices=1, timeout=600):
-  return subprocess.run(
-      [python, COMPILE, '--config=configs/tiny.py', *flags], capture_output=True, text=True,
-      timeout=timeout, cwd=train_testlib.REPO,
-      env=train_testlib.subprocess_env(devices))
+def _compile(*flags, python=sys.executable, devices=1, timeout=600, elsewhere=None):
+  """compile.py on configs/tiny.py; from the directory `elsewhere`, as a user of the installed
+  package runs it: the module, and the shipped config by name."""
+  command = ([python, '-m', 'transformer_jax.commands.compile', '--config=tiny'] if elsewhere
+             else [python, COMPILE, '--config=configs/tiny.py'])
+  return train_testlib.run_command([*command, *flags], cwd=elsewhere or train_testlib.REPO,
+                                   env=train_testlib.subprocess_env(devices), timeout=timeout)
 
 
 def _aot_python() -> str:
@@ -77,8 +79,9 @@ def _check_kernels(train: dict, stdout: str) -> None:
 def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, kind, hosts,
                                                      mesh):
   out = tmp_path / 'report.json'
+  # The TPU compile as the compiling guide gives it to a user of the installed package.
   result = _compile(f'--topology={topology}', *flags, '--decode', f'--json={out}',
-                    python=_aot_python())
+                    python=_aot_python(), elsewhere=str(tmp_path) if hosts == 1 else None)
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'fits' in result.stdout, result.stdout
   report = json.loads(out.read_text())
@@ -186,6 +189,7 @@ def test_missing_wheels_are_named_with_the_fix():
                 'arise here; .venv-aot keeps it out of the test environment')
   result = _compile('--topology=v5e-8', timeout=120)
   assert result.returncode == 2
+  assert 'python -m transformer_jax.aot_env ~/.venv-aot' in result.stderr
   assert 'setup.sh --aot' in result.stderr and 'Traceback' not in result.stderr
 
 

@@ -119,12 +119,13 @@ def target_names() -> str:
 
 
 def _aot_wheel_error(what: str, error: Exception) -> UserError:
-  v = jax.__version__
   return UserError(
-      f'Compiling for {what} needs the compile-only wheels of jax {v}, which are missing '
-      f'here ({type(error).__name__}: {str(error).splitlines()[0][:200]}); run `bash '
-      'scripts/setup.sh --aot` and then `.venv-aot/bin/python compile.py ...` (it installs '
-      f'"jax[tpu]=={v}" "jax-cuda12-plugin=={v}" "jax-cuda12-pjrt=={v}" into .venv-aot).')
+      f'Compiling for {what} needs the compile-only wheels of jax {jax.__version__}, which are '
+      f'missing here ({type(error).__name__}: {str(error).splitlines()[0][:200]}); make an '
+      'environment with them once, `python -m transformer_jax.aot_env ~/.venv-aot`, and run '
+      'this command with its Python: `~/.venv-aot/bin/python -m '
+      'transformer_jax.commands.compile ...` (in a checkout, `bash scripts/setup.sh --aot` '
+      'makes .venv-aot: `.venv-aot/bin/python compile.py ...`).')
 
 
 def _tpu_target(name: str) -> Target:
@@ -300,7 +301,8 @@ def _cudnn_library_named() -> Iterator[None]:
     raise UserError(
         "attention_implementation='cudnn' needs the cuDNN library even to compile (JAX "
         'checks its version while tracing), and this environment has none; install a cuDNN '
-        'where .venv-aot finds it (e.g. the nvidia-cudnn-cu12 wheel; not tried here) or '
+        'where this Python finds it (`python -m transformer_jax.aot_env DIR` puts the '
+        'nvidia-cudnn-cu12 wheel into the environment it makes) or '
         "compile with --config.attention_implementation=xla.") from e
 
 

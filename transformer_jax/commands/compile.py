@@ -6,9 +6,11 @@ r"""Compiles the real train step for a TPU slice or GPU host this machine does n
       --search_batch
   .venv-aot/bin/python compile.py --config=configs/tiny.py --topology=2x8xH200 --decode
 
-No accelerator, driver or data is needed: the compile-only wheels (libtpu and the CUDA PJRT
-plugin, installed into .venv-aot by `bash scripts/setup.sh --aot`; run this command with
-.venv-aot/bin/python) let XLA compile for the target. The step is exactly train.py's: the
+No accelerator, driver or data is needed: the compile-only wheels (libtpu, the CUDA PJRT
+plugin and cuDNN) let XLA compile for the target. They live in an environment of their own:
+`bash scripts/setup.sh --aot` makes .venv-aot in a checkout, `python -m
+transformer_jax.aot_env DIR` anywhere (then `DIR/bin/python -m
+transformer_jax.commands.compile ...`). The step is exactly train.py's: the
 config's mesh, shardings, dtype, remat and attention, and the input pipeline's largest batch
 shape (the longest bucket, or packed rows), with the vocabulary size from the config
 (`vocab_size` or `vocab_size_target`). Printed per device: the memory the step needs
