@@ -14,6 +14,7 @@ full-disk problem (explained in one paragraph; the traceback only with --verbose
 interrupted by Ctrl-C (after saving that step, so a script that runs train.py stops too).
 """
 
+import signal
 import sys
 
 from absl import flags
@@ -59,6 +60,10 @@ def main(argv: list[str]) -> None:
   except train_loop.NonFiniteError as e:
     print(f'{cli.program()}: stopped: {e}', file=sys.stderr)
     sys.exit(1)
+  # Training's own handlers are gone and its checkpoint is saved: a SIGTERM from here on (a
+  # scheduler's stop arriving as the last step ends) asks for what happens anyway, and must
+  # not turn the exit code into 143 while the process shuts down.
+  signal.signal(signal.SIGTERM, _already_ending)
   if result.interrupted:
     print(f'{cli.program()}: interrupted by Ctrl-C at step {int(result.state.step)}, after saving '
           'its checkpoint; rerun the same command to resume.', file=sys.stderr)
@@ -66,6 +71,13 @@ def main(argv: list[str]) -> None:
   if result.stopped_early:
     logging.info('Stopped at step %d on request; the checkpoint is complete.',
                  int(result.state.step))
+  else:
+    logging.info('Finished at step %d; its checkpoint is complete.', int(result.state.step))
+
+
+def _already_ending(signum, frame) -> None:
+  del frame
+  logging.warning('Received signal %d after training ended: exiting as planned.', signum)
 
 
 flags.adopt_module_key_flags(cli)
