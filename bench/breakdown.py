@@ -22,11 +22,11 @@ Imports neither JAX nor PyTorch: both workers use it. The JAX side's kinds are
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable, Mapping
 import glob
 import gzip
 import json
 import os
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 from transformer_jax import hlo_view

@@ -31,7 +31,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 'tests'))
-import gcs_testlib  # pylint: disable=g-import-not-at-top,wrong-import-position
+import gcs_testlib
 
 
 def _step_times(task, count: int) -> list[float]:
@@ -53,12 +53,11 @@ def main() -> None:
 
   server = gcs_testlib.start()
   os.environ.update(gcs_testlib.environment(server.url))
-  # pylint: disable=g-import-not-at-top
   import grain
   import jax
+
   from bench import jax_side
   from transformer_jax import checkpointing
-  # pylint: enable=g-import-not-at-top
   try:
     bucket = server.create_bucket()
     local_root = tempfile.mkdtemp(prefix='bench_checkpoints_')

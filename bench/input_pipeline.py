@@ -82,7 +82,7 @@ def _repeated_corpus(pairs: ip.ParallelText, count: int, directory: str) -> tupl
 
 def _train_wait(workdir: str, prefetch: int, steps: int) -> dict[str, float]:
   """data_wait_share and tokens/s of a short run (the logged intervals after compiling)."""
-  from transformer_jax import train_loop  # pylint: disable=import-outside-toplevel
+  from transformer_jax import train_loop
   config = bible_config.get_config()
   config.tfds_data_dir = os.path.join(workdir, 'tfds')
   config.vocab_path = os.path.join(workdir, 'bible', 'vocab.model')

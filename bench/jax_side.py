@@ -9,13 +9,13 @@ masked, so that every system generates exactly the requested number of tokens.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import importlib.util
 import math
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -27,10 +27,21 @@ import numpy as np
 from bench import breakdown as bench_breakdown
 from bench import marian as bench_marian
 from bench import worker
-from transformer_jax import aot, decode, flops, marian, models, optimizer, train_steps
-from transformer_jax import hlo_view, host_memory, translator
-from transformer_jax import config as config_lib
-from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig, base_config
+from transformer_jax import aot
+from transformer_jax import decode
+from transformer_jax import flops
+from transformer_jax import hlo_view
+from transformer_jax import host_memory
+from transformer_jax import kernel_choice
+from transformer_jax import marian
+from transformer_jax import models
+from transformer_jax import optimizer
+from transformer_jax import train_steps
+from transformer_jax import translator
+from transformer_jax.config import base_config
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import PAD_ID
+from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner
 
@@ -177,7 +188,7 @@ class TrainTask:
                                          [target_length] * rows),
         'xla_flops': aot.compiled_flops(self.compiled),
         'compiled_memory_bytes': aot.memory_bytes(self.compiled),
-        'attention_implementation': config_lib.attention_choice(
+        'attention_implementation': kernel_choice.attention_choice(
             t.config, jax.default_backend(), np.dtype(t.model_config.dtype).name).reason,
         'fused_attention_calls': aot.fused_attention_calls(self.compiled.as_text()),
         'device_memory': device_memory_stats(),
@@ -358,7 +369,7 @@ class BudgetTask:
                         attention=self.attention)
     try:
       compiled, _ = setup.compile()
-    except Exception as e:  # pylint: disable=broad-except  # XLA may refuse to compile.
+    except Exception as e:  # XLA may refuse to compile.
       if aot.is_out_of_memory(e):
         return False, None
       raise
@@ -371,7 +382,7 @@ class BudgetTask:
     try:
       task.setup()
       return True
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       if aot.is_out_of_memory(e):
         return False
       raise

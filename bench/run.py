@@ -33,12 +33,12 @@ import tempfile
 import time
 from typing import Any
 
-from transformer_jax.config import TransformerConfig
-
-from transformer_jax import flops, host_memory
 from bench import breakdown
 from bench import worker
 from bench.jax_side import run_config
+from transformer_jax import flops
+from transformer_jax import host_memory
+from transformer_jax.config import TransformerConfig
 
 GIB = 1024 ** 3
 MAIN_JOB_RSS_GOAL = 8 * GIB

@@ -32,13 +32,13 @@ systems are interleaved by the parent, so that a noisy, shared machine slows bot
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 import json
 import os
 import resource
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 PROFILE_VAR = 'BENCH_PROFILE_DIR'

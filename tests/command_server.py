@@ -29,8 +29,10 @@ import socket
 import sys
 import threading
 
-# What every command imports, without initializing a JAX backend.
-# pylint: disable=unused-import
+# What every command imports (none of them initializes a JAX backend).
+from absl import app  # noqa: F401
+from absl import flags  # noqa: F401
+from absl import logging  # noqa: F401
 import flax.linen  # noqa: F401
 import fsspec  # noqa: F401
 import grain  # noqa: F401
@@ -42,13 +44,9 @@ import orbax.checkpoint  # noqa: F401
 import sacrebleu  # noqa: F401
 import sentencepiece  # noqa: F401
 import tensorflow_datasets  # noqa: F401
-from absl import app  # noqa: F401
-from absl import flags  # noqa: F401
-from absl import logging  # noqa: F401
-# pylint: enable=unused-import
 
 
-class _Child(Exception):  # noqa: N818
+class _Child(Exception):
   """Raised in the forked child to leave the server's loop for the command."""
 
   def __init__(self, request: dict, fds: list[int]):

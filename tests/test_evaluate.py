@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import sacrebleu
 
-import train_testlib
 from test_translator import TRAIN_STEPS
+import train_testlib
 from transformer_jax import averaging
 from transformer_jax import checkpointing
 from transformer_jax import evaluation
@@ -73,8 +73,8 @@ def test_paired_bootstrap_separates_a_better_system():
 
 def test_the_average_of_the_last_checkpoints_is_their_mean_in_their_dtypes(tmp_path):
   """Parameters of any tree, any dtype: summed in float32, returned in each leaf's dtype."""
-  from configs import tiny  # pylint: disable=g-import-not-at-top
-  from transformer_jax.tokenizer import train_tokenizer  # pylint: disable=g-import-not-at-top
+  from configs import tiny
+  from transformer_jax.tokenizer import train_tokenizer
   tokenizer = train_tokenizer([f'word{i} other{i % 7} thing' for i in range(200)],
                               str(tmp_path / 'spm.model'), vocab_size=60)
   meta = checkpointing.make_meta(tiny.get_config(), tokenizer)

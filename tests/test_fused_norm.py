@@ -77,10 +77,11 @@ def test_values_and_gradients_match_the_same_math_in_jax(dtype, tolerance, dropo
 def _sharded_worker() -> dict:
   """Runs in the 4-device subprocess: the model's fused norm on a data x tensor mesh and on
   one device; returns the largest differences."""
-  import ml_collections  # pylint: disable=g-import-not-at-top
-  from transformer_jax import models  # pylint: disable=g-import-not-at-top
-  from transformer_jax.config import TransformerConfig  # pylint: disable=g-import-not-at-top
-  from transformer_jax.partitioning import Partitioner  # pylint: disable=g-import-not-at-top
+  import ml_collections
+
+  from transformer_jax import models
+  from transformer_jax.config import TransformerConfig
+  from transformer_jax.partitioning import Partitioner
 
   assert jax.device_count() == 4, jax.devices()
   cfg = TransformerConfig(vocab_size=40, d_model=64, num_heads=4, d_ff=64, dropout_rate=0.3,

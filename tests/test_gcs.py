@@ -18,14 +18,14 @@ import threading
 import time
 from typing import Any
 
+from etils import epath
 import gcsfs
 import pytest
-from etils import epath
 
 import gcs_testlib
-import test_bible_en_es
-import train_testlib
+import test_bible_corpus
 from test_translator import TRAIN_STEPS
+import train_testlib
 from transformer_jax import outputs
 from transformer_jax import workdir_lock
 from transformer_jax.errors import PathError
@@ -131,7 +131,7 @@ def test_commands_read_a_run_and_write_their_results_on_a_bucket(run_dir, bucket
   result = _command('average_checkpoints.py', f'--workdir={run}',
                     f'--output_workdir={bucket}/avg', '--num_checkpoints=2')
   assert result.returncode == 0, result.stderr[-3000:]
-  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  from transformer_jax import checkpointing
   meta, step = checkpointing.read_meta(f'{bucket}/avg')
   assert step == TRAIN_STEPS[-1] and meta['averaged_steps'] == list(TRAIN_STEPS[-2:])
   assert meta['averaged_from'] == run
@@ -205,7 +205,7 @@ def test_text_files_a_vocabulary_and_init_from_on_a_bucket(bucket, tmp_path):
                f'--config.init_from={bucket}/run', '--config.num_train_steps=6')
   assert tuned.returncode == 0, tuned.stderr[-3000:]
   assert 'Trained a' not in tuned.stderr
-  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  from transformer_jax import checkpointing
   meta, step = checkpointing.read_meta(str(tmp_path / 'tuned'))
   first_meta, _ = checkpointing.read_meta(f'{bucket}/run')
   assert step == 6 and meta['tokenizer']['sha256'] == first_meta['tokenizer']['sha256']
@@ -220,13 +220,13 @@ def test_text_files_a_vocabulary_and_init_from_on_a_bucket(bucket, tmp_path):
                    script='prepare_data.py'), 'run the command once, on one host')
 
 
-@test_bible_en_es.needs_modules
+@test_bible_corpus.needs_modules
 def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeypatch):
   """--config.tfds_data_dir=gs://...: the offline corpus is built locally, uploaded with
   dataset_info.json (TFDS's sign of a prepared dataset) last, and read from the bucket
   through array_record; another host reads it there without building it."""
-  from transformer_jax import input_pipeline  # pylint: disable=g-import-not-at-top
-  from transformer_jax.config import base_config  # pylint: disable=g-import-not-at-top
+  from transformer_jax import input_pipeline
+  from transformer_jax.config import base_config
   config = base_config()
   config.dataset, config.source_lang, config.target_lang = 'bible_en_es', 'en', 'es'
   config.tfds_data_dir = f'{bucket}/tfds'
@@ -249,7 +249,7 @@ def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeyp
 
 
 def _lock_object(bucket: str, **record) -> Any:
-  from google.cloud import storage  # pylint: disable=g-import-not-at-top
+  from google.cloud import storage
   blob = storage.Client().bucket(bucket[len('gs://'):]).blob(f'run/{workdir_lock.LOCK_NAME}')
   blob.upload_from_string(json.dumps(record))
   return blob
@@ -306,7 +306,7 @@ def test_another_hosts_lock_on_a_bucket_is_stale_when_its_generation_stops_chang
 def test_metrics_on_a_bucket_keep_every_row_through_a_restart(bucket):
   """No append on Cloud Storage: each row rewrites the object with all rows so far. A
   restart at step 20 keeps the rows up to 20 and drops the later ones (trained again)."""
-  from transformer_jax import metrics_writer  # pylint: disable=g-import-not-at-top
+  from transformer_jax import metrics_writer
   run = f'{bucket}/run'
   row = lambda loss: {'loss': loss, 'perplexity': 2.0, 'accuracy': 0.5}
   writer = metrics_writer.MetricsWriter(run, total_steps=40, start_step=0, enabled=True)
@@ -328,9 +328,10 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
   """On Cloud Storage a rename is a copy and a delete: the damaged step is copied to
   `<step>.damaged` first, then loses orbax's commit marker (no step any more), then the
   rest; the other steps stay."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  from transformer_jax import checkpointing
   checkpointer = checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2)
   manager = ocp.CheckpointManager(checkpointer.directory, options=ocp.CheckpointManagerOptions(
       enable_async_checkpointing=False))
@@ -375,9 +376,10 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bu
   published to the bucket instead of making them again, resumes, and ends with the
   parameters and the metrics rows of an uninterrupted local run, bitwise. A second job
   meanwhile is refused, naming the first."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+
+  from transformer_jax import checkpointing
   config, reference = train_testlib.config_and_reference(
       tmp_path, num_train_steps=STEPS, checkpoint_every_steps=5, keep_checkpoints=2)
 
@@ -426,8 +428,9 @@ def test_two_processes_train_on_one_bucket_as_one_process_does(bucket, multihost
   """The 2-process x 4-device job (no shared disk: each process has its own local cache) on
   one gs:// work directory: process 0 makes and publishes the vocabulary and token ids,
   process 1 downloads them, and the losses are those of one 8-device process."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import test_multihost  # pylint: disable=g-import-not-at-top
+  import numpy as np
+
+  import test_multihost
   config, reference = multihost_config, multihost_reference
   run = f'{bucket}/pair'
   pair = test_multihost.start_pair(config, run, log_dir=str(tmp_path),

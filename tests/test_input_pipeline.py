@@ -13,8 +13,9 @@ import tensorflow_datasets as tfds
 
 from transformer_jax import config as config_lib
 from transformer_jax import input_pipeline as ip
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import PAD_ID
 from transformer_jax.models import BATCH_KEYS
-from transformer_jax.config import EOS_ID, PAD_ID
 
 WORDS = ('the a house river bird green old new town field red blue small long water '
          'light stone tree day night').split()

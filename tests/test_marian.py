@@ -27,14 +27,19 @@ transformers = pytest.importorskip('transformers', reason='transformers is a tes
                                    "dependency: pip install -c requirements.txt -e '.[test]'")
 
 import train_testlib  # noqa: E402
-
-from transformer_jax import checkpointing, loading, marian, translator  # noqa: E402
-from transformer_jax.tokenizer import train_tokenizer  # noqa: E402
+from transformer_jax import checkpointing  # noqa: E402
+from transformer_jax import loading  # noqa: E402
+from transformer_jax import marian  # noqa: E402
+from transformer_jax import translator  # noqa: E402
 from transformer_jax import translator as translator_lib  # noqa: E402
+from transformer_jax.config import ConfigError  # noqa: E402
+from transformer_jax.config import EOS_ID  # noqa: E402
+from transformer_jax.config import PAD_ID  # noqa: E402
+from transformer_jax.config import TransformerConfig  # noqa: E402
 from transformer_jax.errors import OutputExistsError  # noqa: E402
-from transformer_jax.config import (ConfigError, EOS_ID, PAD_ID,  # noqa: E402
-                                    TransformerConfig)
-from transformer_jax.models import Transformer, sinusoidal_positions  # noqa: E402
+from transformer_jax.models import sinusoidal_positions  # noqa: E402
+from transformer_jax.models import Transformer  # noqa: E402
+from transformer_jax.tokenizer import train_tokenizer  # noqa: E402
 
 VOCAB, D, MAX_LEN = 60, 64, 64
 
@@ -214,7 +219,7 @@ TARGET_TEXT = ['le chat est assis sur le tapis', 'un chien court dans le parc',
 
 
 def _train_spm(path_prefix: str, lines: list[str]) -> str:
-  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  import sentencepiece as spm
   spm.SentencePieceTrainer.train(sentence_iterator=iter(lines * 20), model_prefix=path_prefix,
                                  vocab_size=40, model_type='unigram', minloglevel=2,
                                  hard_vocab_limit=False)
@@ -228,7 +233,7 @@ def opus_mt_dir(tmp_path_factory):
   root = tmp_path_factory.mktemp('opus')
   models = {side: _train_spm(str(root / side), text)
             for side, text in (('source', SOURCE_TEXT), ('target', TARGET_TEXT))}
-  import sentencepiece as spm  # pylint: disable=g-import-not-at-top
+  import sentencepiece as spm
   pieces = []
   for path in models.values():
     processor = spm.SentencePieceProcessor(model_file=path)
@@ -355,7 +360,7 @@ def test_imported_model_fine_tunes_from_its_config_file(opus_mt_dir, tmp_path):
                      bucket_boundaries=(), max_source_length=32, max_target_length=32,
                      eval_every_steps=0, log_every_steps=1, checkpoint_every_steps=2,
                      eval_bleu_sentences=0, best_checkpoint_metric=''))
-  from transformer_jax import train_loop  # pylint: disable=g-import-not-at-top
+  from transformer_jax import train_loop
   result = train_loop.train_and_evaluate(config, str(tmp_path / 'tuned'))
   assert int(result.state.step) == 2
   # It started from the imported parameters and moved from them.
@@ -385,7 +390,7 @@ def test_import_command_reports_a_bad_directory_in_one_paragraph(tmp_path):
 def _own_checkpoint(root, **fields) -> str:
   """A random post-norm model of this project with its own SentencePiece vocabulary,
   written as a checkpoint (what a training run leaves)."""
-  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from configs import tiny
   tokenizer = train_tokenizer(SOURCE_TEXT * 10 + TARGET_TEXT * 10, str(root / 'vocab.model'),
                               vocab_size=48)
   config = tiny.get_config()
@@ -454,7 +459,7 @@ def test_exported_model_translates_in_hugging_face_as_here(exported):
 
 
 def _ct2_translates_as_here(workdir, exported_dir, tmp_path, sentences):
-  import ctranslate2  # pylint: disable=g-import-not-at-top  # The test extra's.
+  import ctranslate2  # The test extra's.
   converted = ctranslate2.converters.TransformersConverter(exported_dir).convert(
       str(tmp_path / 'ct2'))
   ct2 = ctranslate2.Translator(converted, device='cpu')
@@ -582,7 +587,7 @@ def test_import_and_export_on_a_bucket_match_the_local_ones(opus_mt_dir, bucket,
   last) holds the parameters of a local import, and its export to a bucket the bytes of a
   local export, config.json uploaded last; what a killed export left is replaced by the
   retry, and anything else in the output directory refuses the export."""
-  import gcsfs  # pylint: disable=g-import-not-at-top
+  import gcsfs
   directory, _, _ = opus_mt_dir
   fs = gcsfs.GCSFileSystem()
   fs.put(str(directory), f'{bucket}/opus', recursive=True)

@@ -11,7 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models_testlib import SOURCE, TARGET, TINY, VARIANTS, VOCAB, apply, init, tokens
+from models_testlib import apply
+from models_testlib import init
+from models_testlib import SOURCE
+from models_testlib import TARGET
+from models_testlib import TINY
+from models_testlib import tokens
+from models_testlib import VARIANTS
+from models_testlib import VOCAB
 from transformer_jax import losses
 from transformer_jax.config import PAD_ID
 from transformer_jax.models import Transformer
@@ -117,7 +124,7 @@ def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
   """`logits_sum='linear'` (GPUs' default: each token's sum of logits is the decoder output
   times the projection's column sums) gives the reduction's metrics and gradients to
   rounding: tied and untied projections, a bias and a zeroed pad logit, bfloat16."""
-  from transformer_jax import train_steps  # pylint: disable=import-outside-toplevel
+  from transformer_jax import train_steps
   rng = np.random.default_rng(13)
   inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)
   reduce = dataclasses.replace(TINY, **variant)

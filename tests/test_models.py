@@ -9,12 +9,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models_testlib import SOURCE, TARGET, TINY, VARIANTS, VOCAB, apply, cached_params, init
+from models_testlib import apply
+from models_testlib import cached_params
+from models_testlib import init
+from models_testlib import SOURCE
+from models_testlib import TARGET
+from models_testlib import TINY
 from models_testlib import tokens
+from models_testlib import VARIANTS
+from models_testlib import VOCAB
 from transformer_jax import attention
 from transformer_jax import losses
-from transformer_jax.config import BOS_ID, PAD_ID
+from transformer_jax.config import BOS_ID
+from transformer_jax.config import PAD_ID
 from transformer_jax.models import Transformer
+
 
 @pytest.fixture(params=sorted(VARIANTS))
 def variant(request):

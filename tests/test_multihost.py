@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-import train_testlib  # pylint: disable=wrong-import-position
+import train_testlib
 
 pytestmark = pytest.mark.slow  # two training processes on a coordinator.
 

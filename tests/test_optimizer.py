@@ -7,7 +7,8 @@ import pytest
 
 from configs import tiny
 from transformer_jax import optimizer
-from transformer_jax.config import ConfigError, base_config
+from transformer_jax.config import base_config
+from transformer_jax.config import ConfigError
 
 
 def paper_lrate(step, d_model=512, warmup=4000):

@@ -18,8 +18,10 @@ import train_testlib
 from transformer_jax import config as config_lib
 from transformer_jax import outputs
 from transformer_jax import workdir_lock
-from transformer_jax.errors import (ConfigError, DiskFullError, OutputExistsError,
-                                    PathError)
+from transformer_jax.errors import ConfigError
+from transformer_jax.errors import DiskFullError
+from transformer_jax.errors import OutputExistsError
+from transformer_jax.errors import PathError
 
 REPO = train_testlib.REPO
 
@@ -214,7 +216,7 @@ def test_the_lock_is_never_seen_without_its_contents_and_a_full_disk_leaves_none
     train_testlib.fill_disk(str(mount / 'filler'))
     with pytest.raises(OSError) as error:
       workdir_lock.WorkdirLock(str(workdir)).acquire()
-    from transformer_jax import errors  # pylint: disable=g-import-not-at-top
+    from transformer_jax import errors
     assert isinstance(errors.find_user_error(error.value), DiskFullError)
     assert os.listdir(workdir) == []  # No lock, no temporary.
     os.remove(mount / 'filler')

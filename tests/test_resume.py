@@ -16,9 +16,8 @@ import jax
 import numpy as np
 import pytest
 
-import train_testlib  # pylint: disable=wrong-import-position
-
-from transformer_jax import checkpointing  # pylint: disable=wrong-import-position
+import train_testlib
+from transformer_jax import checkpointing
 
 pytestmark = pytest.mark.slow  # training through subprocesses, killed and resumed.
 

@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-import train_testlib  # pylint: disable=wrong-import-position
+import train_testlib
 
 pytestmark = pytest.mark.slow  # training on 8 devices through a subprocess.
 
@@ -31,15 +31,16 @@ VOCAB = 64
 
 def _worker(checkpoint_dir: str) -> dict:
   """Runs in the 8-device subprocess; returns what the tests check."""
-  import grain  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  from configs import tiny  # pylint: disable=g-import-not-at-top
-  from transformer_jax import checkpointing  # pylint: disable=g-import-not-at-top
-  from transformer_jax import optimizer  # pylint: disable=g-import-not-at-top
-  from transformer_jax import train_steps  # pylint: disable=g-import-not-at-top
-  from transformer_jax.config import TransformerConfig  # pylint: disable=g-import-not-at-top
-  from transformer_jax.partitioning import Partitioner  # pylint: disable=g-import-not-at-top
+  import grain
+  import jax
+  import jax.numpy as jnp
+
+  from configs import tiny
+  from transformer_jax import checkpointing
+  from transformer_jax import optimizer
+  from transformer_jax import train_steps
+  from transformer_jax.config import TransformerConfig
+  from transformer_jax.partitioning import Partitioner
 
   assert jax.device_count() == 8, jax.devices()
   config = tiny.get_config()
@@ -186,7 +187,7 @@ def test_checkpoint_restores_onto_a_different_mesh(report):
 
 
 if __name__ == '__main__':
-  import time  # pylint: disable=g-import-not-at-top
+  import time
   start = time.time()
   result = _worker(sys.argv[1])
   result['seconds'] = time.time() - start

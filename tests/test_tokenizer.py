@@ -5,7 +5,10 @@ import pytest
 import sentencepiece as spm
 
 from transformer_jax import tokenizer as tokenizer_lib
-from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from transformer_jax.config import BOS_ID
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import PAD_ID
+from transformer_jax.config import UNK_ID
 
 WORDS = ('the house is red and the river is long while a small bird sings over green '
          'fields near old towns la casa es roja y el rio es largo').split()

@@ -17,7 +17,9 @@ import pytest
 torch = pytest.importorskip('torch', reason='PyTorch (CPU build) is a test-only dependency: '
                             "pip install -c requirements.txt -e '.[test]'")
 
-from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig  # noqa: E402
+from transformer_jax.config import BOS_ID  # noqa: E402
+from transformer_jax.config import PAD_ID  # noqa: E402
+from transformer_jax.config import TransformerConfig  # noqa: E402
 from transformer_jax.models import Transformer  # noqa: E402
 
 D, HEADS, FF, LAYERS, VOCAB = 64, 4, 128, 2, 50

@@ -21,20 +21,21 @@ import numpy as np
 import optax
 import pytest
 
-import train_testlib
-
 from configs import tiny
+import train_testlib
 from transformer_jax import checkpointing
 from transformer_jax import errors
-from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import loading
 from transformer_jax import metrics_writer
 from transformer_jax import models
 from transformer_jax import multihost
 from transformer_jax import optimizer
+from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax import train_loop
 from transformer_jax import train_steps
-from transformer_jax.config import ConfigError, TransformerConfig, base_config
+from transformer_jax.config import base_config
+from transformer_jax.config import ConfigError
+from transformer_jax.config import TransformerConfig
 from transformer_jax.partitioning import Partitioner
 
 VOCAB = 64
@@ -271,7 +272,7 @@ def test_profile_steps_trace_the_train_step(finished_run):
 
 def _tensorboard_tags(directory):
   """The summary tags in TensorBoard event files (TFRecords of `Event` protos)."""
-  from tensorboardX.proto import event_pb2  # pylint: disable=g-import-not-at-top
+  from tensorboardX.proto import event_pb2
   tags = set()
   for name in os.listdir(directory):
     with open(os.path.join(directory, name), 'rb') as f:
@@ -294,7 +295,7 @@ def _fake_state(step):
 @pytest.mark.slow
 @pytest.mark.parametrize('metric,kept,best', [('bleu', [2, 4, 6], 2), ('loss', [2, 3, 6], 3)])
 def test_the_best_checkpoints_are_kept_besides_the_latest(tmp_path, metric, kept, best):
-  import grain  # pylint: disable=g-import-not-at-top
+  import grain
   checkpointer = checkpointing.Checkpointer(
       str(tmp_path), save_every=100, final_step=100, keep=1, best_metric=metric, keep_best=2)
   meta = {'config': {'best_checkpoint_metric': metric}, 'vocab_size': 8, 'tokenizer': {}}
@@ -518,7 +519,7 @@ def test_sigterm_and_ctrl_c_save_that_step_and_stop(finished_run, tmp_path, sign
   assert checkpointing.list_steps(workdir) == [3]
   logged = [m['step'] for m in read_metrics(workdir) if m['split'] == 'train']
   assert logged == [1, 2, 3]
-  assert signal.getsignal(signum) is not stop._on_signal  # pylint: disable=protected-access
+  assert signal.getsignal(signum) is not stop._on_signal
 
 
 @pytest.mark.slow

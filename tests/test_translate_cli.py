@@ -11,10 +11,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from transformer_jax import cli
-import train_testlib
 from test_translator import MAX_LEN
+import train_testlib
 from transformer_jax import attention_plot
+from transformer_jax import cli
 from transformer_jax import translator as translator_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -31,7 +31,9 @@ from configs import tiny
 from transformer_jax import checkpointing
 from transformer_jax import decode
 from transformer_jax import translator as translator_lib
-from transformer_jax.config import EOS_ID, PAD_ID, TransformerConfig
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import PAD_ID
+from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
 from transformer_jax.tokenizer import train_tokenizer
 

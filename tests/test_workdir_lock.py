@@ -11,7 +11,8 @@ import pytest
 
 import train_testlib
 from transformer_jax import workdir_lock
-from transformer_jax.workdir_lock import WorkdirBusyError, WorkdirLock
+from transformer_jax.workdir_lock import WorkdirBusyError
+from transformer_jax.workdir_lock import WorkdirLock
 
 
 def _write_lock(workdir, **record):

@@ -42,7 +42,7 @@ def write_parallel_text(directory: str, seed: int = 0) -> dict[str, str]:
 
 def small_config(files: dict[str, str], **overrides) -> ml_collections.ConfigDict:
   """configs/tiny.py shrunk to one layer and one bucket (one compiled shape), over `files`."""
-  from configs import tiny  # pylint: disable=g-import-not-at-top
+  from configs import tiny
   config = tiny.get_config()
   config.dataset = 'text'
   for split, spec in files.items():
@@ -163,7 +163,7 @@ _server: _CommandServer | None = None
 
 
 def run_command(argv: list[str], *, env: dict[str, str], cwd: str = REPO,
-                input: str | bytes | None = None,  # pylint: disable=redefined-builtin
+                input: str | bytes | None = None,
                 text: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
   """`subprocess.run(argv, capture_output=True, ...)` for `python SCRIPT.py ...`, started by
   tests/command_server.py (a fork, not a new Python) where it can be."""

@@ -1,12 +1,13 @@
 """Compiling the real train step (and decoder) for hardware this machine does not have.
 
-JAX compiles ahead of time for a described device topology: libtpu (`pip install
--r scripts/setup.sh --aot`) describes TPU slices, and the CUDA PJRT plugin plus a GPU target
-config (the device facts the compiler needs: `gpu_targets/*.txtpb`) describes GPU hosts. No
-accelerator, driver or data is needed. `compile_train_step` then builds exactly what
-`train.py` would run for the config on that target (the mesh, the shardings, the largest
-batch shape of the input pipeline) and reads off the compiler's answers: the memory each
-device needs, the FLOPs, the collectives. `largest_fitting` searches the batch that fits.
+JAX compiles ahead of time for a described device topology: libtpu (in the environment
+`python -m transformer_jax.aot_env DIR` makes) describes TPU slices, and the CUDA PJRT
+plugin plus a GPU target config (the device facts the compiler needs:
+`gpu_targets/*.txtpb`) describes GPU hosts. No accelerator, driver or data is needed.
+`compile_train_step` then builds exactly what `train.py` would run for the config on that
+target (the mesh, the shardings, the largest batch shape of the input pipeline) and reads off
+the compiler's answers: the memory each device needs, the FLOPs, the collectives.
+`largest_fitting` searches the batch that fits.
 
 Used by `compile.py`; `bench/` uses `memory_bytes` and `largest_fitting` on a real GPU.
 """
@@ -14,13 +15,13 @@ Used by `compile.py`; `bench/` uses `memory_bytes` and `largest_fitting` on a re
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable, Iterator
 import contextlib
 import dataclasses
 import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -28,16 +29,18 @@ import jax.numpy as jnp
 import ml_collections
 
 from transformer_jax import config as config_lib
+from transformer_jax import config_checks
 from transformer_jax import flops as model_flops
 from transformer_jax import hlo_view
 from transformer_jax import input_pipeline
+from transformer_jax import kernel_choice
 from transformer_jax import loading
 from transformer_jax import models
 from transformer_jax import optimizer
 from transformer_jax import train_steps
 from transformer_jax import translator
-from transformer_jax import validation
-from transformer_jax.errors import ConfigError, UserError
+from transformer_jax.errors import ConfigError
+from transformer_jax.errors import UserError
 from transformer_jax.partitioning import Partitioner
 
 GiB = 1 << 30
@@ -129,7 +132,7 @@ def _aot_wheel_error(what: str, error: Exception) -> UserError:
 
 
 def _tpu_target(name: str) -> Target:
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  from jax.experimental import topologies
   topology, options = TPU_SLICES.get(name, (name, {}))
   # Without a TPU, libtpu would probe the cloud metadata for these and complain.
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
@@ -164,7 +167,7 @@ def gpu_target_config(gpu: str) -> str:
 
 
 def _gpu_target(name: str, hosts: int, per_host: int, gpu: str) -> Target:
-  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  from jax.experimental import topologies
   spec = gpu_target_config(gpu)
   try:
     devices = topologies.get_topology_desc(
@@ -207,7 +210,7 @@ def memory_bytes(compiled: Any) -> int | None:
   + code; None where the backend does not say."""
   try:
     m = compiled.memory_analysis()
-  except Exception:  # pylint: disable=broad-except  # Not every backend implements it.
+  except Exception:  # Not every backend implements it.
     return None
   if m is None:
     return None
@@ -230,19 +233,19 @@ def compiled_flops(compiled: Any) -> float | None:
   """
   try:
     cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     cost = None
   if isinstance(cost, (list, tuple)):
     cost = cost[0] if cost else None
   if cost and 'flops' in cost:
     return float(cost['flops'])
   try:
-    from jax._src.lib import xla_client  # pylint: disable=import-outside-toplevel
+    from jax._src.lib import xla_client
     module = compiled.runtime_executable().hlo_modules()[0]
-    cost = xla_client._xla.hlo_module_cost_analysis(  # pylint: disable=protected-access
+    cost = xla_client._xla.hlo_module_cost_analysis(
         jax.devices('cpu')[0].client, module)
     return float(cost['flops'])
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     return None
 
 
@@ -333,7 +336,7 @@ class TrainStepSetup:
   @classmethod
   @_cudnn_library_named()
   def create(cls, config: ml_collections.ConfigDict, devices) -> 'TrainStepSetup':
-    validation.validate_run(config, training=True)
+    config_checks.validate_run(config, training=True)
     vocab_size = config.vocab_size or config.vocab_size_target
     partitioner = Partitioner.from_config(config, devices=list(devices))
     model_config = config_lib.TransformerConfig.from_config(
@@ -414,7 +417,7 @@ def compile_train_step(config: ml_collections.ConfigDict, tgt: Target, *,
   rows, length = train_batch_shape(config, setup.partitioner, tokens_per_batch)
   try:
     compiled, seconds = setup.compile(rows, length)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     if not is_out_of_memory(e):
       raise
     result = {'fits': False, 'error': str(e).splitlines()[0][:500],
@@ -443,7 +446,7 @@ def describe(setup: TrainStepSetup, tgt: Target) -> dict[str, Any]:
       'dtype': f'{c.dtype} ({jnp.dtype(setup.model_config.dtype).name})'
                if c.dtype == 'auto' else c.dtype,
       'remat_policy': c.remat_policy,
-      'attention_implementation': config_lib.attention_choice(
+      'attention_implementation': kernel_choice.attention_choice(
           c, tgt.devices[0].platform, jnp.dtype(setup.model_config.dtype).name).reason,
       'grad_accum_steps': c.grad_accum_steps,
       'vocab_size': setup.model_config.vocab_size,
@@ -532,7 +535,7 @@ def largest_train_batch(config: ml_collections.ConfigDict, tgt: Target, *,
   def fits(n: int) -> tuple[bool, int | None]:
     try:
       compiled, _ = setup.compile(n, length)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       if is_out_of_memory(e):
         return False, None
       raise
@@ -555,7 +558,7 @@ def compile_decoder(config: ml_collections.ConfigDict, tgt: Target, *,
                     batch_size: int | None = None) -> dict[str, Any]:
   """Compiles `translate.py`'s search (beam size, length limit and batch of the config) for
   the longest source bucket on `tgt`, and reports per device."""
-  validation.validate_run(config)
+  config_checks.validate_run(config)
   vocab_size = config.vocab_size or config.vocab_size_target
   partitioner = Partitioner.from_config(config, devices=list(tgt.devices))
   model_config = config_lib.TransformerConfig.from_config(

@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
     print(f'usage: python -m transformer_jax.aot_env DIRECTORY\n\n{__doc__}',
           file=sys.stdout if asked else sys.stderr)
     return 0 if asked else 2
-  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  from importlib import metadata
   jax_version = metadata.version('jax')
   directory = os.path.abspath(os.path.expanduser(argv[1]))
   try:

@@ -9,21 +9,22 @@ backend (files only, no display needed).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import matplotlib
 
 matplotlib.use('Agg')
-import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+import matplotlib.pyplot as plt
 import numpy as np
 import sentencepiece as spm
 
 from transformer_jax import outputs
-from transformer_jax.config import EOS_ID, TransformerConfig
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
 from transformer_jax.tokenizer import Tokenizer
 

@@ -12,8 +12,8 @@ hence it never goes into the training run's own directory.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
+import copy
 from typing import Any
 
 import jax
@@ -21,7 +21,8 @@ import jax.numpy as jnp
 
 from transformer_jax import checkpointing
 from transformer_jax import outputs
-from transformer_jax.errors import CheckpointNotFoundError, ConfigError
+from transformer_jax.errors import CheckpointNotFoundError
+from transformer_jax.errors import ConfigError
 
 PyTree = Any
 

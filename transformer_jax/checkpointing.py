@@ -19,28 +19,35 @@ Evaluation and checkpoint averaging read checkpoints through `list_steps`, `read
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator, Mapping
 import contextlib
 import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
 from typing import Any
 
 import grain
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
-from jax.experimental import multihost_utils
 
 from transformer_jax import outputs
-from transformer_jax.config import (BEST_CHECKPOINT_METRICS, LEGACY_VALUES, RESUMABLE_FIELDS,
-                                    ConfigError)
-from transformer_jax.errors import (CheckpointError, CheckpointGoneError,
-                                    CheckpointNotFoundError, DiskFullError,
-                                    OutputExistsError, UserError, find_user_error)
-from transformer_jax.tokenizer import Tokenizer, load_tokenizer
+from transformer_jax.config import BEST_CHECKPOINT_METRICS
+from transformer_jax.config import ConfigError
+from transformer_jax.config import LEGACY_VALUES
+from transformer_jax.config import RESUMABLE_FIELDS
+from transformer_jax.errors import CheckpointError
+from transformer_jax.errors import CheckpointGoneError
+from transformer_jax.errors import CheckpointNotFoundError
+from transformer_jax.errors import DiskFullError
+from transformer_jax.errors import find_user_error
+from transformer_jax.errors import OutputExistsError
+from transformer_jax.errors import UserError
+from transformer_jax.tokenizer import load_tokenizer
+from transformer_jax.tokenizer import Tokenizer
 
 CHECKPOINT_DIR = 'checkpoints'
 META_FORMAT = 1
@@ -333,7 +340,7 @@ class Checkpointer:
     message naming the work directory and what a checkpoint needs there."""
     try:
       yield
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       if not isinstance(find_user_error(e), DiskFullError):
         raise
       size = (f'about {self._bytes / 1e6:,.1f} MB' if self._bytes else 'the size of the '
@@ -361,7 +368,7 @@ def _set_aside_on_gcs(step_dir: str, aside: str) -> None:
   point: the objects are copied to `aside` first (the original stays a step: a rerun finds
   it damaged again and copies again); then its `commit_success.txt`, orbax's mark of a
   finished step on Cloud Storage, is deleted, so that it is no step any more; then the rest."""
-  import gcsfs  # pylint: disable=g-import-not-at-top
+  import gcsfs
   fs = gcsfs.GCSFileSystem()
   with outputs.cloud_errors(step_dir, 'the checkpoint'):
     objects = fs.find(step_dir)
@@ -443,7 +450,7 @@ def _damaged(manager: ocp.CheckpointManager, directory: str, step: int, item: st
     yield
   except UserError:
     raise
-  except Exception as e:  # pylint: disable=broad-except  # Orbax and TensorStore raise many.
+  except Exception as e:  # Orbax and TensorStore raise many.
     if not outputs.is_directory(f'{directory}/{step}'):
       manager.reload()
       raise CheckpointGoneError(

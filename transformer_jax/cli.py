@@ -17,6 +17,7 @@ command needs it, so flag errors come back at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 import dataclasses
 import importlib.util
 import logging as std_logging
@@ -25,7 +26,6 @@ import re
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from absl import app
@@ -60,7 +60,7 @@ def fail_now(message: str) -> NoReturn:
   without waiting for other threads (a blocked one would never let `sys.exit` finish)."""
   _print_error(message)
   logging.flush()
-  os._exit(2)  # pylint: disable=protected-access
+  os._exit(2)
 
 
 def warn(message: str) -> None:
@@ -126,7 +126,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     if 'config' in flags.FLAGS and flags.FLAGS.config is not None:
       flags.FLAGS.config.keys()  # A config file that failed to load raises here.
     return remaining
-  except Exception as e:  # pylint: disable=broad-except  # Any failure here is the user's.
+  except Exception as e:  # Any failure here is the user's.
     message = _config_file_error(argv, e)
     if message:
       fail(message)
@@ -179,7 +179,7 @@ def run(main: Callable[[list[str]], Any]) -> None:
     except KeyboardInterrupt:
       print(f'{program()}: interrupted.', file=sys.stderr, flush=True)
       sys.exit(130)
-    except BaseException as e:  # pylint: disable=broad-except
+    except BaseException as e:
       user_error = errors.find_user_error(e)
       if user_error is None:
         raise
@@ -275,7 +275,7 @@ def use_compilation_cache(directory: str | None) -> None:
     return
   outputs.require_local(directory, '--compilation_cache_dir', 'the compilation cache')
   outputs.check_output_directory(directory, '--compilation_cache_dir')
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   jax.config.update('jax_compilation_cache_dir', directory)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
@@ -357,7 +357,7 @@ def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
     (translator, checkpoint), as `translator.load_translator`.
   """
   # Imported here so that flag errors are reported without loading JAX and TFDS.
-  from transformer_jax import translator  # pylint: disable=g-import-not-at-top
+  from transformer_jax import translator
 
   use_compilation_cache(f.compilation_cache_dir.value)
   loaded = translator.load_translator(
@@ -431,7 +431,7 @@ def translate_lines(translator: Any, lines: Iterable[bytes],
     A `translator.DecodeStats` of totals over all lines (`truncated` holds 0-based line
     indices).
   """
-  from transformer_jax.translator import DecodeStats  # pylint: disable=g-import-not-at-top
+  from transformer_jax.translator import DecodeStats
   total = DecodeStats()
   truncated: list[int] = []
 

@@ -5,7 +5,7 @@ owns what is known about the fields: their defaults (`base_config`), the allowed
 each choice (the tuples below), which fields a resumed run may change (`RESUMABLE_FIELDS`),
 what a checkpoint written before a field existed means by its absence (`LEGACY_VALUES`,
 applied by `from_saved`), and `validate(config)`, the check of those fields that every command
-runs (through `validation.validate_run`, with the optimizer's and decoding's) before anything
+runs (through `config_checks.validate_run`, with the optimizer's and decoding's) before anything
 compiles. It imports nothing of the package but `errors`. The `ConfigDict` is turned into a
 `TransformerConfig` once, at the boundary (`TransformerConfig.from_config`); modules only ever
 see the frozen dataclass. Other modes
@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from transformer_jax.errors import ConfigError  # pylint: disable=unused-import  # Re-exported.
+from transformer_jax import kernel_choice
+from transformer_jax.errors import ConfigError  # Re-exported.
 
 # Fixed special ids, shared by the tokenizer, the input pipeline, the model and the decoder.
 # Padding has its own id and never doubles as <unk> (the Flax WMT example's mistake).
@@ -55,7 +56,7 @@ DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 DTYPE_CHOICES = ('auto',) + tuple(DTYPES)
 ACCELERATOR_PLATFORMS = ('gpu', 'cuda', 'rocm', 'tpu')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_with_no_batch_dims')
-ATTENTION_IMPLEMENTATIONS = ('', 'xla', 'cudnn')  # '': automatic (`attention_choice`).
+ATTENTION_IMPLEMENTATIONS = ('', 'xla', 'cudnn')  # '': automatic (`kernel_choice`).
 NONFINITE_MODES = ('skip', 'stop')
 DROPOUT_RNG_IMPLS = ('rbg', 'unsafe_rbg', 'threefry2x32')
 LENGTH_PENALTY_FORMS = ('gnmt', 'power')
@@ -280,7 +281,7 @@ def _int_at_least(config: ml_collections.ConfigDict, name: str, low: int, hint: 
 def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None,
              training: bool = False) -> None:
   """Checks the fields this module owns (all but the optimizer's and decoding's, which their
-  dataclasses check: `validation.validate_run` runs all); cheap, run before compiling.
+  dataclasses check: `config_checks.validate_run` runs all); cheap, run before compiling.
 
   Args:
     config: a run config (see `base_config`).
@@ -522,7 +523,7 @@ class TransformerConfig:
     platform = platform or jax.default_backend()
     if dtype_name == 'auto':
       dtype_name = 'bfloat16' if platform in ACCELERATOR_PLATFORMS else 'float32'
-    attention = attention_choice(config, platform, dtype_name)
+    attention = kernel_choice.attention_choice(config, platform, dtype_name)
     size = config.vocab_size or vocab_size
     _require(size is not None and size > 0,
              'vocab_size is 0 and no tokenizer size was given; set --config.vocab_size.')
@@ -540,7 +541,7 @@ class TransformerConfig:
         layer_norm_statistics=config.layer_norm_statistics,
         logits_sum=config.logits_sum or ('linear' if platform in ('gpu', 'cuda')
                                           else 'reduce'),
-        post_norm_kernel=_post_norm_kernel(config.post_norm_kernel, platform),
+        post_norm_kernel=kernel_choice.post_norm_kernel(config.post_norm_kernel, platform),
         qkv_projection=config.qkv_projection or ('stacked' if platform in ('gpu', 'cuda')
                                                   else 'separate'),
         share_embeddings=config.share_embeddings,
@@ -558,79 +559,3 @@ class TransformerConfig:
     )
     fields.update(overrides)
     return cls(**fields)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionChoice:
-  """Which attention kernel training uses, and why (train.py and compile.py log `reason`).
-
-  Attributes:
-    implementation: for `jax.nn.dot_product_attention`: 'xla', 'cudnn' or None (JAX's
-      choice, which is XLA).
-    lengths: feed sequence lengths and a causal flag instead of a dense mask.
-    reason: one line for the log.
-  """
-  implementation: str | None
-  lengths: bool
-  reason: str
-
-
-def cudnn_version() -> int | None:
-  """The cuDNN library's version as JAX sees it (e.g. 92800), or None without one."""
-  try:
-    from jax._src.cudnn import fused_attention_stablehlo  # pylint: disable=g-import-not-at-top
-    return int(fused_attention_stablehlo.check_cudnn_version())
-  except Exception:  # No CUDA plugin, no library, or a JAX that moved it: all mean "none".
-    return None
-
-
-def _post_norm_kernel(choice: str, platform: str) -> str:
-  """'pallas' compiles for GPUs and interprets on CPU; Mosaic TPU kernels are not written."""
-  if choice != 'pallas' or platform in ('gpu', 'cuda'):
-    return choice
-  _require(platform == 'cpu',
-           f"post_norm_kernel='pallas' is a Triton kernel for GPUs, not {platform}; set "
-           "post_norm_kernel='xla' (XLA fuses these ops on TPUs).")
-  return 'pallas_interpret'
-
-
-def attention_choice(config: ml_collections.ConfigDict, platform: str,
-                     dtype_name: str) -> AttentionChoice:
-  """Resolves `config.attention_implementation` for `platform` and the computation dtype.
-
-  '' (automatic) takes cuDNN's fused kernel on a GPU when it can serve: a cuDNN library,
-  16-bit compute, a head dimension that is a multiple of 8 up to 128, no attention dropout
-  and no ALiBi bias (both need the explicit softmax), unpacked rows (JAX's cuDNN call takes
-  no segment ids). Otherwise XLA, with the reason. Unpacked rows give cuDNN sequence lengths
-  and a causal flag, never a mask.
-  """
-  requested = config.attention_implementation
-  packed = bool(config.get('packing', False))
-  if requested == 'xla':
-    return AttentionChoice('xla', False, 'XLA attention, as configured')
-  if requested == 'cudnn':
-    how = ('a dense mask, as packed rows need' if packed
-           else 'sequence lengths and a causal flag')
-    return AttentionChoice('cudnn', not packed, f'cuDNN fused attention, as configured, fed '
-                           f'{how}')
-  if platform not in ('gpu', 'cuda'):
-    return AttentionChoice(None, False, f'XLA attention (automatic on {platform})')
-  head_dim = config.d_model // max(1, config.num_heads)
-  blockers = []
-  if dtype_name != 'bfloat16':
-    blockers.append(f'dtype {dtype_name} (cuDNN attention needs bfloat16)')
-  if head_dim % 8 or head_dim > 128:
-    blockers.append(f'head dimension {head_dim} (cuDNN needs a multiple of 8, at most 128)')
-  if config.attention_dropout_rate > 0:
-    blockers.append('attention_dropout_rate > 0')
-  if config.positional_encoding == 'alibi':
-    blockers.append('ALiBi bias')
-  if packed:
-    blockers.append('packed rows (no segment ids in JAX\'s cuDNN call)')
-  if not blockers and cudnn_version() is None:
-    blockers.append('no cuDNN library found')
-  if blockers:
-    return AttentionChoice('xla', False,
-                           'XLA attention: cuDNN cannot serve ' + '; '.join(blockers))
-  return AttentionChoice('cudnn', True, 'cuDNN fused attention (automatic on GPU), fed '
-                         'sequence lengths and a causal flag')

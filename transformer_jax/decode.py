@@ -44,10 +44,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax import lax
+import jax.numpy as jnp
 
-from transformer_jax.config import BOS_ID, EOS_ID, LENGTH_PENALTY_FORMS, PAD_ID
+from transformer_jax.config import BOS_ID
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import LENGTH_PENALTY_FORMS
+from transformer_jax.config import PAD_ID
 
 PyTree = Any
 # tokens [batch, 1] int32, cache -> logits [batch, vocab], new cache.

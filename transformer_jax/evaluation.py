@@ -20,23 +20,26 @@ the run's `checkpoints/`: `<split>.hyp.txt`, one hypothesis a line, and `<split>
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 import json
 import os
 import re
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from absl import logging
 import sacrebleu
-from sacrebleu.metrics import BLEU, CHRF
+from sacrebleu.metrics import BLEU
+from sacrebleu.metrics import CHRF
 from sacrebleu.significance import PairedTest
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 import tqdm
 
 from transformer_jax import outputs
-from transformer_jax.translator import DecodeOptions, DecodeStats, Translator
+from transformer_jax.translator import DecodeOptions
+from transformer_jax.translator import DecodeStats
+from transformer_jax.translator import Translator
 
 # tensor2tensor's get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'.
 _COMPOUND = re.compile(r'(\S)-(\S)')

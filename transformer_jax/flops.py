@@ -22,8 +22,8 @@ An encoder-decoder splits the parameters between the two kinds of token:
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
+import dataclasses
 
 from transformer_jax.config import TransformerConfig
 

@@ -16,9 +16,9 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 Array = jax.Array

@@ -23,10 +23,10 @@ Pure Python (no JAX): the bench's PyTorch worker reads `kind` too.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
 from typing import Any
 
 KINDS = ('matmul', 'attention', 'normalization', 'loss', 'optimizer', 'data movement',

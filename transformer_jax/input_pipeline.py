@@ -5,7 +5,7 @@ Sources (`config.dataset`):
     'wmt17_translate/de-en', prepared beforehand in array_record format (this code never
     downloads; see `DatasetNotFoundError`);
   * 'bible_en_es', the offline KJV / Reina-Valera corpus, built on first use
-    (`transformer_jax.bible_en_es`);
+    (`transformer_jax.bible_corpus`);
   * 'text', plain files: `config.text_files[split] = 'train.src,train.tgt'`, one sentence a
     line, line i of one file translating line i of the other.
 `config.source_lang` and `config.target_lang` pick the direction. TensorFlow is never imported:
@@ -43,16 +43,16 @@ Empty or whitespace-only pairs are skipped and counted everywhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 import dataclasses
 import functools
 import hashlib
 import importlib
-import math
 import json
+import math
 import os
 import posixpath
 import re
-from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from absl import logging
@@ -63,12 +63,15 @@ import ml_collections
 import numpy as np
 import tensorflow_datasets as tfds
 
-from transformer_jax import bible_en_es
+from transformer_jax import bible_corpus
 from transformer_jax import checkpointing
 from transformer_jax import outputs
 from transformer_jax import token_store
-from transformer_jax.errors import ConfigError, DataError, DatasetNotFoundError
-from transformer_jax.tokenizer import Tokenizer, load_or_train_tokenizer
+from transformer_jax.errors import ConfigError
+from transformer_jax.errors import DataError
+from transformer_jax.errors import DatasetNotFoundError
+from transformer_jax.tokenizer import load_or_train_tokenizer
+from transformer_jax.tokenizer import Tokenizer
 
 Batch = dict[str, np.ndarray]
 
@@ -241,7 +244,7 @@ def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
     return ParallelText(records, 'source', 'target', name, fingerprint)
   if config.dataset == 'bible_en_es':
     # Built once; on Cloud Storage by process 0, whose upload the others then find.
-    builder = _on_process_0_first(lambda: bible_en_es.prepare(config.tfds_data_dir or None),
+    builder = _on_process_0_first(lambda: bible_corpus.prepare(config.tfds_data_dir or None),
                                   'Bible corpus', outputs.is_remote(config.tfds_data_dir))
     records, data_dir = builder.as_data_source(split), builder.data_dir
   else:
@@ -730,7 +733,7 @@ def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
 
   Raises:
     DatasetNotFoundError: the dataset is not prepared (the message says how).
-    bible_en_es.SwordModuleNotFoundError: the Bible modules are not installed.
+    bible_corpus.SwordModuleNotFoundError: the Bible modules are not installed.
   """
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count

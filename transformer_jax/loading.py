@@ -21,8 +21,10 @@ import ml_collections
 from transformer_jax import averaging
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
-from transformer_jax.config import ConfigError, TransformerConfig
-from transformer_jax.errors import CheckpointGoneError, CheckpointNotFoundError
+from transformer_jax.config import ConfigError
+from transformer_jax.config import TransformerConfig
+from transformer_jax.errors import CheckpointGoneError
+from transformer_jax.errors import CheckpointNotFoundError
 from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner
 from transformer_jax.tokenizer import Tokenizer

@@ -29,10 +29,10 @@ reorders the vocabulary: those four first, then every other id in Marian's order
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 import json
 import os
 import tempfile
-from collections.abc import Mapping
 from typing import Any
 
 from absl import logging
@@ -41,9 +41,12 @@ import sentencepiece as spm
 
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
+from transformer_jax import config_checks
 from transformer_jax import outputs
-from transformer_jax import validation
-from transformer_jax.config import EOS_ID, PAD_ID, ConfigError, TransformerConfig
+from transformer_jax.config import ConfigError
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import PAD_ID
+from transformer_jax.config import TransformerConfig
 from transformer_jax.errors import OutputExistsError
 from transformer_jax.tokenizer import write_split_vocabulary
 
@@ -187,17 +190,17 @@ def read_state_dict(model_dir: str) -> dict[str, np.ndarray]:
   """The weights of a Hugging Face model directory, as float32 numpy arrays."""
   path = os.path.join(model_dir, 'model.safetensors')
   if os.path.exists(path):
-    from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+    from safetensors.numpy import load_file
     try:
       state = load_file(path)
-    except Exception as e:  # pylint: disable=broad-except  # A damaged file, any reason.
+    except Exception as e:  # A damaged file, any reason.
       raise ConfigError(f'{path} is not a readable safetensors file ({e}).') from None
   else:
     path = os.path.join(model_dir, 'pytorch_model.bin')
     if not os.path.exists(path):
       raise ConfigError(f'{model_dir} has neither model.safetensors nor pytorch_model.bin.')
     try:
-      import torch  # pylint: disable=g-import-not-at-top
+      import torch
     except ImportError:
       raise ConfigError(f'{path} is a PyTorch file, which needs torch to read: pip install '
                         'torch (the CPU build is enough), or save the model with '
@@ -346,7 +349,7 @@ def _write_import(staging: str, workdir: str, model_dir: str, imported_from: str
   config.vocab_path = f'{outputs.resolve(workdir)}/{VOCABULARY_FILE}'
   config.max_source_length = config.max_target_length = min(
       config.max_source_length, model_config.max_len)
-  validation.validate_run(config, vocab_size=tokenizer.vocab_size)
+  config_checks.validate_run(config, vocab_size=tokenizer.vocab_size)
   meta = checkpointing.make_meta(config, tokenizer)
   meta['tokenizer']['path'] = config.vocab_path
   meta['imported_from'] = imported_from
@@ -437,7 +440,7 @@ def state_dict_from_params(params: Mapping[str, Any], config: TransformerConfig
     state[f'{name}.out_proj.weight'] = np.asarray(p['out_kernel']).reshape(d, d).T
     state[f'{name}.out_proj.bias'] = np.asarray(p['out_bias'])
 
-  from transformer_jax.models import sinusoidal_positions  # pylint: disable=g-import-not-at-top
+  from transformer_jax.models import sinusoidal_positions
   table = np.asarray(sinusoidal_positions(np.arange(config.max_len)[None], d,
                                           config.sinusoid_layout)[0])
   for stack, layers in (('encoder', config.num_encoder_layers),
@@ -530,7 +533,7 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
       sinusoidal), named with the field.
     OutputExistsError: `output_dir` already holds a model, or other files.
   """
-  from transformer_jax import loading  # pylint: disable=g-import-not-at-top
+  from transformer_jax import loading
   meta, _ = checkpointing.read_meta(workdir, step)
   exportable(TransformerConfig.from_config(config_lib.from_saved(meta['config']),
                                            meta['vocab_size']))
@@ -568,8 +571,8 @@ def write_model(output_dir: str, params: Any, config: TransformerConfig, pieces:
       target.spm ({} writes none: a directory for the model alone, as the bench's).
     decoding: how the run decodes (DECODING_FIELDS; those left out: the defaults).
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  import jax
+  from safetensors.numpy import save_file
   exportable(config)
   order = np.roll(np.arange(config.vocab_size), -1)  # Marian id j is this project's order[j].
   params = dict(jax.tree.map(np.asarray, jax.device_get(params)))

@@ -11,6 +11,7 @@ loss, perplexity, learning rate, gradient norm, tokens/s, MFU, padding share and
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 import functools
 import json
 import math
@@ -19,17 +20,15 @@ import shutil
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Mapping, Sequence
 from typing import Any
+import uuid
 
+from absl import logging
 import numpy as np
 import tqdm
-from absl import logging
 
 from transformer_jax import flops as model_flops
 from transformer_jax import outputs
-
 
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
@@ -48,7 +47,7 @@ def _summary_writer_class() -> type:
   for name in hidden:
     sys.modules[name] = None  # `import name` raises ImportError, which tensorboardX expects.
   try:
-    import tensorboardX  # pylint: disable=g-import-not-at-top
+    import tensorboardX
   finally:
     for name in hidden:
       if sys.modules.get(name, False) is None:

@@ -14,8 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax import fused_norm
-from transformer_jax.attention import Lengths, MultiHeadAttention
-from transformer_jax.config import BOS_ID, PAD_ID, TransformerConfig
+from transformer_jax.attention import Lengths
+from transformer_jax.attention import MultiHeadAttention
+from transformer_jax.config import BOS_ID
+from transformer_jax.config import PAD_ID
+from transformer_jax.config import TransformerConfig
 
 Array = jax.Array
 

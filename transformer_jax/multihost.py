@@ -15,6 +15,7 @@ others through the coordinator and names a step that all of them reach;
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import errno
 import json
 import os
@@ -22,11 +23,10 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
 from typing import NoReturn
 
-import jax
 from absl import logging
+import jax
 from jax._src import clusters as _clusters  # JAX's launcher detection: no public API has it.
 from jax._src import distributed as _distributed  # The coordinator's key-value store, as orbax.
 from jax.experimental import multihost_utils
@@ -68,7 +68,7 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
   def log_and_exit(message: str) -> NoReturn:
     logging.error(message)
     logging.flush()
-    os._exit(2)  # pylint: disable=protected-access
+    os._exit(2)
 
   def give_up_unless_joined():
     if not joined.wait(heartbeat_timeout_seconds):
@@ -97,7 +97,7 @@ def _detect(coordinator_address, num_processes, process_id, timeout_s):
   coordinator_address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
   launcher = 'flags'
   if None in (coordinator_address, num_processes, process_id):
-    found = [env for env in _clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+    found = [env for env in _clusters.ClusterEnv._cluster_types
              if not env.opt_in_only_method and env.is_env_present()]
     if found:
       launcher = found[0].name

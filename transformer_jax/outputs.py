@@ -37,6 +37,7 @@ are refused (`check_scheme`).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 import contextlib
 import errno
 import hashlib
@@ -48,11 +49,12 @@ import shutil
 import socket
 import tempfile
 import time
+from typing import Any, IO
 import uuid
-from collections.abc import Iterator, Mapping
-from typing import IO, Any
 
-from transformer_jax.errors import OutputExistsError, PathError, from_os_error
+from transformer_jax.errors import from_os_error
+from transformer_jax.errors import OutputExistsError
+from transformer_jax.errors import PathError
 
 STALE_AFTER_S = 3600.0  # Another host's temporaries older than this belong to a dead run.
 
@@ -70,7 +72,7 @@ def _no_listings_cache() -> None:
   every gcsfs filesystem of this process (epath's and orbax's alike). Set before any is
   made, hence at import."""
   try:
-    from fsspec import config  # pylint: disable=g-import-not-at-top
+    from fsspec import config
   except ImportError:
     return
   for protocol in ('gs', 'gcs'):
@@ -111,7 +113,7 @@ def _split(path: str) -> tuple[str, str]:
 
 
 def _epath(path: str) -> Any:
-  from etils import epath  # pylint: disable=g-import-not-at-top
+  from etils import epath
   return epath.Path(path)
 
 
@@ -136,7 +138,7 @@ def local_cache(url: str) -> str:
 
 
 def _gcsfs() -> Any:
-  import gcsfs  # pylint: disable=g-import-not-at-top
+  import gcsfs
   return gcsfs.GCSFileSystem()
 
 
@@ -218,7 +220,7 @@ def cloud_errors(path: str, flag: str = 'the path') -> Iterator[None]:
     yield
   except (PathError, OutputExistsError):
     raise
-  except Exception as e:  # pylint: disable=broad-except  # gcsfs, aiohttp and auth raise many.
+  except Exception as e:  # gcsfs, aiohttp and auth raise many.
     raise cloud_error(e, path, flag) from e
 
 
@@ -255,7 +257,7 @@ def open_file(path: str, mode: str = 'rb') -> IO[Any]:
   if is_remote(path):
     with cloud_errors(path):
       return _epath(path).open(mode)
-  return open(path, mode)  # pylint: disable=unspecified-encoding  # Binary, as callers ask.
+  return open(path, mode)  # Binary, as callers ask.
 
 
 def is_directory(path: str) -> bool:

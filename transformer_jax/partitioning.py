@@ -12,18 +12,20 @@ Nothing outside this module names a mesh axis or builds a `PartitionSpec`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 import contextlib
 import math
-from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from absl import logging
 import flax.linen as nn
 import jax
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec
 import ml_collections
 import numpy as np
-from jax.experimental import mesh_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from transformer_jax.config import ConfigError
 

@@ -12,10 +12,10 @@ the ones built ahead, so a checkpoint resumes at exactly the next batch. It is a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import grain
@@ -54,7 +54,7 @@ class DevicePrefetcher(grain.DatasetIterator):
             break
           except queue.Full:
             continue
-    except BaseException as e:  # pylint: disable=broad-except  # Raised in the loop's thread.
+    except BaseException as e:  # Raised in the loop's thread.
       out.put(e)
 
   def _start(self) -> None:

@@ -21,6 +21,7 @@ resumes where it stopped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import concurrent.futures
 import dataclasses
 import json
@@ -29,16 +30,16 @@ import multiprocessing
 import os
 import shutil
 import time
-import uuid
-from collections.abc import Sequence
 from typing import Any
+import uuid
 
 from absl import logging
 import numpy as np
 
 from transformer_jax.config import PAD_ID
 from transformer_jax.errors import DataError
-from transformer_jax.tokenizer import Tokenizer, load_tokenizer
+from transformer_jax.tokenizer import load_tokenizer
+from transformer_jax.tokenizer import Tokenizer
 
 FORMAT = 1
 PART_SIZE = 20_000  # Examples a part: a few seconds of one core.
@@ -266,7 +267,7 @@ def prepare(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, directory: s
   else:
     try:
       done = _write_parts_in_processes(pairs, tokenizer, tasks, workers)
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       # Spawned workers import the main module (a script without an
       # `if __name__ == '__main__':` guard makes them fail) and unpickle the pairs (which a
       # test's mocked data source does not survive). Parts already written stay; a real

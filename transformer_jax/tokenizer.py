@@ -12,19 +12,23 @@ checkpoint carries it whole and the token store knows when it changed.
 from __future__ import annotations
 
 import base64
+from collections.abc import Container, Iterable, Sequence
 import hashlib
 import json
 import os
 import re
 import tempfile
-from collections.abc import Container, Iterable, Sequence
 
 from absl import logging
 import sentencepiece as spm
 
 from transformer_jax import outputs
-from transformer_jax.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from transformer_jax.errors import ConfigError, DataError
+from transformer_jax.config import BOS_ID
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import PAD_ID
+from transformer_jax.config import UNK_ID
+from transformer_jax.errors import ConfigError
+from transformer_jax.errors import DataError
 
 
 class Tokenizer:
@@ -100,7 +104,7 @@ class SplitTokenizer(Tokenizer):
   "target_model": the SentencePiece models, base64} (`write_split_vocabulary`).
   """
 
-  def __init__(self, model_path: str):  # pylint: disable=super-init-not-called
+  def __init__(self, model_path: str):
     self.model_path = model_path
     with open(model_path, 'rb') as f:
       data = f.read()

@@ -14,25 +14,27 @@ and the best `keep_best_checkpoints` of those are kept besides the latest ones.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 import dataclasses
 import hashlib
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from absl import logging
 import jax
+from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import logging
-from jax.experimental import multihost_utils
 
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
+from transformer_jax import config_checks
 from transformer_jax import evaluation
 from transformer_jax import flops as model_flops
 from transformer_jax import input_pipeline
+from transformer_jax import kernel_choice
 from transformer_jax import loading
 from transformer_jax import metrics_writer
 from transformer_jax import multihost
@@ -41,12 +43,14 @@ from transformer_jax import outputs
 from transformer_jax import prefetch
 from transformer_jax import train_steps
 from transformer_jax import translator as translator_lib
-from transformer_jax import validation
 from transformer_jax import workdir_lock
-from transformer_jax.config import ConfigError, TransformerConfig
-from transformer_jax.errors import CheckpointError, CheckpointNotFoundError
+from transformer_jax.config import ConfigError
+from transformer_jax.config import TransformerConfig
+from transformer_jax.errors import CheckpointError
+from transformer_jax.errors import CheckpointNotFoundError
 from transformer_jax.partitioning import Partitioner
 from transformer_jax.tokenizer import Tokenizer
+
 
 class NonFiniteError(RuntimeError):
   """Training met a non-finite loss or gradient with `nonfinite='stop'`, skipped
@@ -146,7 +150,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   workdir = outputs.resolve(workdir)
   # Every field, checked now with a stand-in vocabulary size: building the real vocabulary
   # can take minutes.
-  validation.validate_run(config, training=True)
+  config_checks.validate_run(config, training=True)
   outputs.check_output_directory(workdir, '--workdir',
                                  {'--config.init_from': config.init_from})
   lock = _lock_workdir(workdir)
@@ -221,7 +225,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       process_count=jax.process_count(), row_multiple=rows_multiple)
   model_config = TransformerConfig.from_config(config,
                                                vocab_size=datasets.tokenizer.vocab_size)
-  logging.info('Attention: %s.', config_lib.attention_choice(
+  logging.info('Attention: %s.', kernel_choice.attention_choice(
       config, jax.default_backend(), np.dtype(model_config.dtype).name).reason)
   checkpointer = checkpointing.Checkpointer(
       workdir, save_every=config.checkpoint_every_steps,

@@ -20,9 +20,9 @@ metrics replicated) and donate the state.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax
@@ -32,8 +32,10 @@ import jax.numpy as jnp
 import optax
 
 from transformer_jax import losses
-from transformer_jax.config import PAD_ID, TransformerConfig
-from transformer_jax.models import BATCH_KEYS, Transformer
+from transformer_jax.config import PAD_ID
+from transformer_jax.config import TransformerConfig
+from transformer_jax.models import BATCH_KEYS
+from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner
 
 Array = jax.Array

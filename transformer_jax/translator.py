@@ -29,9 +29,9 @@ tokens plus EOS by `encode_source`; callers report which (see `DecodeStats.trunc
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -39,10 +39,13 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from transformer_jax import loading
 from transformer_jax import decode
-from transformer_jax.config import (EOS_ID, LENGTH_PENALTY_FORMS, PAD_ID, ConfigError,
-                                    TransformerConfig)
+from transformer_jax import loading
+from transformer_jax.config import ConfigError
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import LENGTH_PENALTY_FORMS
+from transformer_jax.config import PAD_ID
+from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
 from transformer_jax.partitioning import Partitioner
 from transformer_jax.tokenizer import Tokenizer
@@ -511,7 +514,7 @@ class Translator:
         continue
       try:
         ids, cut = self.encode_source(text)
-      except Exception as e:  # pylint: disable=broad-except  # One sentence must not stop all.
+      except Exception as e:  # One sentence must not stop all.
         failed.append((i, f'{type(e).__name__}: {e}'))
         continue
       sources.append(ids)

@@ -35,8 +35,8 @@ import os
 import socket
 import threading
 import time
-import uuid
 from typing import Any
+import uuid
 
 from absl import logging
 
@@ -56,7 +56,7 @@ class WorkdirBusyError(UserError):
 def _blob(url: str) -> Any:
   """The google-cloud-storage object of a gs:// URL."""
   try:
-    from google.cloud import storage  # pylint: disable=g-import-not-at-top
+    from google.cloud import storage
   except ImportError as e:
     raise outputs.cloud_error(e, url, '--workdir') from e
   bucket, name = url[len('gs://'):].split('/', 1)
@@ -99,7 +99,7 @@ class WorkdirLock:
           return f.read()
       except FileNotFoundError:
         return None
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    from google.api_core import exceptions
     with outputs.cloud_errors(self.path, '--workdir'):
       current = self._current()
       if current is None:
@@ -216,7 +216,7 @@ class WorkdirLock:
   def _write(self, record: str, generation: int) -> bool:
     """Writes the lock object if its generation is `generation` (0: if there is none);
     False if it is not."""
-    from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+    from google.api_core import exceptions
     with outputs.cloud_errors(self.path, '--workdir'):
       try:
         # A small upload is a multipart upload, which carries the precondition.
@@ -277,7 +277,7 @@ class WorkdirLock:
           logging.error('Lost the lock %s: another job took it over (no heartbeat reached it '
                         'for %.0f s?); stop one of them.', self.path, self._stale_after_s)
           return
-      except Exception as e:  # pylint: disable=broad-except  # Retried at the next beat.
+      except Exception as e:  # Retried at the next beat.
         logging.warning('The heartbeat of %s failed: %s', self.path, e)
 
   def _record(self) -> str:
@@ -292,7 +292,7 @@ class WorkdirLock:
       self._thread.join()
       self._thread = None
       if self._blob is not None:
-        from google.api_core import exceptions  # pylint: disable=g-import-not-at-top
+        from google.api_core import exceptions
         try:  # Only the generation this job wrote.
           self._blob.delete(if_generation_match=self._generation)
         except (exceptions.NotFound, exceptions.PreconditionFailed):

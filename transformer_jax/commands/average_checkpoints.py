@@ -38,10 +38,8 @@ def main(argv: list[str]) -> None:
                                  {'--workdir': _WORKDIR.value})
   if _NUM.value < 0:
     cli.fail(f'--num_checkpoints={_NUM.value} must be >= 1 (or 0 for the config default).')
-  # pylint: disable=g-import-not-at-top
   from transformer_jax import averaging
   from transformer_jax import checkpointing
-  # pylint: enable=g-import-not-at-top
   num = _NUM.value or int(
       checkpointing.read_meta(_WORKDIR.value)[0]['config']['checkpoints_to_average'])
   path, steps = averaging.average_checkpoints(_WORKDIR.value, _OUTPUT_WORKDIR.value, num)

@@ -38,11 +38,11 @@ import sys
 # libtpu must not claim a TPU on a machine that has none.
 os.environ['JAX_PLATFORMS'] = 'cpu'
 
-from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
-from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+from absl import flags
+from ml_collections import config_flags
 
-from transformer_jax import cli  # pylint: disable=g-import-not-at-top,wrong-import-position
-from transformer_jax import outputs  # pylint: disable=g-import-not-at-top,wrong-import-position
+from transformer_jax import cli
+from transformer_jax import outputs
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> None:
     cli.fail('--config is required, e.g. --config=configs/wmt14_ende_base.py.')
   if not _TOPOLOGY.value:
     cli.fail('--topology is required, e.g. --topology=v5e-8 or --topology=8xH100.')
-  from transformer_jax import aot  # pylint: disable=g-import-not-at-top
+  from transformer_jax import aot
 
   if _JSON.value:
     config_file = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')),

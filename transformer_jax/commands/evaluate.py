@@ -76,11 +76,10 @@ def main(argv: list[str]) -> None:
                                    create=False)
 
   # Imported here so that flag errors are reported without loading JAX and TFDS.
-  # pylint: disable=g-import-not-at-top
   import jax
+
   from transformer_jax import evaluation
   from transformer_jax import input_pipeline
-  # pylint: enable=g-import-not-at-top
   translator, checkpoint = cli.load_translator(_CHECKPOINT)
   config, steps = checkpoint.config, checkpoint.steps
 

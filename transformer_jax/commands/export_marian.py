@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
     if not step.isdigit():
       cli.fail(f"--step={step} must be a step number or 'best'.")
     step = int(step)
-  from transformer_jax import marian  # pylint: disable=g-import-not-at-top
+  from transformer_jax import marian
   path = marian.export_model(_WORKDIR.value, _OUTPUT_DIR.value, step=step)
   print(f'Exported {_WORKDIR.value} to {path}')
 

@@ -36,7 +36,7 @@ def main(argv: list[str]) -> None:
                                 "a Hugging Face Marian model directory (save_pretrained's)")
   outputs.check_output_directory(_WORKDIR.value, '--workdir', {'--model_dir': _MODEL_DIR.value},
                                  create=False)
-  from transformer_jax import marian  # pylint: disable=g-import-not-at-top
+  from transformer_jax import marian
   path = marian.import_model(_MODEL_DIR.value, _WORKDIR.value)
   config = f'{outputs.resolve(_WORKDIR.value)}/{marian.FINETUNE_CONFIG_FILE}'
   if outputs.is_remote(config):  # train.py reads config files from a local disk.

@@ -28,10 +28,10 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import cli
+from transformer_jax import config_checks
 from transformer_jax import input_pipeline
 from transformer_jax import outputs
 from transformer_jax import token_store
-from transformer_jax import validation
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
   if _WORKERS.value < 0:
     cli.fail(f'--workers={_WORKERS.value} must be >= 0 (0: one per core).')
   config = _CONFIG.value
-  validation.validate_run(config, training=True)
+  config_checks.validate_run(config, training=True)
   remote = outputs.is_remote(_WORKDIR.value)
   if remote and _NUM_HOSTS.value > 1:
     cli.fail(f'--num_hosts={_NUM_HOSTS.value} shares the parts through a filesystem every host '

@@ -100,7 +100,7 @@ def _check_flags() -> None:
     inputs['--output'] = _OUTPUT.value
   if _ATTENTION_PLOT.value:
     outputs.check_output_file(_ATTENTION_PLOT.value, '--attention_plot', inputs)
-    from matplotlib import backend_bases  # pylint: disable=g-import-not-at-top
+    from matplotlib import backend_bases
     formats = backend_bases.FigureCanvasBase.get_supported_filetypes()
     suffix = os.path.splitext(_ATTENTION_PLOT.value)[1].lstrip('.').lower()
     if suffix not in formats:
@@ -141,7 +141,7 @@ def main(argv: list[str]) -> None:
           'output tokens/s.', file=sys.stderr)
 
   if _ATTENTION_PLOT.value:
-    from transformer_jax import attention_plot  # pylint: disable=g-import-not-at-top
+    from transformer_jax import attention_plot
     source_ids, _ = translator.encode_source(_TEXT.value)
     [(hypothesis, *_)], _ = translator.translate_ids([source_ids])
     heads = _ATTENTION_HEADS.value

@@ -31,19 +31,19 @@ What remains is about 30,600 pairs; a few local one-verse shifts may survive.
 
 Prepare (offline, in seconds; the input pipeline does it on first use):
   bash scripts/setup_bible.sh   # installs the two sword-text packages if missing
-  python -c "from transformer_jax import bible_en_es; bible_en_es.prepare(DATA_DIR)"
+  python -c "from transformer_jax import bible_corpus; bible_corpus.prepare(DATA_DIR)"
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator, Mapping
 import math
 import os
 import re
 import statistics
 import struct
 import zlib
-from collections.abc import Iterator, Mapping
 
 from absl import logging
 import tensorflow_datasets as tfds

@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from transformer_jax import bible_en_es
+from transformer_jax import bible_corpus
 from transformer_jax import input_pipeline
 from transformer_jax.config import base_config
 
@@ -18,7 +18,7 @@ def test_osis_to_text_strips_markup_notes_headings_and_strongs():
           ', ¡<w lemma="strong:H1">Let</w>!<note placement="foot"><reference type="annotat'
           'eRef">1.3 </reference>Heb. a note</note> <l level="1" sID="x"/>\\nd LORD'
           '<chapter eID="Gen.1"/>')
-  assert bible_en_es.osis_to_text(osis) == 'A Psalm. And God said, ¡Let! LORD'
+  assert bible_corpus.osis_to_text(osis) == 'A Psalm. And God said, ¡Let! LORD'
 
 
 def _write_ztext(path, verse_texts):
@@ -36,16 +36,16 @@ def _write_ztext(path, verse_texts):
 
 def test_reader_decodes_slots_and_rejects_other_versifications(tmp_path):
   _write_ztext(tmp_path, [b'', b'', b'In the beginning', b'', b'x'])
-  assert bible_en_es._read_testament(str(tmp_path), 'ot') == [
+  assert bible_corpus._read_testament(str(tmp_path), 'ot') == [
       b'', b'', b'In the beginning', b'', b'x']
   (tmp_path / 'nt.bzv').write_bytes(b'')
   with pytest.raises(ValueError, match='not in KJV versification'):
-    bible_en_es.read_module(str(tmp_path))
+    bible_corpus.read_module(str(tmp_path))
 
 
 def test_missing_module_says_how_to_install(tmp_path):
-  with pytest.raises(bible_en_es.SwordModuleNotFoundError) as error:
-    bible_en_es.find_module('engKJV2006eb', roots=[str(tmp_path)])
+  with pytest.raises(bible_corpus.SwordModuleNotFoundError) as error:
+    bible_corpus.find_module('engKJV2006eb', roots=[str(tmp_path)])
   for needle in ('engKJV2006eb', str(tmp_path), 'scripts/setup_bible.sh',
                  'apt-get install -y sword-text-kjv sword-text-sparv', 'SWORD_PATH'):
     assert needle in str(error.value)
@@ -53,10 +53,10 @@ def test_missing_module_says_how_to_install(tmp_path):
 
 def _modules_installed():
   try:
-    bible_en_es.find_module(bible_en_es.ENGLISH_MODULE)
-    bible_en_es.find_module(bible_en_es.SPANISH_MODULE)
+    bible_corpus.find_module(bible_corpus.ENGLISH_MODULE)
+    bible_corpus.find_module(bible_corpus.SPANISH_MODULE)
     return True
-  except bible_en_es.SwordModuleNotFoundError:
+  except bible_corpus.SwordModuleNotFoundError:
     return False
 
 
@@ -68,7 +68,7 @@ needs_modules = pytest.mark.skipif(
 @pytest.fixture(scope='module')
 def splits(tmp_path_factory):
   """The real dataset, built once (a few seconds) and read back without TensorFlow."""
-  builder = bible_en_es.prepare(str(tmp_path_factory.mktemp('tfds')))
+  builder = bible_corpus.prepare(str(tmp_path_factory.mktemp('tfds')))
   out = {}
   for split in ('train', 'validation', 'test'):
     source = builder.as_data_source(split)
@@ -101,7 +101,7 @@ def test_splits_are_disjoint_whole_books(splits):
   assert not refs['train'] & refs['test']
   assert not refs['validation'] & refs['test']
   for name, split_refs in refs.items():
-    assert {bible_en_es.split_of(r.split('.')[0]) for r in split_refs} == {name}
+    assert {bible_corpus.split_of(r.split('.')[0]) for r in split_refs} == {name}
   assert 28_000 < len(refs['train']) < 29_000
   assert 650 < len(refs['validation']) < 800 and 1_300 < len(refs['test']) < 1_450
 
@@ -122,7 +122,7 @@ def test_text_is_clean_and_misaligned_chapters_are_dropped(splits):
 def test_open_split_iterates_every_pair_once(tmp_path):
   # Regression: array-record sources raise ValueError, not IndexError, past the end, so a
   # plain `for pair in split` never stopped.
-  bible_en_es.prepare(str(tmp_path))
+  bible_corpus.prepare(str(tmp_path))
   config = base_config()
   config.dataset, config.source_lang, config.target_lang = 'bible_en_es', 'en', 'es'
   config.tfds_data_dir = str(tmp_path)
