@@ -1,8 +1,7 @@
 """English -> Spanish on the offline Bible corpus (KJV / Reina-Valera 1909), small model.
 
-The README's main job (`bash scripts/main_job.sh`) trains this config; on 2 CPU cores (an
-AVX2-only AMD EPYC, 2026-11-26) the whole job took 12.5 minutes and reached sacreBLEU 20.3
-on the held-out books, on text that needs no download:
+The README's main job (`bash scripts/main_job.sh`) trains this config, on text that needs no
+download; docs/main_job.md has its result, its curve and how it was tuned.
 
   bash scripts/setup_bible.sh   # once: installs the SWORD modules if they are missing
   python train.py --config=configs/bible_en_es.py --workdir=/tmp/bible_en_es
@@ -35,17 +34,8 @@ def get_config() -> ml_collections.ConfigDict:
   # of fewer tokens learn faster per minute than the paper's 25,000-token steps.
   c.tokens_per_batch = 1024
 
-  # Tuned for held-out BLEU after ~20 minutes on 2 CPU cores (2026-11-21). Measured: d_model
-  # 128 steps 1.7x faster than 256 and matched its training loss step for step over the first
-  # 200 steps, so it sees 1.7x more data in the time. Chosen, not compared one by one:
-  # pre-norm for the high peak rate, no dropout (2 epochs; dropout also costs step time) and
-  # a linear cooldown over the last 300 steps. Compared one at a time (2026-11-25, the same
-  # machine): holding the peak rate until the cooldown (warmup-stable-decay) instead of the
-  # paper's decay gave held-out sacreBLEU 18.21 against 17.27 and validation perplexity 22.4
-  # against 25.1, for 3% more time. Then (another VM, the same day) 2+2 layers with 1,024-token
-  # batches and the saved time spent on 2,350 steps: 20.40 and perplexity 18.4, in 807 s
-  # against 18.69 and 22.4 in 934 s for 3+3 layers and 1,900 such steps (docs/main_job.md has
-  # the curve and the changes compared).
+  # A small pre-norm model without dropout, many small updates, the peak rate held until a
+  # linear cooldown: what docs/main_job.md's tuning settled for 2 CPU cores.
   c.d_model = 128
   c.num_heads = 4
   c.d_ff = 512

@@ -113,7 +113,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.norm_position = 'post'  # 'post' (paper) | 'pre' (adds a final norm to each stack).
   c.layer_norm_epsilon = 1e-6  # Added to the variance in every layer norm.
   # 'one_pass' | 'two_pass' (LAYER_NORM_STATISTICS): the same to float32 rounding; one pass
-  # made the main job's step 4-8% faster on CPU (bench/RESULTS.md, 2026-11-26).
+  # makes the main job's step faster on CPU (bench/RESULTS.md).
   c.layer_norm_statistics = 'one_pass'
   # '' | 'linear' | 'reduce' (LOGITS_SUMS): how label smoothing gets each token's sum of
   # logits over the vocabulary: the decoder output times the output projection's column
