@@ -175,6 +175,8 @@ stop() {
   stop_daemons
   rm -rf "$dir/state" "$dir/spool"
   if ip netns list 2>/dev/null | grep -qw "$netns"; then
+    # What the daemons leave (job steps of a cluster whose daemons were killed) goes too.
+    ip netns pids "$netns" | xargs -r kill -9 2>/dev/null || true
     ip netns del "$netns"
   fi
   echo "The local SLURM cluster is stopped (munged is left running)."

@@ -342,21 +342,32 @@ def test_bad_launches_get_one_paragraph_on_every_process(cluster, config_path, t
 def test_a_cluster_whose_daemons_were_killed_mid_job_starts_again_idle(cluster, tmp_path):
   # A session or a test run that ends hard kills slurmctld and slurmd while a job runs. The
   # next `start` must not recover that job (nothing runs it: the node would stay busy and the
-  # start would time out), and the job's leftover processes go with it.
-  script = tmp_path / 'sleeper.sbatch'
-  script.write_text('#!/bin/bash\n#SBATCH --ntasks=1\nsrun sleep 600\n')
-  job = Job(script.read_text(), str(tmp_path), 'sleeper')
-  deadline = time.time() + 60
-  while job.state()[0] != 'RUNNING':
-    assert time.time() < deadline, job.state()
-    time.sleep(0.2)
+  # start would time out), and the job's leftover processes go with it; so must `stop`.
   directory = os.environ.get('LOCAL_SLURM_DIR', '/tmp/transformer_jax_slurm')
-  for daemon in ('slurmctld', 'slurmd'):
-    with open(os.path.join(directory, f'{daemon}.pid')) as f:
-      os.kill(int(f.read()), signal.SIGKILL)
-  started = subprocess.run(['bash', LOCAL_SLURM, 'start'], capture_output=True, text=True,
-                           timeout=120)
+
+  def kill_the_daemons_under_a_running_job(name):
+    job = Job('#!/bin/bash\n#SBATCH --ntasks=1\nsrun sleep 600\n', str(tmp_path), name)
+    deadline = time.time() + 60
+    while job.state()[0] != 'RUNNING':
+      assert time.time() < deadline, job.state()
+      time.sleep(0.2)
+    for daemon in ('slurmctld', 'slurmd'):
+      with open(os.path.join(directory, f'{daemon}.pid')) as f:
+        os.kill(int(f.read()), signal.SIGKILL)
+
+  def local_slurm(command):
+    return subprocess.run(['bash', LOCAL_SLURM, command], capture_output=True, text=True,
+                          timeout=120)
+
+  def sleeps():
+    return subprocess.run(['pgrep', '-f', 'sleep 600'], capture_output=True).returncode == 0
+
+  kill_the_daemons_under_a_running_job('first')
+  started = local_slurm('start')
   assert started.returncode == 0 and 'is up (node' in started.stdout, started.stderr
   assert in_cluster('sinfo', '-h', '-o', '%T').stdout.split() == ['idle']
-  assert in_cluster('squeue', '-h').stdout.strip() == ''
-  assert subprocess.run(['pgrep', '-f', 'sleep 600'], capture_output=True).returncode == 1
+  assert in_cluster('squeue', '-h').stdout.strip() == '' and not sleeps()
+
+  kill_the_daemons_under_a_running_job('second')
+  assert local_slurm('stop').returncode == 0 and not sleeps()
+  assert local_slurm('start').returncode == 0  # For the fixture, which stops it at the end.
