@@ -123,12 +123,11 @@ munged, slurmctld and slurmd as root); run it with sudo."
   mkdir -p "$dir"
   start_munge
   stop_daemons
-  if ip netns list | grep -qw "$netns"; then
-    # A cluster whose daemons were killed (a session or a test run ended hard) leaves its jobs'
-    # processes in the namespace and its jobs in the saved state: a restart would recover
-    # them, and the node would stay busy with jobs nothing runs. Start from nothing.
-    ip netns pids "$netns" | xargs -r kill -9 2>/dev/null || true
-  else
+  # A cluster whose daemons were killed (a session or a test run ended hard) leaves its jobs in
+  # the saved state: a restart would recover them, and the node would stay busy with jobs
+  # nothing runs. Start from nothing.
+  kill_leftovers
+  if ! ip netns list | grep -qw "$netns"; then
     ip netns add "$netns"
   fi
   rm -rf "$dir/state" "$dir/spool"
@@ -148,6 +147,14 @@ munged, slurmctld and slurmd as root); run it with sudo."
   tail -n 20 "$dir"/slurmctld.log "$dir"/slurmd.log >&2 || true
   in_netns sinfo >&2 || true
   exit 1
+}
+
+# Every process left in the namespace once the daemons are gone: the job steps of a cluster
+# whose daemons were killed.
+kill_leftovers() {
+  if ip netns list 2>/dev/null | grep -qw "$netns"; then
+    ip netns pids "$netns" | xargs -r kill -9 2>/dev/null || true
+  fi
 }
 
 stop_daemons() {
@@ -174,9 +181,8 @@ stop() {
   fi
   stop_daemons
   rm -rf "$dir/state" "$dir/spool"
+  kill_leftovers
   if ip netns list 2>/dev/null | grep -qw "$netns"; then
-    # What the daemons leave (job steps of a cluster whose daemons were killed) goes too.
-    ip netns pids "$netns" | xargs -r kill -9 2>/dev/null || true
     ip netns del "$netns"
   fi
   echo "The local SLURM cluster is stopped (munged is left running)."
