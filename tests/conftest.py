@@ -22,7 +22,7 @@ from test_translator import build_test_run  # noqa: E402
 import train_testlib  # noqa: E402 (after XLA_FLAGS)
 
 # Fixtures that start a service or train a model: a test that uses one is slow (pytest.ini).
-SLOW_FIXTURES = frozenset({'run_dir', 'gcs_server', 'bucket', 'cluster',
+SLOW_FIXTURES = frozenset({'run_dir', 'finished_run', 'gcs_server', 'bucket', 'cluster',
                            'multihost_reference'})
 
 

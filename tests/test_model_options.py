@@ -23,11 +23,16 @@ from transformer_jax import losses
 from transformer_jax.config import PAD_ID
 from transformer_jax.models import Transformer
 
+# One layer a side: every option here replaces a computation of each layer (or of the logits),
+# which one encoder and one decoder layer run in every kind of attention and norm; a second
+# layer would only repeat it, at a third more compile time per program (test_models keeps two).
+ONE_LAYER = dataclasses.replace(TINY, num_encoder_layers=1, num_decoder_layers=1)
+
 
 def test_remat_policies_give_the_same_gradients():
   rng = np.random.default_rng(9)
   inputs, targets = tokens(rng, 2, 6), tokens(rng, 2, 5)
-  params = init(TINY)
+  params = init(ONE_LAYER)
 
   def grads(cfg):
     def loss(p):
@@ -35,13 +40,13 @@ def test_remat_policies_give_the_same_gradients():
       return losses.compute_metrics(logits, targets, targets > 0)['loss']
     return jax.jit(jax.grad(loss))(params)
 
-  reference = grads(TINY)
+  reference = grads(ONE_LAYER)
   # Compiled as training compiles them, each policy's program is fused its own way: equal to
   # float32 rounding (2.4e-6 relative at most, measured), where a wrong recomputation is off
   # by O(1).
   for policy in ('full', 'dots'):
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                           grads(dataclasses.replace(TINY, remat_policy=policy)),
+                           grads(dataclasses.replace(ONE_LAYER, remat_policy=policy)),
                            reference)
 
 
@@ -54,7 +59,7 @@ def test_attention_fed_lengths_equals_the_dense_mask(attention_dropout):
   inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)
   inputs = inputs.at[0, 5:].set(PAD_ID).at[2, 8:].set(PAD_ID)
   targets = targets.at[1, 3:].set(PAD_ID).at[2, 6:].set(PAD_ID)
-  dense = dataclasses.replace(TINY, attention_dropout_rate=attention_dropout,
+  dense = dataclasses.replace(ONE_LAYER, attention_dropout_rate=attention_dropout,
                               deterministic=attention_dropout == 0.0)
   params = init(dense)
   weights = targets > 0
@@ -83,7 +88,7 @@ def test_one_pass_layer_norm_statistics_equal_two_pass_ones(norm_position):
   gradients to float32 rounding, from the same parameters."""
   rng = np.random.default_rng(12)
   inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)
-  one = dataclasses.replace(TINY, norm_position=norm_position)
+  one = dataclasses.replace(ONE_LAYER, norm_position=norm_position)
   two = dataclasses.replace(one, layer_norm_statistics='two_pass')
   assert one.layer_norm_statistics == 'one_pass'
   params = init(one)
@@ -112,7 +117,7 @@ def test_one_pass_layer_norm_statistics_equal_two_pass_ones(norm_position):
     with nn.intercept_methods(record):  # Traced only: nothing to compile.
       jax.eval_shape(lambda: Transformer(cfg).apply({'params': params}, inputs, targets))
     return seen
-  norms = 2 * TINY.num_encoder_layers + 3 * TINY.num_decoder_layers
+  norms = 2 * ONE_LAYER.num_encoder_layers + 3 * ONE_LAYER.num_decoder_layers
   assert len(variances(one)) >= norms and all(variances(one))
   assert len(variances(two)) >= norms and not any(variances(two))
 
@@ -127,7 +132,7 @@ def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
   from transformer_jax import train_steps
   rng = np.random.default_rng(13)
   inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)
-  reduce = dataclasses.replace(TINY, **variant)
+  reduce = dataclasses.replace(ONE_LAYER, **variant)
   assert reduce.logits_sum == 'reduce'
   linear = dataclasses.replace(reduce, logits_sum='linear')
   params = init(linear)
@@ -188,8 +193,7 @@ def test_pallas_post_norm_kernel_equals_xlas_with_the_same_dropout():
   keys, the same parameter tree. (bfloat16: test_fused_norm.)"""
   rng = np.random.default_rng(14)
   inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)
-  xla = dataclasses.replace(TINY, dropout_rate=0.3, deterministic=False, num_encoder_layers=1,
-                            num_decoder_layers=1)
+  xla = dataclasses.replace(ONE_LAYER, dropout_rate=0.3, deterministic=False)
   fused = dataclasses.replace(xla, post_norm_kernel='pallas_interpret')
   params = init(xla)
   assert jax.tree.structure(params) == jax.tree.structure(init(fused))
@@ -207,7 +211,7 @@ def test_stacked_qkv_projection_equals_separate_ones(name):
   same parameters and gives the separate projections' logits and gradients to rounding."""
   rng = np.random.default_rng(15)
   inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)
-  separate = VARIANTS[name]
+  separate = dataclasses.replace(VARIANTS[name], num_encoder_layers=1, num_decoder_layers=1)
   stacked = dataclasses.replace(separate, qkv_projection='stacked')
   params = init(separate)
   jax.tree.map(np.testing.assert_array_equal, init(stacked), params)

@@ -356,6 +356,7 @@ def test_rerunning_a_finished_run_says_so_and_trains_nothing(finished_run, tmp_p
   assert [m['step'] for m in read_metrics(copy) if m['split'] == 'train'] == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.mark.slow
 def test_resuming_with_a_different_config_lists_the_fields(finished_run):
   config, workdir, _ = finished_run
   changed = train_testlib.small_config(
