@@ -119,7 +119,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
 _COMMIT_KILLED = textwrap.dedent('''
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    from transformer_jax import outputs
+    from transformer_jax import storage
     calls = []
     real_replace = os.replace
     def replace(src, dst):  # SIGKILL instead of the kill_at-th rename.
