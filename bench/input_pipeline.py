@@ -32,11 +32,13 @@ import time
 import numpy as np
 
 from configs import bible_en_es as bible_config
-from transformer_jax import input_pipeline as ip
+from transformer_jax import batching
+from transformer_jax import data_sources
 from transformer_jax import token_store
+from transformer_jax import vocab_cache
 
 
-def _epoch_rate(data: ip.TrainData, epochs: int, packed: bool) -> dict[str, float]:
+def _epoch_rate(data: batching.TrainData, epochs: int, packed: bool) -> dict[str, float]:
   """Real tokens/s of one thread cutting `epochs` epochs, and the padding shares."""
   iterator = iter(data.dataset)
   real = np.zeros(2)
@@ -60,7 +62,8 @@ def _epoch_rate(data: ip.TrainData, epochs: int, packed: bool) -> dict[str, floa
           'source_non_padding': real[0] / slots, 'target_non_padding': real[1] / slots}
 
 
-def _repeated_corpus(pairs: ip.ParallelText, count: int, directory: str) -> tuple[str, str]:
+def _repeated_corpus(pairs: data_sources.ParallelText, count: int,
+                     directory: str) -> tuple[str, str]:
   """Text files of `count` pairs: the Bible's pairs over and over."""
   os.makedirs(directory, exist_ok=True)
   paths = (os.path.join(directory, f'{count}.src'), os.path.join(directory, f'{count}.tgt'))
@@ -125,8 +128,8 @@ def main(argv: list[str] | None = None) -> None:
   config.tfds_data_dir = os.path.join(args.workdir, 'tfds')
   config.vocab_path = os.path.join(args.workdir, 'bible', 'vocab.model')
   config.data_threads = 1
-  pairs = ip.open_split(config, 'train')
-  tokenizer = ip.tokenizer_for(config, args.workdir, pairs)
+  pairs = data_sources.open_split(config, 'train')
+  tokenizer = vocab_cache.tokenizer_for(config, args.workdir, pairs)
 
   directory = os.path.join(args.workdir, 'one_process_store')
   shutil.rmtree(directory, ignore_errors=True)
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
     config.bucket_boundaries = boundaries
     for packed in (False, True):
       config.packing = packed
-      data = ip.train_dataset(store, config)
+      data = batching.train_dataset(store, config)
       rate = _epoch_rate(data, args.epochs, packed)
       name = 'packed' if packed else 'bucketed'
       results[f'{setup}, {name}'] = dict(rate, tokens_per_batch=tokens, max_length=length)
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
                                       os.path.join(args.workdir, 'repeated'))
     config.dataset = 'text'
     config.text_files = {'train': f'{source},{target}'}
-    big = ip.open_split(config, 'train')
+    big = data_sources.open_split(config, 'train')
     directory = os.path.join(args.workdir, f'store_{args.prepare_pairs}')
     shutil.rmtree(directory, ignore_errors=True)
     start = time.perf_counter()

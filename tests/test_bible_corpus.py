@@ -7,7 +7,7 @@ import zlib
 import pytest
 
 from transformer_jax import bible_corpus
-from transformer_jax import input_pipeline
+from transformer_jax import data_sources
 from transformer_jax.config import base_config
 
 
@@ -126,7 +126,7 @@ def test_open_split_iterates_every_pair_once(tmp_path):
   config = base_config()
   config.dataset, config.source_lang, config.target_lang = 'bible_en_es', 'en', 'es'
   config.tfds_data_dir = str(tmp_path)
-  pairs = input_pipeline.open_split(config, 'test')
+  pairs = data_sources.open_split(config, 'test')
   listed = list(pairs)
   assert len(listed) == len(pairs) == 1378
   assert listed[-1] == pairs[-1]

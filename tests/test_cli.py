@@ -4,6 +4,7 @@ no traceback (unless --verbose). One test per kind of bad input; `cli.py` is the
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import shutil
@@ -11,13 +12,14 @@ import subprocess
 import sys
 import textwrap
 import time
-import types
 
 import pytest
 
 import train_testlib
+from transformer_jax import checkpointing
 from transformer_jax import cli
 from transformer_jax import errors
+from transformer_jax import line_io
 
 REPO = train_testlib.REPO
 
@@ -267,10 +269,11 @@ def test_a_folder_named_like_a_shipped_config_does_not_shadow_it(tmp_path, monke
   assert 'tiny' in message
 
 
-def test_orbax_warnings_about_what_the_commands_mean_to_do_are_dropped(monkeypatch):
+def test_orbax_warnings_about_what_the_commands_mean_to_do_are_dropped():
   """Read-only opens and partial restores (24 lines of average_checkpoints.py) go; orbax's
   other warnings stay; nothing of another library is touched."""
-  monkeypatch.setattr(cli, 'VERBOSE', types.SimpleNamespace(value=False))  # No --verbose.
+  quiet = functools.partial(checkpointing.quiet_orbax, verbose=False)  # No --verbose.
+
   def record(path, level, message):
     return logging.LogRecord('absl', level, path, 1, message, None, None)
   orbax = '/site-packages/orbax/checkpoint/checkpoint_manager.py'
@@ -278,19 +281,19 @@ def test_orbax_warnings_about_what_the_commands_mean_to_do_are_dropped(monkeypat
                   'CheckpointManagerOptions.read_only=True, setting save_interval_steps=0.',
                   'Item "params" was found in the checkpoint, but could not be restored. '
                   'Please provide a `CheckpointHandlerRegistry`'):
-    assert not cli._quiet_orbax(record(orbax, logging.WARNING, message)), message
-  assert cli._quiet_orbax(record(orbax, logging.WARNING, 'Something else went wrong'))
-  assert not cli._quiet_orbax(record(orbax, logging.INFO, 'Saving checkpoint'))
-  assert cli._quiet_orbax(record('/site-packages/jax/x.py', logging.WARNING,
-                                 'Given directory is read only'))
+    assert not quiet(record(orbax, logging.WARNING, message)), message
+  assert quiet(record(orbax, logging.WARNING, 'Something else went wrong'))
+  assert not quiet(record(orbax, logging.INFO, 'Saving checkpoint'))
+  assert quiet(record('/site-packages/jax/x.py', logging.WARNING,
+                      'Given directory is read only'))
 
 
 def test_an_input_line_loses_its_ending_and_bad_bytes_are_replaced_and_flagged():
-  assert cli.decode_line(b'hola\r\n') == ('hola', False)
-  assert cli.decode_line(b'sin final') == ('sin final', False)
-  assert cli.decode_line('a\u00f1o\n'.encode()) == ('a\u00f1o', False)
+  assert line_io.decode_line(b'hola\r\n') == ('hola', False)
+  assert line_io.decode_line(b'sin final') == ('sin final', False)
+  assert line_io.decode_line('a\u00f1o\n'.encode()) == ('a\u00f1o', False)
   # Latin-1, not UTF-8: still one line of text, with what could not be read marked.
-  assert cli.decode_line(b'a\xf1o\n') == ('a\ufffdo', True)
+  assert line_io.decode_line(b'a\xf1o\n') == ('a\ufffdo', True)
 
 
 def test_checksums_catch_a_flipped_bit_and_swapped_words():

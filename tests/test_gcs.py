@@ -1,7 +1,7 @@
 """gs:// paths against a real Cloud Storage server on 127.0.0.1 (`gcs_testlib`): the checks
-and atomic writes of `outputs.py`, data and vocabularies read from a bucket, training on a
-bucket (lock, checkpoints, metrics, vocabulary and token ids published there), the commands
-that read a run and write results there, and clear errors for a missing bucket, an
+(`paths.py`) and atomic writes (`storage.py`), data and vocabularies read from a bucket,
+training on a bucket (lock, checkpoints, metrics, vocabulary and token ids published there),
+the commands that read a run and write results there, and clear errors for a missing bucket, an
 unreachable endpoint, another scheme and the one path that must be local (the compilation
 cache). Marian import and export on a bucket: test_marian.py. (The server checks no
 credentials or permissions, so those two errors are not produced here.)"""
@@ -26,7 +26,8 @@ import gcs_testlib
 import test_bible_corpus
 from test_translator import TRAIN_STEPS
 import train_testlib
-from transformer_jax import outputs
+from transformer_jax import paths
+from transformer_jax import storage
 from transformer_jax import workdir_lock
 from transformer_jax.errors import PathError
 
@@ -52,28 +53,28 @@ def _user_error(result: subprocess.CompletedProcess, *phrases: str) -> str:
 
 def test_checks_and_atomic_writes_on_a_bucket(bucket):
   run = f'{bucket}/run'
-  outputs.check_output_directory(run, '--output_dir')  # A prefix: nothing to create.
-  outputs.write_file(f'{run}/a.txt', 'a\n')
-  outputs.check_input_file(f'{run}/a.txt', '--input')
-  outputs.check_input_directory(run, '--workdir')
+  paths.check_output_directory(run, '--output_dir')  # A prefix: nothing to create.
+  storage.write_file(f'{run}/a.txt', 'a\n')
+  paths.check_input_file(f'{run}/a.txt', '--input')
+  paths.check_input_directory(run, '--workdir')
   with pytest.raises(PathError, match='is a directory; give a file'):
-    outputs.check_input_file(run, '--input')
+    paths.check_input_file(run, '--input')
   with pytest.raises(PathError, match='does not exist'):
-    outputs.check_input_file(f'{run}/missing.txt', '--input')
+    paths.check_input_file(f'{run}/missing.txt', '--input')
   with pytest.raises(PathError, match='is also --input'):
-    outputs.check_output_file(f'{run}/a.txt', '--output', {'--input': f'{run}/a.txt'})
+    paths.check_output_file(f'{run}/a.txt', '--output', {'--input': f'{run}/a.txt'})
 
   # A failed write uploads nothing; a finished one replaces the object whole.
   with pytest.raises(RuntimeError):
-    with outputs.writing(f'{run}/a.txt') as f:
+    with storage.writing(f'{run}/a.txt') as f:
       f.write('half')
       raise RuntimeError('killed')
   assert epath.Path(f'{run}/a.txt').read_text() == 'a\n'
-  with outputs.writing(f'{run}/a.txt') as f:
+  with storage.writing(f'{run}/a.txt') as f:
     f.write('b\n')
   assert epath.Path(f'{run}/a.txt').read_text() == 'b\n'
 
-  outputs.write_files({f'{run}/test.hyp.txt': 'x\n', f'{run}/test.metrics.json': '{}\n'})
+  storage.write_files({f'{run}/test.hyp.txt': 'x\n', f'{run}/test.metrics.json': '{}\n'})
   assert sorted(p.name for p in epath.Path(run).iterdir()) == [
       'a.txt', 'test.hyp.txt', 'test.metrics.json']
 
@@ -91,7 +92,7 @@ def test_a_commit_killed_half_way_on_a_bucket_is_finished_by_the_next_check(buck
       os.path.basename(temp('test.hyp.txt')): 'test.hyp.txt',
       os.path.basename(temp('test.metrics.json')): 'test.metrics.json'}))
   epath.Path(temp('stray.txt')).write_text('left by a killed upload')
-  outputs.check_output_directory(run, '--output_dir')
+  paths.check_output_directory(run, '--output_dir')
   assert sorted(p.name for p in epath.Path(run).iterdir()) == ['test.hyp.txt',
                                                                'test.metrics.json']
   assert epath.Path(f'{run}/test.metrics.json').read_text() == '{"bleu": 2}\n'
@@ -225,13 +226,13 @@ def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeyp
   """--config.tfds_data_dir=gs://...: the offline corpus is built locally, uploaded with
   dataset_info.json (TFDS's sign of a prepared dataset) last, and read from the bucket
   through array_record; another host reads it there without building it."""
-  from transformer_jax import input_pipeline
+  from transformer_jax import data_sources
   from transformer_jax.config import base_config
   config = base_config()
   config.dataset, config.source_lang, config.target_lang = 'bible_en_es', 'en', 'es'
   config.tfds_data_dir = f'{bucket}/tfds'
   monkeypatch.setenv('TRANSFORMER_JAX_CACHE', str(tmp_path / 'host_a'))
-  built = input_pipeline.open_split(config, 'test')
+  built = data_sources.open_split(config, 'test')
   assert len(built) == 1378
   objects = gcsfs.GCSFileSystem().find(f'{bucket}/tfds', detail=True)
   by_generation = sorted(objects, key=lambda name: int(objects[name]['generation']))
@@ -239,7 +240,7 @@ def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeyp
   assert any('.array_record' in name for name in objects)
 
   monkeypatch.setenv('TRANSFORMER_JAX_CACHE', str(tmp_path / 'host_b'))
-  read = input_pipeline.open_split(config, 'test')
+  read = data_sources.open_split(config, 'test')
   assert not os.path.exists(tmp_path / 'host_b')  # Nothing built on this host.
   assert read.fingerprint == built.fingerprint
   assert read.range(0, 5) == built.range(0, 5) and read[-1] == built[-1]
@@ -249,8 +250,8 @@ def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeyp
 
 
 def _lock_object(bucket: str, **record) -> Any:
-  from google.cloud import storage
-  blob = storage.Client().bucket(bucket[len('gs://'):]).blob(f'run/{workdir_lock.LOCK_NAME}')
+  from google.cloud import storage as gcs
+  blob = gcs.Client().bucket(bucket[len('gs://'):]).blob(f'run/{workdir_lock.LOCK_NAME}')
   blob.upload_from_string(json.dumps(record))
   return blob
 

@@ -11,8 +11,12 @@ import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
 
+from transformer_jax import batching
 from transformer_jax import config as config_lib
+from transformer_jax import data_sources
 from transformer_jax import input_pipeline as ip
+from transformer_jax import token_store
+from transformer_jax import vocab_cache
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.models import BATCH_KEYS
@@ -57,9 +61,9 @@ def corpus(tmp_path_factory):
   config.tokens_per_batch = 96
   config.data_threads = 1
   workdir = str(root / 'work')
-  train = ip.open_split(config, 'train')
-  tok = ip.tokenizer_for(config, workdir, train)
-  store = ip.tokenized(train, tok, config, workdir)
+  train = data_sources.open_split(config, 'train')
+  tok = vocab_cache.tokenizer_for(config, workdir, train)
+  store = vocab_cache.tokenized(train, tok, config, workdir)
   return train, tok, config, workdir, store
 
 
@@ -112,7 +116,7 @@ def _take(iterator, n):
 
 def test_bucketing_keeps_every_example_once_per_epoch(corpus):
   pairs, tok, config, _, store = corpus
-  data = ip.train_dataset(store, config, row_multiple=2)
+  data = batching.train_dataset(store, config, row_multiple=2)
   assert data.skipped_empty == 3 and data.dropped_too_long == 2
   assert data.num_examples == NUM_PAIRS - 5
   batches = _take(iter(data.dataset), data.steps_per_epoch)
@@ -128,7 +132,7 @@ def test_packing_keeps_every_token_once_per_epoch(corpus):
   pairs, tok, config, _, store = corpus
   config = config.copy_and_resolve_references()
   config.packing = True
-  iterator = iter(ip.train_dataset(store, config).dataset)
+  iterator = iter(batching.train_dataset(store, config).dataset)
   batches = []
   while not batches or iterator.get_state()['epoch'] == 0:
     batches.append(next(iterator))
@@ -171,12 +175,12 @@ def test_token_store_is_reused_and_rebuilt_when_data_or_vocabulary_change(corpus
                                                                         caplog):
   pairs, tok, config, _, _ = corpus
   directory = str(tmp_path / 'store')
-  first = ip.token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='a')
+  first = token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='a')
   made = first.meta['created']
-  again = ip.token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='a')
+  again = token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='a')
   assert again.meta['created'] == made  # Reused, not rebuilt.
   with caplog.at_level('WARNING'):
-    changed = ip.token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='b')
+    changed = token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='b')
   assert changed.meta['created'] != made and 'the data changed' in caplog.text
   np.testing.assert_array_equal(changed.lengths, first.lengths)
 
@@ -189,7 +193,7 @@ def test_token_ids_stay_out_of_another_runs_work_directory(tmp_path):
 
   def directory(vocabulary):
     os.makedirs(os.path.dirname(vocabulary), exist_ok=True)
-    return ip.store_directory(config_lib.base_config(), run,
+    return vocab_cache.store_directory(config_lib.base_config(), run,
                               types.SimpleNamespace(model_path=vocabulary), pairs)
   assert directory(str(tmp_path / 'vocab' / 'spm.model')) == str(
       tmp_path / 'vocab' / 'spm.tokens' / 'text_train_en-to-de')
@@ -206,9 +210,9 @@ def test_preparation_on_two_hosts_and_two_processes_equals_one(corpus, tmp_path,
   """Parts split over two 'hosts' (each with a pool of two processes), the second merging,
   give the same store as one process; an interrupted part is redone, the others reused."""
   pairs, tok, _, _, store = corpus
-  monkeypatch.setattr(ip.token_store, 'PART_SIZE', 40)  # 8 parts of the 300 pairs.
+  monkeypatch.setattr(token_store, 'PART_SIZE', 40)  # 8 parts of the 300 pairs.
   directory = str(tmp_path / 'shared')
-  prepare = ip.token_store.prepare
+  prepare = token_store.prepare
   assert prepare(pairs, tok, directory, data_fingerprint='x', workers=2, host_index=0,
                  host_count=2) is None  # Host 1's parts are missing.
   merged = prepare(pairs, tok, directory, data_fingerprint='x', workers=2, host_index=1,
@@ -224,22 +228,22 @@ def test_same_seed_same_batches_and_resume_mid_epoch(corpus, packing):
   pairs, tok, config, _, store = corpus
   config = config.copy_and_resolve_references()
   config.packing = packing
-  data = ip.train_dataset(store, config)
+  data = batching.train_dataset(store, config)
   first = _take(iter(data.dataset), 12)
-  again = _take(iter(ip.train_dataset(store, config).dataset), 12)
+  again = _take(iter(batching.train_dataset(store, config).dataset), 12)
   for a, b in zip(first, again):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
 
   stopped = iter(data.dataset)
   _take(stopped, 5)
   state = json.loads(json.dumps(stopped.get_state()))  # What a checkpoint stores.
-  resumed = iter(ip.train_dataset(store, config).dataset)
+  resumed = iter(batching.train_dataset(store, config).dataset)
   resumed.set_state(state)
   for a, b in zip(first[5:], _take(resumed, 7)):
     assert all((a[k] == b[k]).all() for k in a)
 
   config.data_seed = 1
-  other = _take(iter(ip.train_dataset(store, config).dataset), 12)
+  other = _take(iter(batching.train_dataset(store, config).dataset), 12)
   assert any((a['inputs'].shape != b['inputs'].shape) or (a['inputs'] != b['inputs']).any()
              for a, b in zip(first, other))
 
@@ -249,14 +253,14 @@ def test_resume_through_orbax_checkpoint_handler(corpus, tmp_path, packing):
   pairs, tok, config, _, store = corpus
   config = config.copy_and_resolve_references()
   config.packing = packing
-  data = ip.train_dataset(store, config)
+  data = batching.train_dataset(store, config)
   unstopped = _take(iter(data.dataset), 8)
   it = iter(data.dataset)
   _take(it, 3)
   with ocp.CheckpointManager(tmp_path / 'ckpt') as manager:
     manager.save(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointSave(it)))
     manager.wait_until_finished()
-    fresh = iter(ip.train_dataset(store, config).dataset)
+    fresh = iter(batching.train_dataset(store, config).dataset)
     manager.restore(3, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(fresh)))
   for a, b in zip(unstopped[3:], _take(fresh, 5)):
     assert all((a[k] == b[k]).all() for k in a)
@@ -264,7 +268,7 @@ def test_resume_through_orbax_checkpoint_handler(corpus, tmp_path, packing):
 
 def test_epochs_are_reshuffled(corpus):
   pairs, tok, config, _, store = corpus
-  data = ip.train_dataset(store, config)
+  data = batching.train_dataset(store, config)
   two = _take(iter(data.dataset), 2 * data.steps_per_epoch)
   epoch0, epoch1 = two[:data.steps_per_epoch], two[data.steps_per_epoch:]
   assert _examples(epoch1) == _examples(epoch0)
@@ -277,7 +281,7 @@ def test_two_hosts_read_disjoint_shards_that_cover_the_data(corpus, packing):
   pairs, tok, config, _, store = corpus
   config = config.copy_and_resolve_references()
   config.packing = packing
-  hosts = [ip.train_dataset(store, config, process_index=i, process_count=2)
+  hosts = [batching.train_dataset(store, config, process_index=i, process_count=2)
            for i in range(2)]
   if packing:  # Each host packs every other example; 80 batches are > 1 pass over a shard.
     seen = []
@@ -299,11 +303,11 @@ def test_two_hosts_read_disjoint_shards_that_cover_the_data(corpus, packing):
 
 def test_eval_batches_never_drop_or_truncate(corpus):
   pairs, tok, config, _, store = corpus
-  batches = list(ip.eval_batches(store, config, row_multiple=2))
+  batches = list(batching.eval_batches(store, config, row_multiple=2))
   assert _examples(batches) == _expected(pairs, tok)  # The two long pairs too.
   assert max(b['inputs'].shape[1] for b in batches) > config.max_source_length
   assert all(b['inputs'].shape[0] % 2 == 0 for b in batches)
-  hosts = [list(ip.eval_batches(store, config, process_index=i, process_count=2))
+  hosts = [list(batching.eval_batches(store, config, process_index=i, process_count=2))
            for i in range(2)]
   assert [b['inputs'].shape for b in hosts[0]] == [b['inputs'].shape for b in hosts[1]]
   assert _examples(hosts[0]) + _examples(hosts[1]) == _expected(pairs, tok)
@@ -314,7 +318,7 @@ def test_get_datasets_on_text_files(corpus):
   data = ip.get_datasets(config, workdir, process_index=0, process_count=1, row_multiple=1)
   batch = next(data.train)
   assert set(batch) == set(BATCH_KEYS)
-  test_pairs = ip.nonblank_pairs(ip.open_split(config, 'test'))
+  test_pairs = data_sources.nonblank_pairs(data_sources.open_split(config, 'test'))
   assert len(test_pairs) == NUM_PAIRS - 3
   assert all(s.strip() and t.strip() for s, t in test_pairs)
   assert sum(int((b['inputs_segmentation'] == 1).any(axis=1).sum())
@@ -328,16 +332,16 @@ def test_text_files_with_different_line_counts_fail_clearly(tmp_path):
   config.dataset = 'text'
   config.text_files = {'train': f'{tmp_path / "a"},{tmp_path / "b"}'}
   with pytest.raises(ValueError, match='2 lines but .* has 1'):
-    ip.open_split(config, 'train')
-  with pytest.raises(ip.DatasetNotFoundError, match='text_files.test'):
-    ip.open_split(config, 'test')
+    data_sources.open_split(config, 'train')
+  with pytest.raises(data_sources.DatasetNotFoundError, match='text_files.test'):
+    data_sources.open_split(config, 'test')
 
 
 def test_missing_tfds_dataset_names_dataset_directory_and_fix(tmp_path):
   config = config_lib.base_config()
   config.tfds_data_dir = str(tmp_path)
-  with pytest.raises(ip.DatasetNotFoundError) as error:
-    ip.open_split(config, 'train')
+  with pytest.raises(data_sources.DatasetNotFoundError) as error:
+    data_sources.open_split(config, 'train')
   message = str(error.value)
   for needle in ('wmt14_translate/de-en', str(tmp_path), 'tfds build',
                  '--file_format=array_record', '--config.tfds_data_dir'):
@@ -355,11 +359,11 @@ def test_mock_wmt(tmp_path, name, source, target):
   config.max_source_length = config.max_target_length = 64
   config.bucket_boundaries = (16, 32)
   with tfds.testing.mock_data(num_examples=64, policy=tfds.testing.MockPolicy.USE_CODE):
-    pairs = ip.open_split(config, 'train')  # Registers the WMT builders with TFDS.
+    pairs = data_sources.open_split(config, 'train')  # Registers the WMT builders with TFDS.
     records = tfds.data_source(name, split='train')
     data = ip.get_datasets(config, str(tmp_path), process_index=0, process_count=1)
     assert pairs[3] == (records[3][source], records[3][target])
     batches = _take(data.train, data.steps_per_epoch)
     assert _examples(batches) == _expected(pairs, data.tokenizer, max_len=64)
     assert len(list(data.eval_batches())) >= 1
-    assert len(ip.open_split(config, 'test')) == 64
+    assert len(data_sources.open_split(config, 'test')) == 64

@@ -7,8 +7,10 @@ import sys
 import pytest
 
 import train_testlib
+from transformer_jax import data_sources
 from transformer_jax import input_pipeline as ip
 from transformer_jax import token_store
+from transformer_jax import vocab_cache
 
 PREPARE = os.path.join(train_testlib.REPO, 'prepare_data.py')
 
@@ -45,9 +47,9 @@ def test_two_hosts_prepare_and_training_reuses_the_stores(tmp_path):
   assert 'train: 400 pairs' in second.stdout, second.stdout
 
   config = train_testlib.small_config(files)
-  train = ip.open_split(config, 'train')
-  tokenizer = ip.tokenizer_for(config, workdir, train)
-  directory = ip.store_directory(config, workdir, tokenizer, train)
+  train = data_sources.open_split(config, 'train')
+  tokenizer = vocab_cache.tokenizer_for(config, workdir, train)
+  directory = vocab_cache.store_directory(config, workdir, tokenizer, train)
   with open(os.path.join(directory, 'meta.json')) as f:
     made = json.load(f)['created']
   data = ip.get_datasets(config, workdir, process_index=0, process_count=1)

@@ -14,7 +14,7 @@ import pytest
 from test_translator import MAX_LEN
 import train_testlib
 from transformer_jax import attention_plot
-from transformer_jax import cli
+from transformer_jax import line_io
 from transformer_jax import translator as translator_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +75,7 @@ def test_every_input_line_gives_one_output_line_in_order(loaded, file_run):
   assert len(lines) == len(MIXED_LINES)
   assert lines[1] == '' and lines[5] == ''
   # Each line is what the model gives for that line, so nothing shifted.
-  texts = [cli.decode_line(raw)[0] for raw in MIXED_LINES]
+  texts = [line_io.decode_line(raw)[0] for raw in MIXED_LINES]
   expected, stats = translator.translate(texts)
   assert lines == expected
   assert stats.truncated == (2,)

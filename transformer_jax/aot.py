@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
+from transformer_jax import batching
 from transformer_jax import config as config_lib
 from transformer_jax import config_checks
 from transformer_jax import flops as model_flops
 from transformer_jax import hlo_view
-from transformer_jax import input_pipeline
 from transformer_jax import kernel_choice
 from transformer_jax import loading
 from transformer_jax import models
@@ -319,9 +319,9 @@ def train_batch_shape(config: ml_collections.ConfigDict, partitioner: Partitione
   tokens = config.tokens_per_batch if tokens_per_batch is None else tokens_per_batch
   longest = max(config.max_source_length, config.max_target_length)
   length = (longest if config.packing else
-            input_pipeline.bucket_lengths(config.bucket_boundaries, longest)[-1])
+            batching.bucket_lengths(config.bucket_boundaries, longest)[-1])
   shards = partitioner.rows_multiple(config.grad_accum_steps) * partitioner.num_hosts
-  return input_pipeline.rows_for(length, tokens, shards), length
+  return batching.rows_for(length, tokens, shards), length
 
 
 @dataclasses.dataclass

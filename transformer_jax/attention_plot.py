@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import sentencepiece as spm
 
-from transformer_jax import outputs
+from transformer_jax import storage
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
@@ -126,7 +126,7 @@ def plot(weights: np.ndarray, source_labels: Sequence[str], output_labels: Seque
     fig.suptitle(title, fontsize=10)
   fig.tight_layout()
   # Written through a temporary file, so the suffix names the format.
-  with outputs.writing(path, 'wb') as f:
+  with storage.writing(path, 'wb') as f:
     fig.savefig(f, dpi=120, format=os.path.splitext(path)[1].lstrip('.').lower() or 'png')
   return fig
 

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from transformer_jax import checkpointing
-from transformer_jax import outputs
+from transformer_jax import paths
+from transformer_jax import storage
 from transformer_jax.errors import CheckpointNotFoundError
 from transformer_jax.errors import ConfigError
 
@@ -98,7 +99,7 @@ def average_checkpoints(workdir: str, output_workdir: str, num: int) -> tuple[st
     CheckpointNotFoundError: no checkpoints in `workdir`.
     OutputExistsError: `output_workdir` already has that step.
   """
-  if outputs.same_path(workdir, output_workdir):
+  if paths.same_path(workdir, output_workdir):
     raise ConfigError('The output directory must differ from the training work directory: '
                       'an averaged checkpoint has no optimizer state to resume from.')
   steps = last_steps(workdir, num)
@@ -106,5 +107,5 @@ def average_checkpoints(workdir: str, output_workdir: str, num: int) -> tuple[st
   params = average_params(workdir, steps)
   meta = copy.deepcopy(meta)
   meta['averaged_steps'] = steps
-  meta['averaged_from'] = outputs.resolve(workdir)
+  meta['averaged_from'] = storage.resolve(workdir)
   return checkpointing.write_params_checkpoint(output_workdir, last, params, meta), steps

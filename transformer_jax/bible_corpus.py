@@ -48,7 +48,7 @@ import zlib
 from absl import logging
 import tensorflow_datasets as tfds
 
-from transformer_jax import outputs
+from transformer_jax import storage
 from transformer_jax.errors import DatasetNotFoundError
 
 ENGLISH_MODULE = 'engKJV2006eb'
@@ -391,13 +391,13 @@ def prepare(data_dir: str | None = None) -> BibleEnEs:
     SwordModuleNotFoundError: the SWORD modules are not installed (the message says how).
   """
   builder = BibleEnEs(data_dir=data_dir or None, file_format='array_record')
-  if data_dir and outputs.is_remote(data_dir):
+  if data_dir and storage.is_remote(data_dir):
     if not builder.is_prepared():
       # Built on a local disk (TFDS would rename a directory, which Cloud Storage cannot do
       # at once) and uploaded with dataset_info.json last: TFDS takes that file as the sign
       # that a prepared dataset is complete, so a reader never sees half of one.
-      local = prepare(outputs.local_cache(data_dir))
-      outputs.upload(os.fspath(local.data_dir), os.fspath(builder.data_dir),
+      local = prepare(storage.local_cache(data_dir))
+      storage.upload(os.fspath(local.data_dir), os.fspath(builder.data_dir),
                      '--config.tfds_data_dir', last=('dataset_info.json',))
       builder = BibleEnEs(data_dir=data_dir, file_format='array_record')
     return builder

@@ -23,8 +23,10 @@ from collections.abc import Iterator, Mapping
 import contextlib
 import hashlib
 import json
+import logging as std_logging
 import os
 import tempfile
+import traceback
 from typing import Any
 
 import grain
@@ -34,7 +36,7 @@ import jax.numpy as jnp
 import ml_collections
 import orbax.checkpoint as ocp
 
-from transformer_jax import outputs
+from transformer_jax import storage
 from transformer_jax.config import BEST_CHECKPOINT_METRICS
 from transformer_jax.config import ConfigError
 from transformer_jax.config import LEGACY_VALUES
@@ -235,7 +237,7 @@ class Checkpointer:
         one ('bleu', 'chrf' or 'loss'; '': none).
       keep_best: see `best_metric`.
     """
-    self.directory = outputs.resolve(workdir) + '/' + CHECKPOINT_DIR
+    self.directory = storage.resolve(workdir) + '/' + CHECKPOINT_DIR
     self._bytes = 0  # Of the last checkpoint's arrays.
     self._manager = ocp.CheckpointManager(
         self.directory,
@@ -252,13 +254,13 @@ class Checkpointer:
 
   def set_aside(self, step: int) -> str:
     """Renames a damaged checkpoint to `<step>.damaged` (kept, no longer a step), on every
-    process together; returns the new path. (On Cloud Storage, `_set_aside_on_gcs`.)"""
+    process together; returns the new path. On Cloud Storage, where a rename is a copy and a
+    delete of every object, orbax's mark of a finished step goes first after the copy, so that
+    a kill at any point leaves a step that is found damaged again or no step at all."""
     path = f'{self.directory}/{step}.damaged'
     if jax.process_index() == 0:
-      if outputs.is_remote(path):
-        _set_aside_on_gcs(f'{self.directory}/{step}', path)
-      else:
-        os.rename(os.path.join(self.directory, str(step)), path)
+      storage.rename_directory(f'{self.directory}/{step}', path, mark=_GCS_COMMIT_MARKER,
+                               flag='the checkpoint')
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f'set_aside_{step}')
     self._manager.reload()
@@ -363,24 +365,6 @@ class Checkpointer:
     self._manager.close()
 
 
-def _set_aside_on_gcs(step_dir: str, aside: str) -> None:
-  """`set_aside` where a rename is a copy and a delete of every object, safe to kill at any
-  point: the objects are copied to `aside` first (the original stays a step: a rerun finds
-  it damaged again and copies again); then its `commit_success.txt`, orbax's mark of a
-  finished step on Cloud Storage, is deleted, so that it is no step any more; then the rest."""
-  import gcsfs
-  fs = gcsfs.GCSFileSystem()
-  with outputs.cloud_errors(step_dir, 'the checkpoint'):
-    objects = fs.find(step_dir)
-    marker = f'{step_dir.removeprefix("gs://")}/{_GCS_COMMIT_MARKER}'
-    for name in objects:
-      if name != marker:
-        fs.copy(name, aside.removeprefix('gs://') + name[len(step_dir) - len('gs://'):])
-    if marker in objects:
-      fs.rm(marker)
-    fs.rm(step_dir, recursive=True)
-
-
 _GCS_COMMIT_MARKER = 'commit_success.txt'  # Orbax's, in a finished step on Cloud Storage.
 
 
@@ -388,8 +372,8 @@ _GCS_COMMIT_MARKER = 'commit_success.txt'  # Orbax's, in a finished step on Clou
 
 
 def _reader(workdir: str) -> ocp.CheckpointManager:
-  directory = outputs.resolve(workdir) + '/' + CHECKPOINT_DIR
-  if not outputs.is_directory(directory):
+  directory = storage.resolve(workdir) + '/' + CHECKPOINT_DIR
+  if not storage.is_directory(directory):
     raise CheckpointNotFoundError(f'{directory} does not exist: {workdir} holds no '
                                   'checkpoints; pass the --workdir of a training run.')
   return ocp.CheckpointManager(directory, options=_options(
@@ -451,7 +435,7 @@ def _damaged(manager: ocp.CheckpointManager, directory: str, step: int, item: st
   except UserError:
     raise
   except Exception as e:  # Orbax and TensorStore raise many.
-    if not outputs.is_directory(f'{directory}/{step}'):
+    if not storage.is_directory(f'{directory}/{step}'):
       manager.reload()
       raise CheckpointGoneError(
           f'Checkpoint {step} in {directory} was deleted while it was being read: the '
@@ -519,8 +503,8 @@ def write_params_checkpoint(workdir: str, step: int, params: Any, meta: dict[str
   Raises:
     OutputExistsError: that step already exists there.
   """
-  directory = outputs.resolve(workdir) + '/' + CHECKPOINT_DIR
-  if outputs.is_directory(f'{directory}/{step}'):
+  directory = storage.resolve(workdir) + '/' + CHECKPOINT_DIR
+  if storage.is_directory(f'{directory}/{step}'):
     raise OutputExistsError(f'{directory}/{step} already exists; choose another output '
                             'directory or remove it.')
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
@@ -550,7 +534,7 @@ def read_meta(workdir: str, step: int | str | None = None) -> tuple[dict[str, An
 def newest_readable_meta(workdir: str) -> dict[str, Any] | None:
   """The `meta` of the newest checkpoint of `workdir` whose meta can be read; None if it
   has none (damaged checkpoints are skipped here and dealt with when restoring)."""
-  if not outputs.is_directory(outputs.resolve(workdir) + '/' + CHECKPOINT_DIR):
+  if not storage.is_directory(storage.resolve(workdir) + '/' + CHECKPOINT_DIR):
     return None
   with _reader(workdir) as manager:
     for step in sorted(manager.all_steps(), reverse=True):
@@ -577,5 +561,36 @@ def tokenizer_from_meta(meta: Mapping[str, Any]) -> Tokenizer:
   os.makedirs(cache, exist_ok=True)
   path = os.path.join(cache, f'{info["sha256"][:16]}.model')
   if not os.path.exists(path):
-    outputs.write_file(path, base64.b64decode(info['model_base64']))
+    storage.write_file(path, base64.b64decode(info['model_base64']))
   return load_tokenizer(path)
+
+
+# --- What of orbax's logging the commands show. ---
+
+
+# Orbax warnings about what the commands do on purpose: checkpoints saved between evaluations
+# carry no metrics; reading opens the checkpoints read-only; a restore of some items leaves
+# the others ("Item ... was found in the checkpoint, but could not be restored").
+_EXPECTED_ORBAX_WARNINGS = ('did not provide metrics', 'Given directory is read only',
+                            'read_only=True, setting save_interval_steps=0',
+                            'was found in the checkpoint, but could not be restored')
+
+
+def quiet_orbax(record: std_logging.LogRecord, verbose: bool) -> bool:
+  """A log filter for the commands (`cli.run`): drops orbax's INFO lines (dozens a save) and,
+  without `verbose` (--verbose), the errors its
+  background threads log (each also reaches the main thread, which reports it) and its
+  warnings about what the commands do on purpose (`_EXPECTED_ORBAX_WARNINGS`); its other
+  warnings still show."""
+  if '/orbax/' not in record.pathname:
+    # An orbax failure can also arrive through asyncio ("Task exception was never
+    # retrieved") with orbax's frames in its traceback.
+    failure = record.exc_info[2] if record.exc_info else None
+    from_orbax = failure is not None and any(
+        '/orbax/' in frame.filename for frame in traceback.extract_tb(failure))
+    return not from_orbax or verbose
+  if record.levelno >= std_logging.ERROR:
+    return verbose
+  if any(phrase in record.getMessage() for phrase in _EXPECTED_ORBAX_WARNINGS):
+    return verbose
+  return record.levelno >= std_logging.WARNING

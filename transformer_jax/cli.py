@@ -8,8 +8,7 @@ average_checkpoints, compile) share.
 * `fail(message)`: the same exit, for the commands' own checks.
 * `define_checkpoint_flags()`: the flags of evaluate.py and translate.py that pick a
   checkpoint and the search, defined once so the two commands agree.
-* Line input: `decode_line`, `read_lines` and `translate_lines`, so that evaluation and
-  translation read text the same way (split on '\\n' only, invalid UTF-8 replaced).
+(Text lines in and out, the same for evaluation and translation: `line_io`.)
 
 Importing this module defines `--verbose` and nothing else; JAX is imported only when a
 command needs it, so flag errors come back at once.
@@ -17,8 +16,9 @@ command needs it, so flag errors come back at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 import dataclasses
+import functools
 import importlib.util
 import logging as std_logging
 import os
@@ -34,7 +34,7 @@ from absl import logging
 
 from transformer_jax import errors
 from transformer_jax import host_memory
-from transformer_jax import outputs
+from transformer_jax import paths
 from transformer_jax.config import LENGTH_PENALTY_FORMS
 
 VERBOSE = flags.DEFINE_bool('verbose', False,
@@ -159,10 +159,12 @@ def run(main: Callable[[list[str]], Any]) -> None:
   def guarded(argv: list[str]) -> None:
     if len(argv) > 1:
       fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
-    logging.get_absl_handler().addFilter(_quiet_orbax)
+    from transformer_jax import checkpointing  # Not for --help: orbax loads slowly.
+    logging.get_absl_handler().addFilter(
+        functools.partial(checkpointing.quiet_orbax, verbose=VERBOSE.value))
     if not VERBOSE.value:
       # gcsfs logs each retry and its final failure with a traceback; the failure reaches
-      # the command, which reports it in one paragraph (outputs.cloud_error).
+      # the command, which reports it in one paragraph (storage.cloud_error).
       std_logging.getLogger('gcsfs').setLevel(std_logging.CRITICAL)
     if not VERBOSE.value:
       # Checkpoint writers' threads report their failures to the main thread, which reports
@@ -207,33 +209,6 @@ def _asks_for_help(args: list[str]) -> bool:
   return any(arg in HELP_FLAGS for arg in options)
 
 
-# Orbax warnings about what the commands do on purpose: checkpoints saved between evaluations
-# carry no metrics; reading opens the checkpoints read-only; a restore of some items leaves
-# the others ("Item ... was found in the checkpoint, but could not be restored").
-_EXPECTED_ORBAX_WARNINGS = ('did not provide metrics', 'Given directory is read only',
-                            'read_only=True, setting save_interval_steps=0',
-                            'was found in the checkpoint, but could not be restored')
-
-
-def _quiet_orbax(record: std_logging.LogRecord) -> bool:
-  """Drops orbax's INFO lines (dozens a save) and, without --verbose, the errors its
-  background threads log (each also reaches the main thread, which reports it) and its
-  warnings about what the commands do on purpose (`_EXPECTED_ORBAX_WARNINGS`); its other
-  warnings still show."""
-  if '/orbax/' not in record.pathname:
-    # An orbax failure can also arrive through asyncio ("Task exception was never
-    # retrieved") with orbax's frames in its traceback.
-    failure = record.exc_info[2] if record.exc_info else None
-    from_orbax = failure is not None and any(
-        '/orbax/' in frame.filename for frame in traceback.extract_tb(failure))
-    return not from_orbax or VERBOSE.value
-  if record.levelno >= std_logging.ERROR:
-    return VERBOSE.value
-  if any(phrase in record.getMessage() for phrase in _EXPECTED_ORBAX_WARNINGS):
-    return VERBOSE.value
-  return record.levelno >= std_logging.WARNING
-
-
 def _thread_failure_to_debug_log(args: Any) -> None:
   error = getattr(args, 'exc_value', None)
   logging.debug('A background thread failed: %r', error)
@@ -273,8 +248,8 @@ def use_compilation_cache(directory: str | None) -> None:
   with a clear error when the path exists and is not a directory."""
   if not directory:
     return
-  outputs.require_local(directory, '--compilation_cache_dir', 'the compilation cache')
-  outputs.check_output_directory(directory, '--compilation_cache_dir')
+  paths.require_local(directory, '--compilation_cache_dir', 'the compilation cache')
+  paths.check_output_directory(directory, '--compilation_cache_dir')
   import jax
   jax.config.update('jax_compilation_cache_dir', directory)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
@@ -328,7 +303,7 @@ def check_checkpoint_flags(f: CheckpointFlags) -> None:
     logging.set_verbosity(logging.ERROR)
   if not f.workdir.value:
     fail('--workdir is required: the directory of a training run.')
-  outputs.check_input_directory(f.workdir.value, '--workdir', "a training run's work "
+  paths.check_input_directory(f.workdir.value, '--workdir', "a training run's work "
                                 'directory')
   if f.step.value is not None and not (f.step.value.isdigit() or f.step.value == 'best'):
     fail(f"--step={f.step.value} must be a step number or 'best'.")
@@ -370,105 +345,3 @@ def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   return loaded
-
-
-# --- Reading and translating lines. ---
-
-
-def decode_line(raw: bytes) -> tuple[str, bool]:
-  """One input line as text, without its line ending; and whether invalid UTF-8 was replaced
-  (by U+FFFD)."""
-  if raw.endswith(b'\n'):
-    raw = raw[:-1]
-  if raw.endswith(b'\r'):
-    raw = raw[:-1]
-  try:
-    return raw.decode('utf-8'), False
-  except UnicodeDecodeError:
-    return raw.decode('utf-8', errors='replace'), True
-
-
-def read_lines(path: str, flag: str) -> list[str]:
-  """A text file's lines, as `decode_line` reads them (`path` checked by
-  `outputs.check_input_file`)."""
-  outputs.check_input_file(path, f'--{flag}')
-  with outputs.open_file(path) as f:
-    lines = f.read().split(b'\n')
-  if lines and lines[-1] == b'':
-    lines.pop()
-  return [decode_line(line)[0] for line in lines]
-
-
-def n_best_line(index: int, hypothesis: Any) -> str:
-  """One line of the n-best format (Moses' and Marian's):
-  `INDEX ||| TRANSLATION ||| LogProb= LOG_P ||| SCORE`, with INDEX the 0-based input line,
-  LOG_P = log P(Y | X) and SCORE = LOG_P / lp(|Y|), what beam search ranks by."""
-  return (f'{index} ||| {hypothesis.text} ||| LogProb= {hypothesis.log_prob:.6g} ||| '
-          f'{hypothesis.score:.6g}')
-
-
-def translate_lines(translator: Any, lines: Iterable[bytes],
-                    write: Callable[[str], None], warn: Callable[[str], None],
-                    chunk_lines: int = 512, n_best_format: bool = False) -> Any:
-  """Translates raw input lines, writing exactly one output line for each, in order (with
-  `n_best_format`: exactly `n_best` lines each, as `n_best_line` writes them).
-
-  Lines are split on b'\\n' only (iterate a binary file), so no other character (form feed,
-  U+2028, ...) ever splits or shifts a line. A blank line gives an empty line; invalid UTF-8
-  is replaced and warned about; a line longer than `max_len` tokens is cut and warned about;
-  a line that cannot be encoded at all gives an empty line and a warning; a line whose output
-  limit `max_len` cuts (learned positions) is warned about.
-
-  Args:
-    translator: a `translator.Translator`.
-    lines: raw lines, e.g. a file opened in binary mode; read `chunk_lines` at a time.
-    write: receives each output line, newline included.
-    warn: receives one message per problem, starting with 'line N: ' (1-based).
-    chunk_lines: lines translated together (sorted by length within the chunk); 1 for
-      interactive use.
-
-  Returns:
-    A `translator.DecodeStats` of totals over all lines (`truncated` holds 0-based line
-    indices).
-  """
-  from transformer_jax.translator import DecodeStats
-  total = DecodeStats()
-  truncated: list[int] = []
-
-  def flush(first: int, texts: list[str]) -> None:
-    outputs, stats = translator.translate_n_best(texts)
-    for index in stats.truncated:
-      warn(f'line {first + index + 1}: longer than max_len={translator.max_source_length} '
-           f'tokens; translating its first {translator.max_source_length - 1} tokens only.')
-      truncated.append(first + index)
-    for index in stats.capped:
-      warn(f'line {first + index + 1}: its output is limited to max_len='
-           f'{translator.max_source_length} tokens, less than its source length + '
-           f'{translator.options.max_decode_extra_length} (learned positions end there).')
-    for index, error in stats.failed:
-      warn(f'line {first + index + 1}: could not be tokenized ({error}); writing an empty '
-           'line.')
-    for index, hypotheses in enumerate(outputs, first):
-      if n_best_format:
-        for hypothesis in hypotheses:
-          write(n_best_line(index, hypothesis) + '\n')
-      else:
-        write(hypotheses[0].text + '\n')
-    for name in ('sentences', 'source_tokens', 'output_tokens', 'batches', 'compile_seconds',
-                 'decode_seconds'):
-      setattr(total, name, getattr(total, name) + getattr(stats, name))
-
-  chunk: list[str] = []
-  first = 0
-  for number, raw in enumerate(lines, 1):
-    text, replaced = decode_line(raw)
-    if replaced:
-      warn(f'line {number}: invalid UTF-8, replaced by U+FFFD.')
-    chunk.append(text)
-    if len(chunk) >= max(chunk_lines, 1):
-      flush(first, chunk)
-      first, chunk = number, []
-  if chunk:
-    flush(first, chunk)
-  total.truncated = tuple(truncated)
-  return total

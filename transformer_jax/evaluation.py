@@ -36,7 +36,7 @@ from sacrebleu.significance import PairedTest
 from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 import tqdm
 
-from transformer_jax import outputs
+from transformer_jax import storage
 from transformer_jax.translator import DecodeOptions
 from transformer_jax.translator import DecodeStats
 from transformer_jax.translator import Translator
@@ -152,15 +152,15 @@ def result_paths(directory: str, name: str) -> tuple[str, str]:
 def write_results(directory: str, name: str, hypotheses: Sequence[str],
                   metrics: dict[str, Any]) -> tuple[str, str]:
   """Writes `<name>.hyp.txt` (one line each) and `<name>.metrics.json` together: both
-  replace the old pair, or neither does (`outputs.write_files`).
+  replace the old pair, or neither does (`storage.write_files`).
 
   Returns:
     The two paths.
   """
-  if not outputs.is_remote(directory):
+  if not storage.is_remote(directory):
     os.makedirs(directory, exist_ok=True)
   paths = result_paths(directory, name)
-  outputs.write_files({
+  storage.write_files({
       paths[0]: ''.join(h + '\n' for h in hypotheses),
       paths[1]: json.dumps(metrics, indent=2, sort_keys=True) + '\n'})
   return paths

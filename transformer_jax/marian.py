@@ -42,7 +42,7 @@ import sentencepiece as spm
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
 from transformer_jax import config_checks
-from transformer_jax import outputs
+from transformer_jax import storage
 from transformer_jax.config import ConfigError
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
@@ -274,15 +274,15 @@ def import_model(model_dir: str, workdir: str, *, imported_from: str | None = No
       project can run; the message says what.
     OutputExistsError: `workdir` already has a checkpoint, or other files.
   """
-  if outputs.is_remote(model_dir):  # Read from a local copy.
+  if storage.is_remote(model_dir):  # Read from a local copy.
     with tempfile.TemporaryDirectory() as local:
-      outputs.download(model_dir, os.path.join(local, 'model'), '--model_dir')
+      storage.download(model_dir, os.path.join(local, 'model'), '--model_dir')
       return import_model(os.path.join(local, 'model'), workdir, imported_from=model_dir)
-  if (outputs.is_directory(f'{workdir}/{checkpointing.CHECKPOINT_DIR}')
+  if (storage.is_directory(f'{workdir}/{checkpointing.CHECKPOINT_DIR}')
       and checkpointing.list_steps(workdir)):
     raise OutputExistsError(f'{workdir} already has checkpoints; import into a new '
                             '--workdir.')
-  if not outputs.is_remote(workdir) and os.path.isdir(workdir) and os.listdir(workdir):
+  if not storage.is_remote(workdir) and os.path.isdir(workdir) and os.listdir(workdir):
     raise OutputExistsError(f'{workdir} is not empty; import into a new or empty --workdir.')
   hf_config = _read_json(os.path.join(model_dir, 'config.json'))
   vocab = _read_json(os.path.join(model_dir, 'vocab.json'))
@@ -315,15 +315,15 @@ def import_model(model_dir: str, workdir: str, *, imported_from: str | None = No
   # failed or killed import leaves nothing there, and a retry starts afresh. (On Cloud
   # Storage its files are uploaded, then the checkpoint is written: a killed import leaves
   # no checkpoint, and a retry replaces the files.)
-  remote = outputs.is_remote(workdir)
-  with outputs.writing_directory(workdir) as staging:
-    meta = _write_import(staging, workdir, model_dir, outputs.resolve(imported_from or model_dir),
+  remote = storage.is_remote(workdir)
+  with storage.writing_directory(workdir) as staging:
+    meta = _write_import(staging, workdir, model_dir, storage.resolve(imported_from or model_dir),
                          hf_config, vocab, order, fields, params, spm_bytes, model_config)
     if not remote:
       checkpointing.write_params_checkpoint(staging, 0, params, meta)
   if remote:
     checkpointing.write_params_checkpoint(workdir, 0, params, meta)
-  return f'{outputs.resolve(workdir)}/{checkpointing.CHECKPOINT_DIR}/0'
+  return f'{storage.resolve(workdir)}/{checkpointing.CHECKPOINT_DIR}/0'
 
 
 def _write_import(staging: str, workdir: str, model_dir: str, imported_from: str,
@@ -346,7 +346,7 @@ def _write_import(staging: str, workdir: str, model_dir: str, imported_from: str
   config.source_lang = tokenizer_config.get('source_lang') or 'src'
   config.target_lang = tokenizer_config.get('target_lang') or 'tgt'
   config.dataset = 'text'
-  config.vocab_path = f'{outputs.resolve(workdir)}/{VOCABULARY_FILE}'
+  config.vocab_path = f'{storage.resolve(workdir)}/{VOCABULARY_FILE}'
   config.max_source_length = config.max_target_length = min(
       config.max_source_length, model_config.max_len)
   config_checks.validate_run(config, vocab_size=tokenizer.vocab_size)
@@ -396,7 +396,7 @@ def _write_finetune_config(path: str, model_dir: str, workdir: str,
   lines = [f'  c.{name} = {value!r}\n' for name, value in fields.items()]
   text = (
       f'"""Fine-tunes the Marian model imported from {model_dir}:\n\n'
-      f'  python train.py --config={outputs.resolve(workdir)}/{FINETUNE_CONFIG_FILE} \\\n'
+      f'  python train.py --config={storage.resolve(workdir)}/{FINETUNE_CONFIG_FILE} \\\n'
       '      --config.text_files.train=TRAIN.SRC,TRAIN.TGT \\\n'
       '      --config.text_files.validation=DEV.SRC,DEV.TGT --workdir=NEW_WORKDIR\n\n'
       'The model fields are the imported model\'s (a change to one that shapes a parameter\n'
@@ -408,9 +408,9 @@ def _write_finetune_config(path: str, model_dir: str, workdir: str,
       'def get_config():\n'
       '  c = config_lib.base_config()\n'
       + ''.join(lines) +
-      f'  c.init_from = {outputs.resolve(workdir)!r}\n'
+      f'  c.init_from = {storage.resolve(workdir)!r}\n'
       '  return c\n')
-  outputs.write_file(path, text)
+  storage.write_file(path, text)
 
 
 # --- Export: a checkpoint of this project as a Marian model directory. ---
@@ -537,16 +537,16 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   meta, _ = checkpointing.read_meta(workdir, step)
   exportable(TransformerConfig.from_config(config_lib.from_saved(meta['config']),
                                            meta['vocab_size']))
-  if outputs.exists(f'{output_dir}/config.json'):
+  if storage.exists(f'{output_dir}/config.json'):
     raise OutputExistsError(f'{output_dir} already holds a model (config.json); choose a new '
                             '--output_dir.')
-  if not outputs.is_remote(output_dir) and os.path.isdir(output_dir) and os.listdir(output_dir):
+  if not storage.is_remote(output_dir) and os.path.isdir(output_dir) and os.listdir(output_dir):
     raise OutputExistsError(f'{output_dir} is not empty; choose a new or empty --output_dir.')
   checkpoint = loading.load(workdir, step=step)
   run = checkpoint.config
   # The files appear together, when all are written (a killed export leaves none); on Cloud
   # Storage config.json, which makes a directory a model, comes last.
-  with outputs.writing_directory(output_dir, last=('config.json',)) as staging:
+  with storage.writing_directory(output_dir, last=('config.json',)) as staging:
     write_model(staging, checkpoint.params, checkpoint.model_config,
                 checkpoint.tokenizer.pieces(), checkpoint.tokenizer.sentencepiece_models(),
                 source_lang=run.source_lang, target_lang=run.target_lang,

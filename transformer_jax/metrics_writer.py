@@ -28,7 +28,7 @@ import numpy as np
 import tqdm
 
 from transformer_jax import flops as model_flops
-from transformer_jax import outputs
+from transformer_jax import storage
 
 METRICS_FILE = 'metrics.jsonl'
 TENSORBOARD_DIR = 'tensorboard'
@@ -129,13 +129,13 @@ class MetricsWriter:
     self._tb = None
     if not enabled:
       return
-    self._jsonl_path = f'{outputs.resolve(workdir)}/{METRICS_FILE}'
+    self._jsonl_path = f'{storage.resolve(workdir)}/{METRICS_FILE}'
     self._rows: list[str] = []  # On Cloud Storage, every row: see `write`.
     self._truncate_after(start_step)
     # Event file names have the second and the host: a random suffix keeps a restart within
     # the second from replacing the file where it is uploaded whole (Cloud Storage).
-    tensorboard = f'{outputs.resolve(workdir)}/{TENSORBOARD_DIR}'
-    self._tb_remote = tensorboard if outputs.is_remote(tensorboard) else None
+    tensorboard = f'{storage.resolve(workdir)}/{TENSORBOARD_DIR}'
+    self._tb_remote = tensorboard if storage.is_remote(tensorboard) else None
     if self._tb_remote:
       # Written locally and uploaded whole after each flush (every event kept), rather than
       # through tensorboardX's own gs:// writer, which uploads once more when it is
@@ -154,18 +154,18 @@ class MetricsWriter:
                             dynamic_ncols=True, file=sys.stderr)
 
   def _truncate_after(self, step: int) -> None:
-    if not outputs.exists(self._jsonl_path):
+    if not storage.exists(self._jsonl_path):
       return
     kept = []
-    with outputs.open_file(self._jsonl_path) as f:
+    with storage.open_file(self._jsonl_path) as f:
       for line in f.read().decode('utf-8', errors='replace').splitlines(keepends=True):
         try:
           if json.loads(line)['step'] <= step:
             kept.append(line)
         except (ValueError, KeyError):
           pass  # A line cut short when the process was killed.
-    outputs.write_file(self._jsonl_path, ''.join(kept))
-    if outputs.is_remote(self._jsonl_path):
+    storage.write_file(self._jsonl_path, ''.join(kept))
+    if storage.is_remote(self._jsonl_path):
       self._rows = kept
 
   def step_done(self, step: int) -> None:
@@ -183,11 +183,11 @@ class MetricsWriter:
     self._flush_tensorboard()
     row = json.dumps({'step': step, 'split': split, 'time': round(time.time(), 3),
                       **values}) + '\n'
-    if outputs.is_remote(self._jsonl_path):
+    if storage.is_remote(self._jsonl_path):
       # Cloud Storage has no append (gcsfs's append mode replaces the object): the object is
       # rewritten with every row so far, one upload each.
       self._rows.append(row)
-      outputs.write_file(self._jsonl_path, ''.join(self._rows))
+      storage.write_file(self._jsonl_path, ''.join(self._rows))
     else:
       with open(self._jsonl_path, 'a') as f:
         f.write(row)
@@ -232,7 +232,7 @@ class MetricsWriter:
     if self._tb_remote:
       for name in os.listdir(self._tb_local):
         with open(os.path.join(self._tb_local, name), 'rb') as f:
-          outputs.write_file(f'{self._tb_remote}/{name}', f.read())
+          storage.write_file(f'{self._tb_remote}/{name}', f.read())
 
   def log(self, message: str) -> None:
     """A plain message that does not break the progress bar."""

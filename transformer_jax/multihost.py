@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 import threading
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from absl import logging
 import jax
@@ -228,3 +228,15 @@ class StopSignal:
     for signum, handler in self._previous_handlers.items():
       signal.signal(signum, handler)
     self._previous_handlers = {}
+
+
+def on_process_0_first(make: Callable[[], Any], what: str, wait: bool = True) -> Any:
+  """`make()` on process 0 first, then (after a barrier) on the others, which find its
+  result on a shared filesystem or the bucket (`wait`; else every process at once)."""
+  wait = wait and jax.process_count() > 1
+  if wait and jax.process_index() != 0:
+    multihost_utils.sync_global_devices(f'{what}: process 0 prepared')
+  made = make()
+  if wait and jax.process_index() == 0:
+    multihost_utils.sync_global_devices(f'{what}: process 0 prepared')
+  return made

@@ -22,7 +22,7 @@ import tempfile
 from absl import logging
 import sentencepiece as spm
 
-from transformer_jax import outputs
+from transformer_jax import storage
 from transformer_jax.config import BOS_ID
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
@@ -166,7 +166,7 @@ def write_split_vocabulary(path: str, pieces: Sequence[str], source_model: bytes
   data = {'format': SPLIT_FORMAT, 'pieces': list(pieces),
           'source_model': base64.b64encode(source_model).decode('ascii'),
           'target_model': base64.b64encode(target_model).decode('ascii')}
-  outputs.write_file(path, json.dumps(data, ensure_ascii=False))
+  storage.write_file(path, json.dumps(data, ensure_ascii=False))
   return SplitTokenizer(path)
 
 

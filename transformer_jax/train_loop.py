@@ -31,6 +31,7 @@ import numpy as np
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
 from transformer_jax import config_checks
+from transformer_jax import data_sources
 from transformer_jax import evaluation
 from transformer_jax import flops as model_flops
 from transformer_jax import input_pipeline
@@ -39,8 +40,9 @@ from transformer_jax import loading
 from transformer_jax import metrics_writer
 from transformer_jax import multihost
 from transformer_jax import optimizer
-from transformer_jax import outputs
+from transformer_jax import paths
 from transformer_jax import prefetch
+from transformer_jax import storage
 from transformer_jax import train_steps
 from transformer_jax import translator as translator_lib
 from transformer_jax import workdir_lock
@@ -96,7 +98,7 @@ class ValidationTranslation:
 
   def __init__(self, config: ml_collections.ConfigDict, datasets: input_pipeline.Datasets,
                model_config: TransformerConfig, params: Any, partitioner: Partitioner):
-    pairs = input_pipeline.spread_subset(datasets.eval_text, config.eval_bleu_sentences)
+    pairs = data_sources.spread_subset(datasets.eval_text, config.eval_bleu_sentences)
     self.sources = [s for s, _ in pairs]
     self.references = [t for _, t in pairs]
     self.translator = translator_lib.Translator(
@@ -140,18 +142,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
     ConfigError: a config field, the mesh or the work directory cannot work; raised before
       anything compiles. `checkpointing.ConfigMismatchError` when the config differs from
       the checkpoint being resumed.
-    input_pipeline.DatasetNotFoundError: the dataset is not prepared.
+    data_sources.DatasetNotFoundError: the dataset is not prepared.
     workdir_lock.WorkdirBusyError: another training job holds `workdir`.
     NonFiniteError: see the class.
   """
-  outputs.check_scheme(workdir, '--workdir')
+  paths.check_scheme(workdir, '--workdir')
   _check_data_paths(config)
-  input_pipeline.check_prepared(config)  # Before the work directory is made.
-  workdir = outputs.resolve(workdir)
+  data_sources.check_prepared(config)  # Before the work directory is made.
+  workdir = storage.resolve(workdir)
   # Every field, checked now with a stand-in vocabulary size: building the real vocabulary
   # can take minutes.
   config_checks.validate_run(config, training=True)
-  outputs.check_output_directory(workdir, '--workdir',
+  paths.check_output_directory(workdir, '--workdir',
                                  {'--config.init_from': config.init_from})
   lock = _lock_workdir(workdir)
   try:
@@ -167,23 +169,23 @@ def _check_data_paths(config: ml_collections.ConfigDict) -> None:
   prepared there, a vocabulary trained there), that it takes objects."""
   for split, files in config.text_files.items():
     for path in (p.strip() for p in files.split(',') if p.strip()) if files else []:
-      outputs.check_scheme(path, f'--config.text_files.{split}')
-      if outputs.is_remote(path):
-        outputs.check_input_file(path, f'--config.text_files.{split}')
+      paths.check_scheme(path, f'--config.text_files.{split}')
+      if storage.is_remote(path):
+        paths.check_input_file(path, f'--config.text_files.{split}')
   if config.init_from:
-    outputs.check_scheme(config.init_from, '--config.init_from')
+    paths.check_scheme(config.init_from, '--config.init_from')
   for name in ('tfds_data_dir', 'vocab_path'):
     path, flag = config[name], f'--config.{name}'
-    outputs.check_scheme(path, flag)
-    if not outputs.is_remote(path):
+    paths.check_scheme(path, flag)
+    if not storage.is_remote(path):
       continue
     if name == 'vocab_path':
-      if not outputs.exists(path):  # Trained, then uploaded there.
-        outputs.check_output_file(path, flag)
+      if not storage.exists(path):  # Trained, then uploaded there.
+        paths.check_output_file(path, flag)
     elif config.dataset == 'bible_en_es':  # Prepared, then uploaded there.
-      outputs.check_output_directory(path, flag)
+      paths.check_output_directory(path, flag)
     else:
-      outputs.check_input_directory(path, flag, 'a TFDS data directory')
+      paths.check_input_directory(path, flag, 'a TFDS data directory')
 
 
 def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
@@ -316,11 +318,11 @@ def _init_source(config: ml_collections.ConfigDict
   if config.init_from_map_vocab:
     pass  # The run's own vocabulary; the embeddings are mapped by piece.
   elif config.vocab_path:
-    if not outputs.exists(config.vocab_path) or outputs.is_directory(config.vocab_path):
+    if not storage.exists(config.vocab_path) or storage.is_directory(config.vocab_path):
       raise ConfigError(f'vocab_path={config.vocab_path!r} does not exist; leave '
                         "--config.vocab_path empty to take the vocabulary of "
                         f'{where}.')
-    with outputs.open_file(config.vocab_path) as f:
+    with storage.open_file(config.vocab_path) as f:
       if hashlib.sha256(f.read()).hexdigest() != meta['tokenizer']['sha256']:
         raise ConfigError(
             f'vocab_path={config.vocab_path!r} is not the vocabulary of {where}, whose '
@@ -529,9 +531,9 @@ class StepProfiler:
   def __init__(self, config: ml_collections.ConfigDict, workdir: str,
                writer: metrics_writer.MetricsWriter):
     self._range = config_lib.profile_range(config)
-    self._target = outputs.resolve(workdir) + '/profile'
-    self._remote = outputs.is_remote(workdir)
-    self._directory = (outputs.local_cache(self._target) if self._remote else self._target)
+    self._target = storage.resolve(workdir) + '/profile'
+    self._remote = storage.is_remote(workdir)
+    self._directory = (storage.local_cache(self._target) if self._remote else self._target)
     self._writer = writer
     self._active = False
 
@@ -553,7 +555,7 @@ class StepProfiler:
     self._active = False
     jax.profiler.stop_trace()
     if self._remote:
-      outputs.upload(self._directory, self._target, '--config.profile_steps')
+      storage.upload(self._directory, self._target, '--config.profile_steps')
     self._writer.log(f'Traced steps {self._first} to {self._range[1]} into {self._target}: '
                      f'view with `tensorboard --logdir={self._target}` (the Profile tab) or '
                      'at ui.perfetto.dev (the .trace.json.gz files).')

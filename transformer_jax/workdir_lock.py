@@ -40,7 +40,7 @@ import uuid
 
 from absl import logging
 
-from transformer_jax import outputs
+from transformer_jax import storage
 from transformer_jax.errors import UserError
 
 LOCK_NAME = 'train.lock'
@@ -56,12 +56,12 @@ class WorkdirBusyError(UserError):
 def _blob(url: str) -> Any:
   """The google-cloud-storage object of a gs:// URL."""
   try:
-    from google.cloud import storage
+    from google.cloud import storage as gcs
   except ImportError as e:
-    raise outputs.cloud_error(e, url, '--workdir') from e
+    raise storage.cloud_error(e, url, '--workdir') from e
   bucket, name = url[len('gs://'):].split('/', 1)
-  with outputs.cloud_errors(url, '--workdir'):
-    return storage.Client().bucket(bucket).blob(name)
+  with storage.cloud_errors(url, '--workdir'):
+    return gcs.Client().bucket(bucket).blob(name)
 
 
 def _process_start_time(pid: int) -> float | None:
@@ -81,14 +81,14 @@ class WorkdirLock:
 
   def __init__(self, workdir: str, *, stale_after_s: float = STALE_AFTER_S,
                heartbeat_s: float = HEARTBEAT_S):
-    self.path = (workdir.rstrip('/') + '/' + LOCK_NAME if outputs.is_remote(workdir)
+    self.path = (workdir.rstrip('/') + '/' + LOCK_NAME if storage.is_remote(workdir)
                  else os.path.join(workdir, LOCK_NAME))
     self._stale_after_s = stale_after_s
     self._heartbeat_s = heartbeat_s
     self._token = uuid.uuid4().hex
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
-    self._blob = _blob(self.path) if outputs.is_remote(workdir) else None
+    self._blob = _blob(self.path) if storage.is_remote(workdir) else None
     self._generation = 0  # Of the lock object as last seen or written (Cloud Storage).
 
   def _read(self) -> bytes | None:
@@ -100,7 +100,7 @@ class WorkdirLock:
       except FileNotFoundError:
         return None
     from google.api_core import exceptions
-    with outputs.cloud_errors(self.path, '--workdir'):
+    with storage.cloud_errors(self.path, '--workdir'):
       current = self._current()
       if current is None:
         return None
@@ -139,7 +139,7 @@ class WorkdirLock:
       return _RELEASED
     if holder.get('host') == socket.gethostname() and isinstance(holder.get('pid'), int):
       pid = holder['pid']
-      if not outputs.process_alive(pid):
+      if not storage.process_alive(pid):
         return f'process {pid} is gone'
       started = _process_start_time(pid)
       if started is not None and started > holder.get('started', 0) + 5:
@@ -204,7 +204,7 @@ class WorkdirLock:
     seen, start = self._generation, time.monotonic()
     while (waited := time.monotonic() - start) < self._stale_after_s:
       time.sleep(min(self._heartbeat_s / 4, self._stale_after_s - waited, 5.0))
-      with outputs.cloud_errors(self.path, '--workdir'):
+      with storage.cloud_errors(self.path, '--workdir'):
         current = self._current()
       if current is None:
         return _RELEASED
@@ -217,7 +217,7 @@ class WorkdirLock:
     """Writes the lock object if its generation is `generation` (0: if there is none);
     False if it is not."""
     from google.api_core import exceptions
-    with outputs.cloud_errors(self.path, '--workdir'):
+    with storage.cloud_errors(self.path, '--workdir'):
       try:
         # A small upload is a multipart upload, which carries the precondition.
         self._blob.upload_from_string(record.encode('utf-8'), content_type='application/json',
@@ -231,7 +231,7 @@ class WorkdirLock:
     """Creates the lock with `record` in it in one step; False if it exists."""
     if self._blob is not None:
       return self._write(record, 0)
-    tmp = outputs.temporary_path(self.path)
+    tmp = storage.temporary_path(self.path)
     try:
       with open(tmp, 'w', encoding='utf-8') as f:
         f.write(record)

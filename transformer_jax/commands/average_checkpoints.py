@@ -18,7 +18,7 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, work-directory or checkpoin
 from absl import flags
 
 from transformer_jax import cli
-from transformer_jax import outputs
+from transformer_jax import paths
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "The training run's work directory.")
 _OUTPUT_WORKDIR = flags.DEFINE_string('output_workdir', None,
@@ -32,9 +32,9 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   if not _WORKDIR.value or not _OUTPUT_WORKDIR.value:
     cli.fail('--workdir and --output_workdir are required.')
-  outputs.check_input_directory(_WORKDIR.value, '--workdir', "a training run's work "
+  paths.check_input_directory(_WORKDIR.value, '--workdir', "a training run's work "
                                 'directory')
-  outputs.check_output_directory(_OUTPUT_WORKDIR.value, '--output_workdir',
+  paths.check_output_directory(_OUTPUT_WORKDIR.value, '--output_workdir',
                                  {'--workdir': _WORKDIR.value})
   if _NUM.value < 0:
     cli.fail(f'--num_checkpoints={_NUM.value} must be >= 1 (or 0 for the config default).')

@@ -42,7 +42,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax import cli
-from transformer_jax import outputs
+from transformer_jax import paths
+from transformer_jax import storage
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
@@ -130,7 +131,7 @@ def main(argv: list[str]) -> None:
   if _JSON.value:
     config_file = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')),
                        None)
-    outputs.check_output_file(_JSON.value, '--json', {'--config': config_file})
+    paths.check_output_file(_JSON.value, '--json', {'--config': config_file})
   config = _CONFIG.value
   target = aot.target(_TOPOLOGY.value)
   if _MEMORY.value is not None:
@@ -164,7 +165,7 @@ def main(argv: list[str]) -> None:
     report['decoder'] = decoder
   if _JSON.value:
     report['config'] = config.to_dict()
-    outputs.write_file(_JSON.value, json.dumps(report, indent=1, default=str))
+    storage.write_file(_JSON.value, json.dumps(report, indent=1, default=str))
     print(f'wrote {_JSON.value}')
 
 

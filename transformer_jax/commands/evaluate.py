@@ -25,7 +25,9 @@ from absl import flags
 from absl import logging
 
 from transformer_jax import cli
-from transformer_jax import outputs
+from transformer_jax import line_io
+from transformer_jax import paths
+from transformer_jax import storage
 
 _CHECKPOINT = cli.define_checkpoint_flags()
 
@@ -61,25 +63,25 @@ def main(argv: list[str]) -> None:
     cli.fail('--source_file replaces the dataset; drop --split and --tfds_data_dir.')
   workdir = _CHECKPOINT.workdir.value
   if _TFDS_DATA_DIR.value:
-    outputs.check_input_directory(_TFDS_DATA_DIR.value, '--tfds_data_dir',
+    paths.check_input_directory(_TFDS_DATA_DIR.value, '--tfds_data_dir',
                                   'a TFDS data directory')
   inputs = {'--source_file': _SOURCE_FILE.value, '--reference_file': _REFERENCE_FILE.value,
             '--compare_to': _COMPARE_TO.value}
   for flag, path in inputs.items():
     if path:
-      outputs.check_input_file(path, flag)
+      paths.check_input_file(path, flag)
   # Where the results go, before the checkpoint loads (the default's name needs its step).
   if _OUTPUT_DIR.value:
-    outputs.check_output_directory(_OUTPUT_DIR.value, '--output_dir', create=False)
+    paths.check_output_directory(_OUTPUT_DIR.value, '--output_dir', create=False)
   else:
-    outputs.check_output_directory(os.path.join(workdir, 'eval'), 'the results directory',
+    paths.check_output_directory(os.path.join(workdir, 'eval'), 'the results directory',
                                    create=False)
 
   # Imported here so that flag errors are reported without loading JAX and TFDS.
   import jax
 
+  from transformer_jax import data_sources
   from transformer_jax import evaluation
-  from transformer_jax import input_pipeline
   translator, checkpoint = cli.load_translator(_CHECKPOINT)
   config, steps = checkpoint.config, checkpoint.steps
 
@@ -89,13 +91,13 @@ def main(argv: list[str]) -> None:
           else _SPLIT.value or config.test_split)
   output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'eval', evaluation.result_tag(steps))
   if jax.process_index() == 0:  # The one writer; before any sentence is translated.
-    outputs.check_output_directory(output_dir, '--output_dir' if _OUTPUT_DIR.value else
+    paths.check_output_directory(output_dir, '--output_dir' if _OUTPUT_DIR.value else
                                    'the results directory')
     for path in evaluation.result_paths(output_dir, name):
-      outputs.check_not_input(path, 'the output', inputs)
+      paths.check_not_input(path, 'the output', inputs)
   if _SOURCE_FILE.value:
-    sources = cli.read_lines(_SOURCE_FILE.value, 'source_file')
-    references = cli.read_lines(_REFERENCE_FILE.value, 'reference_file')
+    sources = line_io.read_lines(_SOURCE_FILE.value, 'source_file')
+    references = line_io.read_lines(_REFERENCE_FILE.value, 'reference_file')
     if len(sources) != len(references):
       cli.fail(f'{_SOURCE_FILE.value} has {len(sources)} lines but {_REFERENCE_FILE.value} has '
             f'{len(references)}.')
@@ -103,7 +105,7 @@ def main(argv: list[str]) -> None:
     if _TFDS_DATA_DIR.value:
       config.tfds_data_dir = _TFDS_DATA_DIR.value  # An existing field: allowed when locked.
     try:
-      pairs = input_pipeline.open_split(config, name)
+      pairs = data_sources.open_split(config, name)
       sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
     except KeyError as e:  # TFDS: no such split.
       cli.fail(f'cannot read split {name!r} of {config.dataset}: {e}; pass --split.')
@@ -111,24 +113,24 @@ def main(argv: list[str]) -> None:
     sources, references = sources[:_MAX_SENTENCES.value], references[:_MAX_SENTENCES.value]
   baseline = None
   if _COMPARE_TO.value:
-    baseline = cli.read_lines(_COMPARE_TO.value, 'compare_to')[:len(references)]
+    baseline = line_io.read_lines(_COMPARE_TO.value, 'compare_to')[:len(references)]
     if len(baseline) != len(references):
       cli.fail(f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
             f'{len(references)} sentences.')
 
-  info = {'workdir': outputs.resolve(workdir), 'step': checkpoint.step,
+  info = {'workdir': storage.resolve(workdir), 'step': checkpoint.step,
           'checkpoint_steps': steps, 'split': name, 'dataset': config.dataset,
           'source_lang': config.source_lang, 'target_lang': config.target_lang,
-          'compared_to': outputs.resolve(_COMPARE_TO.value) if _COMPARE_TO.value else None}
+          'compared_to': storage.resolve(_COMPARE_TO.value) if _COMPARE_TO.value else None}
   logging.info('Evaluating %s (steps %s) on %d sentences of %s.', workdir, steps,
                len(sources), name)
   result = evaluation.evaluate(translator, sources, references, baseline=baseline,
                                bootstrap_samples=_BOOTSTRAP_SAMPLES.value,
                                show_progress=_PROGRESS.value, info=info)
   if jax.process_index() == 0:
-    paths = evaluation.write_results(output_dir, name, result.hypotheses, result.metrics)
+    written = evaluation.write_results(output_dir, name, result.hypotheses, result.metrics)
     print(evaluation.summary(result.metrics))
-    print(f'Wrote {paths[0]} and {paths[1]}')
+    print(f'Wrote {written[0]} and {written[1]}')
 
 
 flags.adopt_module_key_flags(cli)

@@ -18,7 +18,7 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory or checkpoin
 from absl import flags
 
 from transformer_jax import cli
-from transformer_jax import outputs
+from transformer_jax import paths
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The run (or import) to export.')
 _STEP = flags.DEFINE_string('step', None, "The checkpoint: a step, 'best', or the latest.")
@@ -29,9 +29,9 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   if not _WORKDIR.value or not _OUTPUT_DIR.value:
     cli.fail('--workdir and --output_dir are required.')
-  outputs.check_input_directory(_WORKDIR.value, '--workdir', 'the work directory of a run '
+  paths.check_input_directory(_WORKDIR.value, '--workdir', 'the work directory of a run '
                                 'or an import')
-  outputs.check_output_directory(_OUTPUT_DIR.value, '--output_dir', {'--workdir': _WORKDIR.value},
+  paths.check_output_directory(_OUTPUT_DIR.value, '--output_dir', {'--workdir': _WORKDIR.value},
                                  create=False)
   step = _STEP.value
   if step is not None and step != 'best':

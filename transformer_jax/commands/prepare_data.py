@@ -29,9 +29,11 @@ from ml_collections import config_flags
 
 from transformer_jax import cli
 from transformer_jax import config_checks
-from transformer_jax import input_pipeline
-from transformer_jax import outputs
+from transformer_jax import data_sources
+from transformer_jax import paths
+from transformer_jax import storage
 from transformer_jax import token_store
+from transformer_jax import vocab_cache
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
@@ -58,24 +60,24 @@ def main(argv: list[str]) -> None:
     cli.fail(f'--workers={_WORKERS.value} must be >= 0 (0: one per core).')
   config = _CONFIG.value
   config_checks.validate_run(config, training=True)
-  remote = outputs.is_remote(_WORKDIR.value)
+  remote = storage.is_remote(_WORKDIR.value)
   if remote and _NUM_HOSTS.value > 1:
     cli.fail(f'--num_hosts={_NUM_HOSTS.value} shares the parts through a filesystem every host '
              f'mounts, which --workdir={_WORKDIR.value} is not; run the command once, on one '
              "host (it publishes to the bucket what train.py's hosts then download).")
-  outputs.check_output_directory(_WORKDIR.value, '--workdir')
+  paths.check_output_directory(_WORKDIR.value, '--workdir')
   workers = _WORKERS.value or os.cpu_count() or 1
   splits = _SPLITS.value or list(dict.fromkeys(
       (config.train_split, config.eval_split, config.test_split)))
-  train = input_pipeline.open_split(config, config.train_split)
-  tokenizer = input_pipeline.tokenizer_for(config, _WORKDIR.value, train)
+  train = data_sources.open_split(config, config.train_split)
+  tokenizer = vocab_cache.tokenizer_for(config, _WORKDIR.value, train)
   print(f'vocabulary: {tokenizer.model_path} ({tokenizer.vocab_size} pieces)')
   for split in splits:
-    pairs = train if split == config.train_split else input_pipeline.open_split(config, split)
-    directory = input_pipeline.store_directory(config, _WORKDIR.value, tokenizer, pairs)
+    pairs = train if split == config.train_split else data_sources.open_split(config, split)
+    directory = vocab_cache.store_directory(config, _WORKDIR.value, tokenizer, pairs)
     start = time.perf_counter()
     if remote:  # Made locally, then published to the bucket.
-      store = input_pipeline.tokenized(pairs, tokenizer, config, _WORKDIR.value, workers)
+      store = vocab_cache.tokenized(pairs, tokenizer, config, _WORKDIR.value, workers)
     else:
       store = token_store.prepare(pairs, tokenizer, directory,
                                   data_fingerprint=pairs.fingerprint, workers=workers,

@@ -44,7 +44,9 @@ import sys
 from absl import flags
 
 from transformer_jax import cli
-from transformer_jax import outputs
+from transformer_jax import line_io
+from transformer_jax import paths
+from transformer_jax import storage
 
 _CHECKPOINT = cli.define_checkpoint_flags()
 
@@ -94,12 +96,12 @@ def _check_flags() -> None:
   inputs = {'--input': None if _INPUT.value == '-' else _INPUT.value,
             '--workdir': _CHECKPOINT.workdir.value}
   if inputs['--input']:
-    outputs.check_input_file(_INPUT.value, '--input')
+    paths.check_input_file(_INPUT.value, '--input')
   if _OUTPUT.value != '-':
-    outputs.check_output_file(_OUTPUT.value, '--output', inputs)
+    paths.check_output_file(_OUTPUT.value, '--output', inputs)
     inputs['--output'] = _OUTPUT.value
   if _ATTENTION_PLOT.value:
-    outputs.check_output_file(_ATTENTION_PLOT.value, '--attention_plot', inputs)
+    paths.check_output_file(_ATTENTION_PLOT.value, '--attention_plot', inputs)
     from matplotlib import backend_bases
     formats = backend_bases.FigureCanvasBase.get_supported_filetypes()
     suffix = os.path.splitext(_ATTENTION_PLOT.value)[1].lstrip('.').lower()
@@ -131,7 +133,7 @@ def main(argv: list[str]) -> None:
       stack.callback(output.detach)  # Leave sys.stdout open.
     else:
       # Renamed into place once every line is written; the old file stays until then.
-      output = stack.enter_context(outputs.writing(_OUTPUT.value))
+      output = stack.enter_context(storage.writing(_OUTPUT.value))
     stats = _translate(translator, output, stack)
   if not _QUIET.value:
     lines = f'{stats.sentences} line{"" if stats.sentences == 1 else "s"}'
@@ -163,7 +165,7 @@ def _translate(translator, output, stack: contextlib.ExitStack):
     # A closed stdin (`translate.py <&-`) is no input: no output.
     source = sys.stdin.buffer if sys.stdin is not None else io.BytesIO(b'')
   else:
-    source = outputs.open_file(_INPUT.value)
+    source = storage.open_file(_INPUT.value)
   interactive = (_TEXT.value is None and _INPUT.value == '-' and sys.stdin is not None
                  and sys.stdin.isatty())
   chunk_lines = 1 if interactive else (
@@ -177,7 +179,7 @@ def _translate(translator, output, stack: contextlib.ExitStack):
   if sys.stdin is None or source is not sys.stdin.buffer:
     stack.callback(source.close)
   try:
-    stats = cli.translate_lines(translator, source, write, cli.warn, chunk_lines,
+    stats = line_io.translate_lines(translator, source, write, cli.warn, chunk_lines,
                                 n_best_format=_N_BEST.value > 1 or _PRINT_SCORES.value)
     output.flush()
   except BrokenPipeError:

@@ -1,6 +1,7 @@
-"""Output paths (`outputs.py`): every path checked before the work, every output written
-atomically, sets of outputs committed together, a killed writer's leftovers cleaned up; the
-lock created with its contents; configs that would not train as asked refused."""
+"""Paths and storage (`paths.py`, `storage.py`): every path checked before the work, every
+output written atomically, sets of outputs committed together, a killed writer's leftovers
+cleaned up; the lock created with its contents; configs that would not train as asked
+refused."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ import pytest
 
 import train_testlib
 from transformer_jax import config as config_lib
-from transformer_jax import outputs
+from transformer_jax import paths
+from transformer_jax import storage
 from transformer_jax import workdir_lock
 from transformer_jax.errors import ConfigError
 from transformer_jax.errors import DiskFullError
@@ -28,7 +30,7 @@ REPO = train_testlib.REPO
 
 def _leftover(directory, name: str, kind: str = 'tmp', pid: int | None = None,
               host: str | None = None) -> str:
-  """A temporary file named as `outputs.temporary_path` names them, of process `pid`."""
+  """A temporary file named as `storage.temporary_path` names them, of process `pid`."""
   path = os.path.join(directory, f'.{name}.{kind}-{pid or train_testlib.dead_pid()}-0123abcd-'
                                  f'{host or socket.gethostname()}')
   with open(path, 'w', encoding='utf-8') as f:
@@ -48,32 +50,32 @@ def test_an_output_that_is_an_input_is_refused_by_path_symlink_and_hard_link(tmp
                  tmp_path / 'sub' / '..' / 'text.txt'):
     (tmp_path / 'sub').mkdir(exist_ok=True)
     with pytest.raises(PathError, match='is also --input=.*destroy the input'):
-      outputs.check_output_file(str(output), '--output', {'--input': str(text)})
+      paths.check_output_file(str(output), '--output', {'--input': str(text)})
   assert text.read_text() == 'precious\n'
-  outputs.check_output_file(str(tmp_path / 'other.txt'), '--output', {'--input': str(text)})
+  paths.check_output_file(str(tmp_path / 'other.txt'), '--output', {'--input': str(text)})
 
 
 def test_output_kinds_and_missing_directories_are_named(tmp_path):
   (tmp_path / 'a_file').write_text('x')
   with pytest.raises(PathError, match='is a directory; give a file name'):
-    outputs.check_output_file(str(tmp_path), '--output')
+    paths.check_output_file(str(tmp_path), '--output')
   with pytest.raises(PathError, match=r'its directory .*no_such_dir does not exist; create it'):
-    outputs.check_output_file(str(tmp_path / 'no_such_dir' / 'out.txt'), '--output')
+    paths.check_output_file(str(tmp_path / 'no_such_dir' / 'out.txt'), '--output')
   with pytest.raises(PathError, match='is not a directory'):
-    outputs.check_output_file(str(tmp_path / 'a_file' / 'out.txt'), '--output')
+    paths.check_output_file(str(tmp_path / 'a_file' / 'out.txt'), '--output')
   with pytest.raises(PathError, match=r'is a file; give a directory'):
-    outputs.check_output_directory(str(tmp_path / 'a_file'), '--output_dir')
+    paths.check_output_directory(str(tmp_path / 'a_file'), '--output_dir')
   with pytest.raises(PathError, match='is a file, not a directory'):
-    outputs.check_output_directory(str(tmp_path / 'a_file' / 'run'), '--workdir')
+    paths.check_output_directory(str(tmp_path / 'a_file' / 'run'), '--workdir')
   with pytest.raises(PathError, match='is a directory; give a file'):
-    outputs.check_input_file(str(tmp_path), '--input')
+    paths.check_input_file(str(tmp_path), '--input')
   with pytest.raises(PathError, match="is a file; give a training run's"):
-    outputs.check_input_directory(str(tmp_path / 'a_file'), '--workdir',
+    paths.check_input_directory(str(tmp_path / 'a_file'), '--workdir',
                                   "a training run's work directory")
   with pytest.raises(PathError, match='does not exist'):
-    outputs.check_input_file(str(tmp_path / 'missing'), '--input')
+    paths.check_input_file(str(tmp_path / 'missing'), '--input')
   deep = tmp_path / 'new' / 'deeper' / 'run'
-  outputs.check_output_directory(str(deep), '--workdir')  # Created with its parents.
+  paths.check_output_directory(str(deep), '--workdir')  # Created with its parents.
   assert deep.is_dir()
 
 
@@ -91,9 +93,9 @@ def test_an_unwritable_directory_is_found_by_writing_there_even_as_root(tmp_path
   _mount_tmpfs(mount, 'ro,size=1m')
   try:
     with pytest.raises(PathError, match='cannot create files in .*Read-only file system'):
-      outputs.check_output_file(str(mount / 'out.txt'), '--output')
+      paths.check_output_file(str(mount / 'out.txt'), '--output')
     with pytest.raises(PathError, match='choose a directory you can write to'):
-      outputs.check_output_directory(str(mount / 'run' / 'sub'), '--workdir')
+      paths.check_output_directory(str(mount / 'run' / 'sub'), '--workdir')
   finally:
     subprocess.run(['umount', '-l', str(mount)], check=False)
 
@@ -105,19 +107,19 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
   path = tmp_path / 'out.txt'
   path.write_text('old\n')
   with pytest.raises(RuntimeError):
-    with outputs.writing(str(path)) as f:
+    with storage.writing(str(path)) as f:
       f.write('half of the new')
       raise RuntimeError('killed')
   assert path.read_text() == 'old\n'
   assert os.listdir(tmp_path) == ['out.txt']
-  outputs.write_file(str(path), 'new\n')
+  storage.write_file(str(path), 'new\n')
   assert path.read_text() == 'new\n' and os.listdir(tmp_path) == ['out.txt']
 
 
 _COMMIT_KILLED = textwrap.dedent('''
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    from transformer_jax import outputs
+    from transformer_jax import storage
     calls = []
     real_replace = os.replace
     def replace(src, dst):  # SIGKILL instead of the kill_at-th rename.
@@ -126,7 +128,7 @@ _COMMIT_KILLED = textwrap.dedent('''
         os.kill(os.getpid(), signal.SIGKILL)
       real_replace(src, dst)
     os.replace = replace
-    outputs.write_files({{{hyp!r}: 'new hypotheses\\n', {metrics!r}: '{{"bleu": 2}}\\n'}})
+    storage.write_files({{{hyp!r}: 'new hypotheses\\n', {metrics!r}: '{{"bleu": 2}}\\n'}})
 ''')
 
 
@@ -147,7 +149,7 @@ def test_a_pair_killed_mid_commit_is_whole_after_the_next_check(tmp_path, kill_a
                           timeout=120)
   assert result.returncode == -9, result.stderr
   assert len(os.listdir(tmp_path)) > 2  # The killed writer's leftovers.
-  outputs.check_output_directory(str(tmp_path), '--output_dir')
+  paths.check_output_directory(str(tmp_path), '--output_dir')
   assert (hyp.read_text(), metrics.read_text()) == expected
   assert sorted(os.listdir(tmp_path)) == ['test.hyp.txt', 'test.metrics.json']
 
@@ -158,14 +160,14 @@ def test_only_dead_writers_leftovers_are_cleaned(tmp_path):
   mine = _leftover(tmp_path, 'out.txt', pid=os.getpid())
   elsewhere_new = _leftover(tmp_path, 'a.txt', host='elsewhere')
   elsewhere_old = _leftover(tmp_path, 'b.txt', host='elsewhere')
-  old = time.time() - outputs.STALE_AFTER_S - 60
+  old = time.time() - storage.STALE_AFTER_S - 60
   os.utime(elsewhere_old, (old, old))
   directory = _leftover(tmp_path, 'model', pid=train_testlib.dead_pid())  # A `writing_directory`'s.
   os.remove(directory)
   os.makedirs(os.path.join(directory, 'inner'))
   user_file = tmp_path / '.out.txt.tmp'  # Not one of ours: never touched.
   user_file.write_text('mine')
-  removed = outputs.clean_directory(str(tmp_path))
+  removed = storage.clean_directory(str(tmp_path))
   assert sorted(removed) == sorted([dead, elsewhere_old, directory])
   for path in (live, mine, elsewhere_new, user_file):
     assert os.path.exists(path)
@@ -174,18 +176,18 @@ def test_only_dead_writers_leftovers_are_cleaned(tmp_path):
 def test_a_directory_of_outputs_appears_whole_or_not_at_all(tmp_path):
   target = tmp_path / 'model'
   with pytest.raises(RuntimeError):
-    with outputs.writing_directory(str(target)) as staging:
+    with storage.writing_directory(str(target)) as staging:
       with open(os.path.join(staging, 'config.json'), 'w', encoding='utf-8') as f:
         f.write('{}')
       raise RuntimeError('killed half-way')
   assert os.listdir(tmp_path) == []
   target.mkdir()  # An empty directory is replaced.
-  with outputs.writing_directory(str(target)) as staging:
+  with storage.writing_directory(str(target)) as staging:
     with open(os.path.join(staging, 'config.json'), 'w', encoding='utf-8') as f:
       f.write('{}')
   assert os.listdir(target) == ['config.json'] and os.listdir(tmp_path) == ['model']
   with pytest.raises(OutputExistsError, match='is not empty'):
-    with outputs.writing_directory(str(target)):
+    with storage.writing_directory(str(target)):
       pass
 
 

@@ -1,45 +1,36 @@
-"""The paths a command is given: checked before any work starts, written atomically.
+"""Every read and write of a file or an object, local or on Cloud Storage (`gs://`).
 
-Every command takes its paths through here, so that one rule holds for all of them:
+The package moves bytes only through here, so that one rule holds everywhere and another object
+store would touch this module alone:
 
-* Before any work (loading a model, training a vocabulary, compiling), `check_input_file`,
-  `check_input_directory`, `check_output_file` and `check_output_directory` check each path
-  the command was given: an input exists and is of the right kind; an output's directory
-  exists (a directory output is created with its parents: the nearest existing ancestor must
-  be a directory this process can write in, probed by creating a file there, which holds for
-  root and read-only mounts alike); a file is not a directory and vice versa; and an output
-  is never one of the command's inputs (same resolved path or same inode, so a hard link or
-  a symlink is caught too). A failure is a `PathError`: one paragraph naming the flag, the
-  path and the fix.
 * Outputs are written to a temporary name beside them and renamed into place (`write_file`,
   `writing`; a directory of files that go together: `writing_directory`), so a reader sees
   the old file or the new one, never half of one, and a killed command never destroys what
-  was there. Files that belong together (hypotheses and their
-  metrics) are committed together by `write_files`: once all are written, a journal naming
-  them is renamed into place (the commit point), then each is renamed, then the journal is
-  removed.
-* The checks also clean up after a killed command (`clean_directory`): a journal left by a
-  dead process is finished (its files renamed into place), and the temporaries of dead
-  processes are removed. A process is dead when no process has its id on this host, or, for
-  another host's files (a shared disk), when they are older than `STALE_AFTER_S`.
+  was there. Files that belong together (hypotheses and their metrics) are committed together
+  by `write_files`: once all are written, a journal naming them is renamed into place (the
+  commit point), then each is renamed, then the journal is removed.
+* `clean_directory` cleans up after a killed command: a journal left by a dead process is
+  finished (its files renamed into place), and the temporaries of dead processes are
+  removed. A process is dead when no process has its id on this host, or, for another host's
+  files (a shared disk), when they are older than `STALE_AFTER_S`.
+* Whole directories go up and down with `upload` and `download`; `publish` uploads and then
+  writes a marker that says the upload is complete (`published` reads it, `fetch` brings it
+  back); `local_cache` is where a gs:// path's files are kept on this host.
 
 Temporary names: `.NAME.tmp-PID-RANDOM-HOST` (journals: `.NAME.commit-PID-RANDOM-HOST`),
 hidden, in the output's own directory (a rename never crosses file systems).
 
-Cloud Storage: a `gs://BUCKET/...` path passes the same checks through `etils.epath` (gcsfs):
-a directory is a prefix, so only the bucket must exist, and writability is probed by writing
-and deleting an object. An object appears whole when its upload ends, so a file is written
-locally and uploaded once complete; `write_files`' renames are copies and deletes there, which
-the journal makes safe to repeat. A missing bucket, an unreachable endpoint and a refused
-permission are `PathError`s that name the bucket and the fix. Other schemes (`s3://`, ...)
-are refused (`check_scheme`).
+Cloud Storage goes through `etils.epath` and gcsfs: a directory is a prefix; an object appears
+whole when its upload ends, so a file is written locally and uploaded once complete;
+`write_files`' renames are copies and deletes there, which the journal makes safe to repeat. A
+missing bucket, an unreachable endpoint and a refused permission are `PathError`s that name
+the bucket and the fix (`cloud_errors`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -52,18 +43,17 @@ import time
 from typing import Any, IO
 import uuid
 
-from transformer_jax.errors import from_os_error
 from transformer_jax.errors import OutputExistsError
 from transformer_jax.errors import PathError
 
 STALE_AFTER_S = 3600.0  # Another host's temporaries older than this belong to a dead run.
 
+
 _TEMPORARY = re.compile(r'^\.(?P<name>.+)\.(?P<kind>tmp|commit)-(?P<pid>\d+)-[0-9a-f]{8}-'
                         r'(?P<host>.*)$')
-Inputs = Mapping[str, 'str | None']  # A flag (or a description) -> the path it names.
 
 
-_SCHEME = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://')
+SCHEME = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://')
 
 
 def _no_listings_cache() -> None:
@@ -84,23 +74,7 @@ _no_listings_cache()
 
 def is_remote(path: str) -> bool:
   """Whether `path` is a URL (`gs://...`) rather than a local path."""
-  return bool(_SCHEME.match(os.fspath(path)))
-
-
-def check_scheme(path: str, flag: str) -> None:
-  """Refuses URLs of schemes other than gs:// (their writes are untested here)."""
-  match = _SCHEME.match(path)
-  if match and match['scheme'] != 'gs':
-    raise PathError(f'{_describe(flag, path)}: {match["scheme"]}:// paths are not supported; '
-                    'give a local path or a Cloud Storage path (gs://BUCKET/...).')
-
-
-def require_local(path: str, flag: str, what: str) -> None:
-  """Refuses a gs:// `path` where `what` must be on a local disk."""
-  check_scheme(path, flag)
-  if is_remote(path):
-    raise PathError(f'{_describe(flag, path)}: {what} cannot be on Cloud Storage; give a '
-                    'local path.')
+  return bool(SCHEME.match(os.fspath(path)))
 
 
 def resolve(path: str) -> str:
@@ -108,11 +82,11 @@ def resolve(path: str) -> str:
   return path.rstrip('/') if is_remote(path) else os.path.abspath(path)
 
 
-def _split(path: str) -> tuple[str, str]:
+def split_path(path: str) -> tuple[str, str]:
   return posixpath.split(path) if is_remote(path) else os.path.split(os.path.abspath(path))
 
 
-def _epath(path: str) -> Any:
+def as_epath(path: str) -> Any:
   from etils import epath
   return epath.Path(path)
 
@@ -123,7 +97,7 @@ def _host() -> str:
 
 def temporary_path(path: str, kind: str = 'tmp') -> str:
   """A fresh temporary name beside `path`, which `clean_directory` recognises."""
-  directory, name = _split(path)
+  directory, name = split_path(path)
   name = f'.{name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}-{_host()}'
   return posixpath.join(directory, name) if is_remote(path) else os.path.join(directory, name)
 
@@ -163,6 +137,28 @@ def upload(local: str, remote: str, flag: str, *, last: tuple[str, ...] = ()) ->
       fs.put_file(source, target)
 
 
+def rename_directory(source: str, target: str, *, mark: str | None = None,
+                     flag: str = 'the path') -> None:
+  """Renames the directory `source` to `target`. Locally one rename. On Cloud Storage, where a
+  rename is a copy and a delete of every object, safe to kill at any point: every object is
+  copied to `target` first (`source` stays whole: a rerun copies again), then `mark` (a name
+  under `source` whose presence tells its reader the directory is complete) is deleted, then
+  the rest."""
+  if not is_remote(source):
+    os.rename(source, target)
+    return
+  fs = _gcsfs()
+  with cloud_errors(source, flag):
+    objects = fs.find(source)
+    marker = f'{source.removeprefix("gs://")}/{mark}' if mark else None
+    for name in objects:
+      if name != marker:
+        fs.copy(name, target.removeprefix('gs://') + name[len(source) - len('gs://'):])
+    if marker in objects:
+      fs.rm(marker)
+    fs.rm(source, recursive=True)
+
+
 def download(remote: str, local: str, flag: str) -> None:
   """Downloads the gs:// file or directory `remote` to `local` (replacing it, through a
   temporary beside it)."""
@@ -193,7 +189,7 @@ def cloud_error(error: BaseException, path: str, flag: str = 'the path') -> Path
   """The `PathError` for a failure of Cloud Storage at `path`: one paragraph naming the bucket
   and the fix."""
   bucket = _bucket(path)
-  where = _describe(flag, path)
+  where = describe(flag, path)
   detail = ' '.join(f'{type(error).__name__}: {error}'.split())[:300]
   code = getattr(error, 'code', None)
   if isinstance(error, ImportError):
@@ -239,16 +235,13 @@ def _owner_dead(path: str, pid: int, host: str) -> bool:
   if host == _host():
     return pid != os.getpid() and not process_alive(pid)
   try:
-    mtime = _epath(path).stat().mtime if is_remote(path) else os.stat(path).st_mtime
+    mtime = as_epath(path).stat().mtime if is_remote(path) else os.stat(path).st_mtime
   except FileNotFoundError:
     return False
   return time.time() - mtime > STALE_AFTER_S
 
 
-# --- Checks, before any work. ---
-
-
-def _describe(flag: str, path: str) -> str:
+def describe(flag: str, path: str) -> str:
   return f'{flag}={path}' if flag.startswith('--') else f'{flag} {path}'
 
 
@@ -256,7 +249,7 @@ def open_file(path: str, mode: str = 'rb') -> IO[Any]:
   """Opens a local or gs:// file for reading."""
   if is_remote(path):
     with cloud_errors(path):
-      return _epath(path).open(mode)
+      return as_epath(path).open(mode)
   return open(path, mode)  # Binary, as callers ask.
 
 
@@ -264,169 +257,8 @@ def is_directory(path: str) -> bool:
   """Whether a local or gs:// directory exists (on Cloud Storage: any object below it)."""
   if is_remote(path):
     with cloud_errors(path):
-      return _epath(path).is_dir()
+      return as_epath(path).is_dir()
   return os.path.isdir(path)
-
-
-def same_path(a: str, b: str) -> bool:
-  """Whether two paths name the same file or directory (resolved path, or inode)."""
-  if is_remote(a) or is_remote(b):
-    return resolve(a) == resolve(b)
-  if os.path.realpath(a) == os.path.realpath(b):
-    return True
-  try:
-    return os.path.samefile(a, b)
-  except OSError:
-    return False
-
-
-def check_not_input(path: str, flag: str, inputs: Inputs) -> None:
-  """Raises `PathError` if the output `path` is one of `inputs` (flag -> path)."""
-  for input_flag, input_path in inputs.items():
-    if input_path and same_path(path, input_path):
-      raise PathError(
-          f'{_describe(flag, path)} is also {_describe(input_flag, input_path)}: writing the '
-          'output would destroy the input before it is read. Write the output to another '
-          'path.')
-
-
-def _probe(directory: str, flag: str, path: str) -> None:
-  """Creates and removes a file in `directory`: the one test of writability that holds for
-  root, ACLs and read-only mounts alike (and, on Cloud Storage, for a missing bucket, which
-  `mkdir` there would not notice)."""
-  if is_remote(directory):
-    probe = temporary_path(posixpath.join(directory, 'write-probe'))
-    with cloud_errors(path, flag):
-      _epath(probe).write_bytes(b'')
-      _epath(probe).unlink()
-    return
-  probe = temporary_path(os.path.join(directory, 'write-probe'))
-  try:
-    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    os.close(fd)
-    os.remove(probe)
-  except OSError as e:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-      raise from_os_error(e) from None
-    raise PathError(
-        f'{_describe(flag, path)}: cannot create files in {directory} ({e.strerror}); '
-        'choose a directory you can write to.') from None
-
-
-def check_input_file(path: str, flag: str) -> str:
-  """Checks that the input `path` is a readable file; returns it."""
-  check_scheme(path, flag)
-  if is_remote(path):
-    with cloud_errors(path, flag):
-      if _epath(path).is_dir():
-        raise PathError(f'{_describe(flag, path)} is a directory; give a file.')
-      if not _epath(path).exists():
-        raise PathError(f'{_describe(flag, path)} does not exist.')
-    return path
-  if os.path.isdir(path):
-    raise PathError(f'{_describe(flag, path)} is a directory; give a file.')
-  if not os.path.exists(path):
-    raise PathError(f'{_describe(flag, path)} does not exist.')
-  if not os.access(path, os.R_OK):
-    raise PathError(f'{_describe(flag, path)} is not readable (permission denied).')
-  return path
-
-
-def check_input_directory(path: str, flag: str, what: str = 'a directory') -> str:
-  """Checks that the input `path` is a directory (`what` says which, for the message)."""
-  check_scheme(path, flag)
-  if is_remote(path):
-    with cloud_errors(path, flag):
-      if not _epath(path).is_dir():
-        raise PathError(f'{_describe(flag, path)} does not exist; give {what}.')
-    return path
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise PathError(f'{_describe(flag, path)} is a file; give {what}.')
-  if not os.path.isdir(path):
-    raise PathError(f'{_describe(flag, path)} does not exist; give {what}.')
-  return path
-
-
-def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str:
-  """Checks that the file `path` can be written, and cleans up after a killed writer there.
-
-  Its directory must exist (as for a shell's `>`): a typo in it should not create a tree
-  of directories. (On Cloud Storage only the bucket must.)
-
-  Returns:
-    `path`.
-
-  Raises:
-    PathError: `path` is a directory, its directory is missing or not writable, or it is
-      one of `inputs`.
-  """
-  check_scheme(path, flag)
-  if is_remote(path):
-    with cloud_errors(path, flag):
-      if _epath(path).is_dir():
-        raise PathError(f'{_describe(flag, path)} is a directory; give a file name.')
-    check_not_input(path, flag, inputs or {})
-    _probe(_split(path)[0], flag, path)
-    clean_directory(_split(path)[0])
-    return path
-  if os.path.isdir(path):
-    raise PathError(f'{_describe(flag, path)} is a directory; give a file name.')
-  directory = os.path.dirname(os.path.abspath(path))
-  if not os.path.isdir(directory):
-    what = 'is not a directory' if os.path.exists(directory) else 'does not exist'
-    raise PathError(f'{_describe(flag, path)}: its directory {directory} {what}; create it '
-                    f'first (mkdir -p {directory}) or choose another path.')
-  check_not_input(path, flag, inputs or {})
-  _probe(directory, flag, path)
-  clean_directory(directory)
-  return path
-
-
-def check_output_directory(path: str, flag: str, inputs: Inputs | None = None, *,
-                           create: bool = True) -> str:
-  """Checks that the directory `path` can be written (creating it and its parents, unless
-  `create` is False), and cleans up after a killed writer there.
-
-  Returns:
-    `path`.
-
-  Raises:
-    PathError: `path` is a file, the nearest existing directory above it is not writable,
-      or it is one of `inputs`.
-  """
-  check_scheme(path, flag)
-  if is_remote(path):
-    with cloud_errors(path, flag):
-      if _epath(path).is_file():
-        raise PathError(f'{_describe(flag, path)} is a file; give a directory.')
-    check_not_input(path, flag, inputs or {})
-    _probe(resolve(path), flag, path)
-    clean_directory(resolve(path))
-    return path
-  if os.path.exists(path) and not os.path.isdir(path):
-    raise PathError(f'{_describe(flag, path)} is a file; give a directory (it is created if '
-                    'missing).')
-  check_not_input(path, flag, inputs or {})
-  existing = os.path.abspath(path)
-  while not os.path.isdir(existing):
-    parent = os.path.dirname(existing)
-    if os.path.exists(existing) or parent == existing:
-      raise PathError(f'{_describe(flag, path)}: {existing} is a file, not a directory; '
-                      'choose another path.')
-    existing = parent
-  _probe(existing, flag, path)
-  if create:
-    try:
-      os.makedirs(path, exist_ok=True)
-    except OSError as e:
-      raise from_os_error(e) or PathError(
-          f'{_describe(flag, path)}: cannot create it ({e.strerror}).') from None
-  if os.path.isdir(path):
-    clean_directory(path)
-  return path
-
-
-# --- Atomic writes. ---
 
 
 @contextlib.contextmanager
@@ -439,7 +271,7 @@ def writing(path: str, mode: str = 'w') -> Iterator[IO[Any]]:
       with writing(os.path.join(local, 'output'), mode) as f:
         yield f
       with cloud_errors(path, 'the output'), open(os.path.join(local, 'output'), 'rb') as f:
-        _epath(path).write_bytes(f.read())
+        as_epath(path).write_bytes(f.read())
     return
   tmp = temporary_path(path)
   try:
@@ -512,7 +344,7 @@ def write_file(path: str, data: str | bytes) -> None:
   Storage one upload)."""
   if is_remote(path):
     with cloud_errors(path, 'the output'):
-      _epath(path).write_bytes(data if isinstance(data, bytes) else data.encode('utf-8'))
+      as_epath(path).write_bytes(data if isinstance(data, bytes) else data.encode('utf-8'))
     return
   with writing(path, 'wb' if isinstance(data, bytes) else 'w') as f:
     f.write(data)
@@ -521,7 +353,7 @@ def write_file(path: str, data: str | bytes) -> None:
 def _replace(source: str, target: str) -> None:
   if is_remote(source):
     with cloud_errors(target, 'the output'):
-      _epath(source).replace(target)  # A copy, then a delete.
+      as_epath(source).replace(target)  # A copy, then a delete.
   else:
     os.replace(source, target)
 
@@ -529,7 +361,7 @@ def _replace(source: str, target: str) -> None:
 def _remove(path: str) -> None:
   if is_remote(path):
     with cloud_errors(path, 'the output'):
-      _epath(path).unlink()
+      as_epath(path).unlink()
   else:
     os.remove(path)
 
@@ -537,7 +369,7 @@ def _remove(path: str) -> None:
 def exists(path: str) -> bool:
   if is_remote(path):
     with cloud_errors(path):
-      return _epath(path).exists()
+      return as_epath(path).exists()
   return os.path.exists(path)
 
 
@@ -546,7 +378,7 @@ def file_stats(directory: str) -> list[tuple[str, int, int]]:
   directory, sorted by name; [] if there is no such directory."""
   if is_remote(directory):
     with cloud_errors(directory):
-      entries = [p for p in _epath(directory).iterdir() if p.is_file()] if _epath(
+      entries = [p for p in as_epath(directory).iterdir() if p.is_file()] if as_epath(
           directory).is_dir() else []
       stats = [(p.name, p.stat()) for p in entries]
     return sorted((name, stat.length, int(stat.mtime * 1e9)) for name, stat in stats)
@@ -569,8 +401,8 @@ def write_files(files: Mapping[str, str | bytes]) -> None:
   each file is renamed; then the journal is removed.
   """
   paths = [resolve(p) for p in files]
-  directory = _split(paths[0])[0]
-  if any(_split(p)[0] != directory for p in paths):
+  directory = split_path(paths[0])[0]
+  if any(split_path(p)[0] != directory for p in paths):
     raise ValueError(f'write_files writes into one directory, not {paths}.')
   temporaries = {}
   try:
@@ -584,7 +416,7 @@ def write_files(files: Mapping[str, str | bytes]) -> None:
         f.flush()
         os.fsync(f.fileno())
     journal = temporary_path(paths[0], 'commit')
-    write_file(journal, json.dumps({_split(t)[1]: _split(p)[1]
+    write_file(journal, json.dumps({split_path(t)[1]: split_path(p)[1]
                                     for p, t in temporaries.items()}))
   except BaseException:
     for tmp in temporaries.values():
@@ -598,10 +430,10 @@ def _finish_commit(journal: str) -> None:
   """Renames every file a journal lists into place (those still there), then removes it.
   Safe to repeat after a kill at any point (on Cloud Storage a rename is a copy, then a
   delete: a file copied but not deleted is copied again)."""
-  directory = _split(journal)[0]
+  directory = split_path(journal)[0]
   if is_remote(journal):
     with cloud_errors(journal):
-      renames = json.loads(_epath(journal).read_text())
+      renames = json.loads(as_epath(journal).read_text())
   else:
     with open(journal, encoding='utf-8') as f:
       renames = json.load(f)
@@ -618,7 +450,7 @@ def clean_directory(directory: str) -> list[str]:
   try:
     if is_remote(directory):
       with cloud_errors(directory):
-        names = [p.name for p in _epath(directory).iterdir()]
+        names = [p.name for p in as_epath(directory).iterdir()]
     else:
       names = os.listdir(directory)
   except (OSError, PathError):
@@ -642,3 +474,27 @@ def clean_directory(directory: str) -> list[str]:
       continue  # Unreadable: left for a person to look at.
     done.append(path)
   return done
+
+
+_PUBLISHED = 'PUBLISHED.json'  # Written last: what the files beside it are (their meta).
+
+
+def publish(local: str, remote: str, meta: dict[str, Any]) -> None:
+  """Uploads the file or directory `local` to `remote`, then the marker that says it is
+  complete, with `meta` in it (a reader trusts nothing without it)."""
+  upload(local, remote, '--workdir')
+  write_file(f'{remote}.{_PUBLISHED}', json.dumps(meta, sort_keys=True))
+
+
+def published(remote: str) -> dict[str, Any] | None:
+  """The meta of what `publish` finished at `remote`, or None."""
+  marker = f'{remote}.{_PUBLISHED}'
+  if not exists(marker):
+    return None
+  with open_file(marker) as f:
+    return json.loads(f.read())
+
+
+def fetch(remote: str, local: str) -> None:
+  """Downloads a published file or directory (replacing `local`, through a temporary)."""
+  download(remote, local, '--workdir')

@@ -1,0 +1,203 @@
+"""The paths a command is given, checked before any work starts.
+
+Before any work (loading a model, training a vocabulary, compiling), `check_input_file`,
+`check_input_directory`, `check_output_file` and `check_output_directory` check each path the
+command was given: an input exists and is of the right kind; an output's directory exists (a
+directory output is created with its parents: the nearest existing ancestor must be a
+directory this process can write in, probed by creating a file there, which holds for root and
+read-only mounts alike); a file is not a directory and vice versa; and an output is never one
+of the command's inputs (same resolved path or same inode, so a hard link or a symlink is
+caught too). A failure is a `PathError`: one paragraph naming the flag, the path and the fix.
+An output's check also cleans up after a killed command there (`storage.clean_directory`).
+
+A `gs://BUCKET/...` path passes the same checks: a directory is a prefix, so only the bucket
+must exist, and writability is probed by writing and deleting an object. Other schemes
+(`s3://`, ...) are refused (`check_scheme`). Reading and writing are `storage`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import errno
+import os
+import posixpath
+
+from transformer_jax import storage
+from transformer_jax.errors import from_os_error
+from transformer_jax.errors import PathError
+
+Inputs = Mapping[str, 'str | None']  # A flag (or a description) -> the path it names.
+
+
+def check_scheme(path: str, flag: str) -> None:
+  """Refuses URLs of schemes other than gs:// (their writes are untested here)."""
+  match = storage.SCHEME.match(path)
+  if match and match['scheme'] != 'gs':
+    raise PathError(f'{storage.describe(flag, path)}: {match["scheme"]}:// paths are not '
+                    'supported; give a local path or a Cloud Storage path (gs://BUCKET/...).')
+
+
+def require_local(path: str, flag: str, what: str) -> None:
+  """Refuses a gs:// `path` where `what` must be on a local disk."""
+  check_scheme(path, flag)
+  if storage.is_remote(path):
+    raise PathError(f'{storage.describe(flag, path)}: {what} cannot be on Cloud Storage; give a '
+                    'local path.')
+
+
+def same_path(a: str, b: str) -> bool:
+  """Whether two paths name the same file or directory (resolved path, or inode)."""
+  if storage.is_remote(a) or storage.is_remote(b):
+    return storage.resolve(a) == storage.resolve(b)
+  if os.path.realpath(a) == os.path.realpath(b):
+    return True
+  try:
+    return os.path.samefile(a, b)
+  except OSError:
+    return False
+
+
+def check_not_input(path: str, flag: str, inputs: Inputs) -> None:
+  """Raises `PathError` if the output `path` is one of `inputs` (flag -> path)."""
+  for input_flag, input_path in inputs.items():
+    if input_path and same_path(path, input_path):
+      raise PathError(
+          f'{storage.describe(flag, path)} is also {storage.describe(input_flag, input_path)}: '
+          'writing the output would destroy the input before it is read. Write the output to '
+          'another path.')
+
+
+def _probe(directory: str, flag: str, path: str) -> None:
+  """Creates and removes a file in `directory`: the one test of writability that holds for
+  root, ACLs and read-only mounts alike (and, on Cloud Storage, for a missing bucket, which
+  `mkdir` there would not notice)."""
+  if storage.is_remote(directory):
+    probe = storage.temporary_path(posixpath.join(directory, 'write-probe'))
+    with storage.cloud_errors(path, flag):
+      storage.as_epath(probe).write_bytes(b'')
+      storage.as_epath(probe).unlink()
+    return
+  probe = storage.temporary_path(os.path.join(directory, 'write-probe'))
+  try:
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+      raise from_os_error(e) from None
+    raise PathError(
+        f'{storage.describe(flag, path)}: cannot create files in {directory} ({e.strerror}); '
+        'choose a directory you can write to.') from None
+
+
+def check_input_file(path: str, flag: str) -> str:
+  """Checks that the input `path` is a readable file; returns it."""
+  check_scheme(path, flag)
+  if storage.is_remote(path):
+    with storage.cloud_errors(path, flag):
+      if storage.as_epath(path).is_dir():
+        raise PathError(f'{storage.describe(flag, path)} is a directory; give a file.')
+      if not storage.as_epath(path).exists():
+        raise PathError(f'{storage.describe(flag, path)} does not exist.')
+    return path
+  if os.path.isdir(path):
+    raise PathError(f'{storage.describe(flag, path)} is a directory; give a file.')
+  if not os.path.exists(path):
+    raise PathError(f'{storage.describe(flag, path)} does not exist.')
+  if not os.access(path, os.R_OK):
+    raise PathError(f'{storage.describe(flag, path)} is not readable (permission denied).')
+  return path
+
+
+def check_input_directory(path: str, flag: str, what: str = 'a directory') -> str:
+  """Checks that the input `path` is a directory (`what` says which, for the message)."""
+  check_scheme(path, flag)
+  if storage.is_remote(path):
+    with storage.cloud_errors(path, flag):
+      if not storage.as_epath(path).is_dir():
+        raise PathError(f'{storage.describe(flag, path)} does not exist; give {what}.')
+    return path
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise PathError(f'{storage.describe(flag, path)} is a file; give {what}.')
+  if not os.path.isdir(path):
+    raise PathError(f'{storage.describe(flag, path)} does not exist; give {what}.')
+  return path
+
+
+def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str:
+  """Checks that the file `path` can be written, and cleans up after a killed writer there.
+
+  Its directory must exist (as for a shell's `>`): a typo in it should not create a tree
+  of directories. (On Cloud Storage only the bucket must.)
+
+  Returns:
+    `path`.
+
+  Raises:
+    PathError: `path` is a directory, its directory is missing or not writable, or it is
+      one of `inputs`.
+  """
+  check_scheme(path, flag)
+  if storage.is_remote(path):
+    with storage.cloud_errors(path, flag):
+      if storage.as_epath(path).is_dir():
+        raise PathError(f'{storage.describe(flag, path)} is a directory; give a file name.')
+    check_not_input(path, flag, inputs or {})
+    _probe(storage.split_path(path)[0], flag, path)
+    storage.clean_directory(storage.split_path(path)[0])
+    return path
+  if os.path.isdir(path):
+    raise PathError(f'{storage.describe(flag, path)} is a directory; give a file name.')
+  directory = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(directory):
+    what = 'is not a directory' if os.path.exists(directory) else 'does not exist'
+    raise PathError(f'{storage.describe(flag, path)}: its directory {directory} {what}; create it '
+                    f'first (mkdir -p {directory}) or choose another path.')
+  check_not_input(path, flag, inputs or {})
+  _probe(directory, flag, path)
+  storage.clean_directory(directory)
+  return path
+
+
+def check_output_directory(path: str, flag: str, inputs: Inputs | None = None, *,
+                           create: bool = True) -> str:
+  """Checks that the directory `path` can be written (creating it and its parents, unless
+  `create` is False), and cleans up after a killed writer there.
+
+  Returns:
+    `path`.
+
+  Raises:
+    PathError: `path` is a file, the nearest existing directory above it is not writable,
+      or it is one of `inputs`.
+  """
+  check_scheme(path, flag)
+  if storage.is_remote(path):
+    with storage.cloud_errors(path, flag):
+      if storage.as_epath(path).is_file():
+        raise PathError(f'{storage.describe(flag, path)} is a file; give a directory.')
+    check_not_input(path, flag, inputs or {})
+    _probe(storage.resolve(path), flag, path)
+    storage.clean_directory(storage.resolve(path))
+    return path
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise PathError(f'{storage.describe(flag, path)} is a file; give a directory (it is created if '
+                    'missing).')
+  check_not_input(path, flag, inputs or {})
+  existing = os.path.abspath(path)
+  while not os.path.isdir(existing):
+    parent = os.path.dirname(existing)
+    if os.path.exists(existing) or parent == existing:
+      raise PathError(f'{storage.describe(flag, path)}: {existing} is a file, not a directory; '
+                      'choose another path.')
+    existing = parent
+  _probe(existing, flag, path)
+  if create:
+    try:
+      os.makedirs(path, exist_ok=True)
+    except OSError as e:
+      raise from_os_error(e) or PathError(
+          f'{storage.describe(flag, path)}: cannot create it ({e.strerror}).') from None
+  if os.path.isdir(path):
+    storage.clean_directory(path)
+  return path
