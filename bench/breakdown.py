@@ -34,13 +34,16 @@ from transformer_jax import hlo_view
 KINDS = hlo_view.KINDS
 
 
-def _shared_time(events: list[dict[str, Any]], kinds: Mapping[str, str]
-                 ) -> tuple[collections.Counter, float]:
+def _shared_time(
+    events: list[dict[str, Any]], kinds: Mapping[str, str]
+) -> tuple[collections.Counter, float]:
   """Time by kind with each instant split evenly among the operations running then (XLA:CPU
   runs independent operations at once, on threads that share the cores), and the time in
   which any ran. So kinds sum to the busy time, as PyTorch's, which runs one at a time."""
-  edges = sorted([(e['ts'], 1, i) for i, e in enumerate(events)]
-                 + [(e['ts'] + e['dur'], -1, i) for i, e in enumerate(events)])
+  edges = sorted(
+      [(e['ts'], 1, i) for i, e in enumerate(events)]
+      + [(e['ts'] + e['dur'], -1, i) for i, e in enumerate(events)]
+  )
   by_kind, busy = collections.Counter(), 0.0
   active: set[int] = set()
   last = edges[0][0]
@@ -65,21 +68,25 @@ def jax_trace_breakdown(trace_dir: str, kinds: Mapping[str, str], steps: int) ->
   'idle_ms': the rest of the traced span (dispatch gaps and waits), 'span_ms', 'operations':
   a step's}.
   """
-  paths = sorted(glob.glob(os.path.join(trace_dir, 'plugins', 'profile', '*',
-                                        '*.trace.json.gz')))
+  paths = sorted(glob.glob(os.path.join(trace_dir, 'plugins', 'profile', '*', '*.trace.json.gz')))
   if not paths:
     raise FileNotFoundError(f'no *.trace.json.gz under {trace_dir}')
   with gzip.open(paths[-1]) as f:
-    events = [e for e in json.load(f)['traceEvents']
-              if e.get('ph') == 'X' and e.get('name') in kinds]
+    events = [
+        e for e in json.load(f)['traceEvents'] if e.get('ph') == 'X' and e.get('name') in kinds
+    ]
   if not events:
     raise ValueError(f'the trace under {trace_dir} has no operation of the step')
   by_kind, busy = _shared_time(events, kinds)
   span = max(e['ts'] + e['dur'] for e in events) - min(e['ts'] for e in events)
   per_step = lambda us: us / steps / 1e3
-  return {'kinds_ms': {k: per_step(by_kind.get(k, 0.0)) for k in KINDS},
-          'busy_ms': per_step(busy), 'idle_ms': per_step(span - busy),
-          'span_ms': per_step(span), 'operations': len(events) // steps}
+  return {
+      'kinds_ms': {k: per_step(by_kind.get(k, 0.0)) for k in KINDS},
+      'busy_ms': per_step(busy),
+      'idle_ms': per_step(span - busy),
+      'span_ms': per_step(span),
+      'operations': len(events) // steps,
+  }
 
 
 _TORCH_RULES = (
@@ -87,11 +94,37 @@ _TORCH_RULES = (
     ('normalization', ('layer_norm', 'layernorm')),
     ('loss', ('log_softmax', 'logsoftmax', 'nll_loss', 'cross_entropy')),
     ('attention', ('scaled_dot_product', 'softmax', 'attention')),
-    ('matmul', ('aten::mm', 'aten::addmm', 'aten::bmm', 'aten::baddbmm', 'aten::linear',
-                'aten::matmul', 'mmbackward', 'addmmbackward', 'bmmbackward')),
-    ('data movement', ('aten::copy_', 'aten::clone', 'aten::contiguous', 'aten::cat',
-                       'aten::transpose', 'aten::fill_', 'aten::zero_', 'aten::to',
-                       'aten::_to_copy', 'aten::empty', 'aten::index', 'aten::expand')),
+    (
+        'matmul',
+        (
+            'aten::mm',
+            'aten::addmm',
+            'aten::bmm',
+            'aten::baddbmm',
+            'aten::linear',
+            'aten::matmul',
+            'mmbackward',
+            'addmmbackward',
+            'bmmbackward',
+        ),
+    ),
+    (
+        'data movement',
+        (
+            'aten::copy_',
+            'aten::clone',
+            'aten::contiguous',
+            'aten::cat',
+            'aten::transpose',
+            'aten::fill_',
+            'aten::zero_',
+            'aten::to',
+            'aten::_to_copy',
+            'aten::empty',
+            'aten::index',
+            'aten::expand',
+        ),
+    ),
 )
 
 
@@ -103,8 +136,9 @@ def torch_kind(names: Iterable[str]) -> str:
     return 'optimizer'
   for n in names:
     for kind, marks in _TORCH_RULES[1:]:
-      if any(n == m or n.startswith(m + '_') or (not m.startswith('aten::') and m in n)
-             for m in marks):
+      if any(
+          n == m or n.startswith(m + '_') or (not m.startswith('aten::') and m in n) for m in marks
+      ):
         return kind
   return 'other'
 
@@ -124,6 +158,10 @@ def torch_breakdown(events: Iterable[Any], steps: int, wall_s: float) -> dict[st
     operations += not e.cpu_children
   per_step = lambda us: us / steps / 1e3
   total = sum(by_kind.values())
-  return {'kinds_ms': {k: per_step(by_kind.get(k, 0.0)) for k in KINDS},
-          'busy_ms': per_step(total), 'idle_ms': max(wall_s * 1e3 / steps - per_step(total), 0),
-          'span_ms': wall_s * 1e3 / steps, 'operations': operations // steps}
+  return {
+      'kinds_ms': {k: per_step(by_kind.get(k, 0.0)) for k in KINDS},
+      'busy_ms': per_step(total),
+      'idle_ms': max(wall_s * 1e3 / steps - per_step(total), 0),
+      'span_ms': wall_s * 1e3 / steps,
+      'operations': operations // steps,
+  }

@@ -29,8 +29,9 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                'tests'))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'tests')
+)
 import gcs_testlib
 
 
@@ -58,14 +59,14 @@ def main() -> None:
 
   from bench import jax_side
   from transformer_jax import checkpointing
+
   try:
     bucket = server.create_bucket()
     local_root = tempfile.mkdtemp(prefix='bench_checkpoints_')
     task = jax_side.TrainTask(args.model, vocab_size=37000 if args.model == 'base' else 1000)
     setup = task.setup()
     data = iter(grain.MapDataset.range(4).to_iter_dataset())
-    state_bytes = sum(x.nbytes for x in jax.tree.leaves((task.state.params,
-                                                         task.state.opt_state)))
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves((task.state.params, task.state.opt_state)))
     rows = []
     for r in range(args.rounds):
       order = ('local', 'gcs') if r % 2 == 0 else ('gcs', 'local')
@@ -92,40 +93,60 @@ def main() -> None:
         checkpointer.wait()
         rest_s = time.perf_counter() - start
         checkpointer.close()
-        rows.append({'round': r, 'where': where, 'save_s': save_s, 'restore_s': restore_s,
-                     'step_s_idle': statistics.median(idle),
-                     'async_save_call_s': call_s,
-                     'step_s_during_save': statistics.median(busy),
-                     'save_left_after_steps_s': rest_s})
+        rows.append(
+            {
+                'round': r,
+                'where': where,
+                'save_s': save_s,
+                'restore_s': restore_s,
+                'step_s_idle': statistics.median(idle),
+                'async_save_call_s': call_s,
+                'step_s_during_save': statistics.median(busy),
+                'save_left_after_steps_s': rest_s,
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
   finally:
     server.stop()
 
   def ratio(key: str) -> float:
-    per_round = [next(x[key] for x in rows if x['round'] == r and x['where'] == 'gcs')
-                 / next(x[key] for x in rows if x['round'] == r and x['where'] == 'local')
-                 for r in range(args.rounds)]
+    per_round = [
+        next(x[key] for x in rows if x['round'] == r and x['where'] == 'gcs')
+        / next(x[key] for x in rows if x['round'] == r and x['where'] == 'local')
+        for r in range(args.rounds)
+    ]
     return statistics.median(per_round)
 
   def median(where: str, key: str) -> float:
     return statistics.median(x[key] for x in rows if x['where'] == where)
 
-  print(f'\n{args.model} model, {state_bytes / 2**20:,.0f} MiB of parameters and Adam state, '
-        f'{setup["device"]}, {args.rounds} rounds:')
+  print(
+      f'\n{args.model} model, {state_bytes / 2**20:,.0f} MiB of parameters and Adam state, '
+      f'{setup["device"]}, {args.rounds} rounds:'
+  )
   for key, what in (('save_s', 'save (to complete)'), ('restore_s', 'restore + checksums')):
-    print(f'  {what:<24} local {median("local", key):6.2f} s   gs:// '
-          f'{median("gcs", key):6.2f} s   gs:// / local {ratio(key):.2f}x')
+    print(
+        f'  {what:<24} local {median("local", key):6.2f} s   gs:// '
+        f'{median("gcs", key):6.2f} s   gs:// / local {ratio(key):.2f}x'
+    )
   for where in ('local', 'gcs'):
     slowdown = statistics.median(
-        x['step_s_during_save'] / x['step_s_idle'] for x in rows if x['where'] == where)
+        x['step_s_during_save'] / x['step_s_idle'] for x in rows if x['where'] == where
+    )
     blocks = median(where, 'async_save_call_s')
-    print(f'  asynchronous {where:<5} save: the call blocks {blocks:.2f} s; '
-          f'the train step meanwhile {slowdown:.2f}x the step without one '
-          f'({median(where, "step_s_idle"):.3f} s)')
+    print(
+        f'  asynchronous {where:<5} save: the call blocks {blocks:.2f} s; '
+        f'the train step meanwhile {slowdown:.2f}x the step without one '
+        f'({median(where, "step_s_idle"):.3f} s)'
+    )
   if args.json:
     with open(args.json, 'w', encoding='utf-8') as f:
-      json.dump({'model': args.model, 'state_bytes': state_bytes, 'setup': setup,
-                 'rows': rows}, f, indent=1, default=str)
+      json.dump(
+          {'model': args.model, 'state_bytes': state_bytes, 'setup': setup, 'rows': rows},
+          f,
+          indent=1,
+          default=str,
+      )
 
 
 if __name__ == '__main__':

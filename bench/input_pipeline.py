@@ -57,13 +57,18 @@ def _epoch_rate(data: batching.TrainData, epochs: int, packed: bool) -> dict[str
       slots += batch['inputs'].size
       batches += 1
   seconds = time.perf_counter() - start
-  return {'batches': batches, 'seconds': round(seconds, 3),
-          'real_tokens_per_s': real.sum() / seconds,
-          'source_non_padding': real[0] / slots, 'target_non_padding': real[1] / slots}
+  return {
+      'batches': batches,
+      'seconds': round(seconds, 3),
+      'real_tokens_per_s': real.sum() / seconds,
+      'source_non_padding': real[0] / slots,
+      'target_non_padding': real[1] / slots,
+  }
 
 
-def _repeated_corpus(pairs: data_sources.ParallelText, count: int,
-                     directory: str) -> tuple[str, str]:
+def _repeated_corpus(
+    pairs: data_sources.ParallelText, count: int, directory: str
+) -> tuple[str, str]:
   """Text files of `count` pairs: the Bible's pairs over and over."""
   os.makedirs(directory, exist_ok=True)
   paths = (os.path.join(directory, f'{count}.src'), os.path.join(directory, f'{count}.tgt'))
@@ -73,8 +78,10 @@ def _repeated_corpus(pairs: data_sources.ParallelText, count: int,
   sources = ''.join(s.replace('\n', ' ') + '\n' for s, _ in lines).encode()
   targets = ''.join(t.replace('\n', ' ') + '\n' for _, t in lines).encode()
   whole, rest = divmod(count, len(lines))
-  for path, text, rows in ((paths[0], sources, [s for s, _ in lines]),
-                           (paths[1], targets, [t for _, t in lines])):
+  for path, text, rows in (
+      (paths[0], sources, [s for s, _ in lines]),
+      (paths[1], targets, [t for _, t in lines]),
+  ):
     with open(path + '.tmp', 'wb') as f:
       for _ in range(whole):
         f.write(text)
@@ -86,6 +93,7 @@ def _repeated_corpus(pairs: data_sources.ParallelText, count: int,
 def _train_wait(workdir: str, prefetch: int, steps: int) -> dict[str, float]:
   """data_wait_share and tokens/s of a short run (the logged intervals after compiling)."""
   from transformer_jax import train_loop
+
   config = bible_config.get_config()
   config.tfds_data_dir = os.path.join(workdir, 'tfds')
   config.vocab_path = os.path.join(workdir, 'bible', 'vocab.model')
@@ -103,9 +111,12 @@ def _train_wait(workdir: str, prefetch: int, steps: int) -> dict[str, float]:
   with open(os.path.join(run_dir, 'metrics.jsonl')) as f:
     rows = [json.loads(line) for line in f if '"train"' in line]
   timed = rows[1:]  # The first interval holds the compile.
-  return {'prefetch_batches': prefetch, 'steps': steps,
-          'data_wait_share': float(np.mean([r['data_wait_share'] for r in timed])),
-          'tokens_per_s': float(np.mean([r['tokens_per_second'] for r in timed]))}
+  return {
+      'prefetch_batches': prefetch,
+      'steps': steps,
+      'data_wait_share': float(np.mean([r['data_wait_share'] for r in timed])),
+      'tokens_per_s': float(np.mean([r['tokens_per_second'] for r in timed])),
+  }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,11 +125,16 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--tokens_per_batch', type=int, default=25000)
   parser.add_argument('--max_length', type=int, default=256)
   parser.add_argument('--epochs', type=int, default=2)
-  parser.add_argument('--prepare_pairs', type=int, default=0,
-                      help='also prepare a repeated-Bible corpus of this many pairs')
+  parser.add_argument(
+      '--prepare_pairs',
+      type=int,
+      default=0,
+      help='also prepare a repeated-Bible corpus of this many pairs',
+  )
   parser.add_argument('--workers', type=int, default=os.cpu_count() or 1)
-  parser.add_argument('--train_steps', type=int, default=200,
-                      help='steps of each short training run (0: skip them)')
+  parser.add_argument(
+      '--train_steps', type=int, default=200, help='steps of each short training run (0: skip them)'
+  )
   parser.add_argument('--json', default='')
   args = parser.parse_args(argv)
   os.makedirs(args.workdir, exist_ok=True)
@@ -134,20 +150,31 @@ def main(argv: list[str] | None = None) -> None:
   directory = os.path.join(args.workdir, 'one_process_store')
   shutil.rmtree(directory, ignore_errors=True)
   start = time.perf_counter()
-  store = token_store.prepare(pairs, tokenizer, directory, data_fingerprint='bench',
-                              workers=1)
+  store = token_store.prepare(pairs, tokenizer, directory, data_fingerprint='bench', workers=1)
   seconds = time.perf_counter() - start
-  results['prepare_one_process'] = {'pairs': len(pairs), 'seconds': round(seconds, 2),
-                                    'pairs_per_s': len(pairs) / seconds}
-  print(f'prepare, 1 process: {len(pairs):,} pairs in {seconds:.1f} s = '
-        f'{len(pairs) / seconds:,.0f} pairs/s', flush=True)
+  results['prepare_one_process'] = {
+      'pairs': len(pairs),
+      'seconds': round(seconds, 2),
+      'pairs_per_s': len(pairs) / seconds,
+  }
+  print(
+      f'prepare, 1 process: {len(pairs):,} pairs in {seconds:.1f} s = '
+      f'{len(pairs) / seconds:,.0f} pairs/s',
+      flush=True,
+  )
 
-  setups = {'bible config': (bible_config.get_config().tokens_per_batch,
-                             bible_config.get_config().max_source_length,
-                             tuple(bible_config.get_config().bucket_boundaries)),
-            'paper batch': (args.tokens_per_batch, args.max_length,
-                            tuple(b for b in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-                                  if b < args.max_length))}
+  setups = {
+      'bible config': (
+          bible_config.get_config().tokens_per_batch,
+          bible_config.get_config().max_source_length,
+          tuple(bible_config.get_config().bucket_boundaries),
+      ),
+      'paper batch': (
+          args.tokens_per_batch,
+          args.max_length,
+          tuple(b for b in (8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < args.max_length),
+      ),
+  }
   for setup, (tokens, length, boundaries) in setups.items():
     config.tokens_per_batch = tokens
     config.max_source_length = config.max_target_length = length
@@ -158,36 +185,50 @@ def main(argv: list[str] | None = None) -> None:
       rate = _epoch_rate(data, args.epochs, packed)
       name = 'packed' if packed else 'bucketed'
       results[f'{setup}, {name}'] = dict(rate, tokens_per_batch=tokens, max_length=length)
-      print(f'{setup} ({tokens} tokens, rows to {length}), {name}: {rate["batches"]} batches, '
-            f'{rate["real_tokens_per_s"]:,.0f} real tokens/s (one thread); non-padding '
-            f'source {rate["source_non_padding"]:.1%}, target {rate["target_non_padding"]:.1%}',
-            flush=True)
+      print(
+          f'{setup} ({tokens} tokens, rows to {length}), {name}: {rate["batches"]} batches, '
+          f'{rate["real_tokens_per_s"]:,.0f} real tokens/s (one thread); non-padding '
+          f'source {rate["source_non_padding"]:.1%}, target {rate["target_non_padding"]:.1%}',
+          flush=True,
+      )
 
   if args.prepare_pairs:
-    source, target = _repeated_corpus(pairs, args.prepare_pairs,
-                                      os.path.join(args.workdir, 'repeated'))
+    source, target = _repeated_corpus(
+        pairs, args.prepare_pairs, os.path.join(args.workdir, 'repeated')
+    )
     config.dataset = 'text'
     config.text_files = {'train': f'{source},{target}'}
     big = data_sources.open_split(config, 'train')
     directory = os.path.join(args.workdir, f'store_{args.prepare_pairs}')
     shutil.rmtree(directory, ignore_errors=True)
     start = time.perf_counter()
-    token_store.prepare(big, tokenizer, directory, data_fingerprint=big.fingerprint,
-                        workers=args.workers)
+    token_store.prepare(
+        big, tokenizer, directory, data_fingerprint=big.fingerprint, workers=args.workers
+    )
     seconds = time.perf_counter() - start
-    results['prepare_many'] = {'pairs': len(big), 'workers': args.workers,
-                               'seconds': round(seconds, 1), 'pairs_per_s': len(big) / seconds,
-                               'pairs_per_s_per_process': len(big) / seconds / args.workers}
-    print(f'prepare, {args.workers} processes: {len(big):,} pairs in {seconds:.0f} s = '
-          f'{len(big) / seconds:,.0f} pairs/s, {len(big) / seconds / args.workers:,.0f} per '
-          'process', flush=True)
+    results['prepare_many'] = {
+        'pairs': len(big),
+        'workers': args.workers,
+        'seconds': round(seconds, 1),
+        'pairs_per_s': len(big) / seconds,
+        'pairs_per_s_per_process': len(big) / seconds / args.workers,
+    }
+    print(
+        f'prepare, {args.workers} processes: {len(big):,} pairs in {seconds:.0f} s = '
+        f'{len(big) / seconds:,.0f} pairs/s, {len(big) / seconds / args.workers:,.0f} per '
+        'process',
+        flush=True,
+    )
 
   if args.train_steps:
     for prefetch in (0, 2):
       run = _train_wait(args.workdir, prefetch, args.train_steps)
       results[f'train_prefetch_{prefetch}'] = run
-      print(f'training, prefetch {prefetch}: waited for data {run["data_wait_share"]:.1%} of '
-            f'step time; {run["tokens_per_s"]:,.0f} tokens/s', flush=True)
+      print(
+          f'training, prefetch {prefetch}: waited for data {run["data_wait_share"]:.1%} of '
+          f'step time; {run["tokens_per_s"]:,.0f} tokens/s',
+          flush=True,
+      )
 
   if args.json:
     with open(args.json, 'w') as f:

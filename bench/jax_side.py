@@ -47,19 +47,38 @@ from transformer_jax.partitioning import Partitioner
 
 # The paper's Table 3 sizes, plus a tiny one for --quick runs and tests.
 MODEL_SIZES = {
-    'base': dict(d_model=512, num_heads=8, d_ff=2048, num_encoder_layers=6,
-                 num_decoder_layers=6, dropout_rate=0.1),
-    'big': dict(d_model=1024, num_heads=16, d_ff=4096, num_encoder_layers=6,
-                num_decoder_layers=6, dropout_rate=0.3),
-    'tiny': dict(d_model=64, num_heads=4, d_ff=256, num_encoder_layers=2,
-                 num_decoder_layers=2, dropout_rate=0.1),
+    'base': dict(
+        d_model=512,
+        num_heads=8,
+        d_ff=2048,
+        num_encoder_layers=6,
+        num_decoder_layers=6,
+        dropout_rate=0.1,
+    ),
+    'big': dict(
+        d_model=1024,
+        num_heads=16,
+        d_ff=4096,
+        num_encoder_layers=6,
+        num_decoder_layers=6,
+        dropout_rate=0.3,
+    ),
+    'tiny': dict(
+        d_model=64,
+        num_heads=4,
+        d_ff=256,
+        num_encoder_layers=2,
+        num_decoder_layers=2,
+        dropout_rate=0.1,
+    ),
 }
 FIRST_ORDINARY_ID = 4  # Ids 0-3 are pad, bos, eos, unk.
 
 
 # 'main': the main job's config file (`scripts/main_job.sh`), every field as it trains.
-MAIN_JOB_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                               'configs', 'bible_en_es.py')
+MAIN_JOB_CONFIG = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs', 'bible_en_es.py'
+)
 
 
 def main_job_config() -> ml_collections.ConfigDict:
@@ -69,8 +88,9 @@ def main_job_config() -> ml_collections.ConfigDict:
   return module.get_config()
 
 
-def run_config(model: str, vocab_size: int, dtype: str = 'float32', remat: str = 'none',
-               attention: str = '') -> ml_collections.ConfigDict:
+def run_config(
+    model: str, vocab_size: int, dtype: str = 'float32', remat: str = 'none', attention: str = ''
+) -> ml_collections.ConfigDict:
   """The run config of a benchmark model: `base_config()` with the size's fields, or for
   'main' the main job's config."""
   if model == 'main':
@@ -85,14 +105,21 @@ def run_config(model: str, vocab_size: int, dtype: str = 'float32', remat: str =
   return config
 
 
-def random_batch(rows: int, source_length: int, target_length: int, vocab_size: int,
-                 seed: int = 0, packed: bool = False) -> dict[str, np.ndarray]:
+def random_batch(
+    rows: int,
+    source_length: int,
+    target_length: int,
+    vocab_size: int,
+    seed: int = 0,
+    packed: bool = False,
+) -> dict[str, np.ndarray]:
   """A training batch of unpadded rows of random ordinary ids, every key of `BATCH_KEYS`.
 
   `packed`: each row holds several examples of 20-44 tokens end to end (the last one cut at
   the row's end), as packing lays out the main job's batches; otherwise one example a row.
   """
   rng = np.random.default_rng(seed)
+
   def side(length):
     tokens = rng.integers(FIRST_ORDINARY_ID, vocab_size, (rows, length), dtype=np.int32)
     positions = np.empty((rows, length), np.int32)
@@ -101,16 +128,22 @@ def random_batch(rows: int, source_length: int, target_length: int, vocab_size: 
       start, segment = 0, 1
       while start < length:
         size = min(int(rng.integers(20, 45)) if packed else length, length - start)
-        positions[row, start:start + size] = np.arange(size)
-        segments[row, start:start + size] = segment
+        positions[row, start : start + size] = np.arange(size)
+        segments[row, start : start + size] = segment
         tokens[row, start + size - 1] = EOS_ID
         start, segment = start + size, segment + 1
     return tokens, positions, segments
+
   inputs, inputs_positions, inputs_segmentation = side(source_length)
   targets, targets_positions, targets_segmentation = side(target_length)
-  return dict(inputs=inputs, targets=targets, inputs_positions=inputs_positions,
-              targets_positions=targets_positions, inputs_segmentation=inputs_segmentation,
-              targets_segmentation=targets_segmentation)
+  return dict(
+      inputs=inputs,
+      targets=targets,
+      inputs_positions=inputs_positions,
+      targets_positions=targets_positions,
+      inputs_segmentation=inputs_segmentation,
+      targets_segmentation=targets_segmentation,
+  )
 
 
 def device_memory_stats() -> dict[str, Any]:
@@ -121,30 +154,49 @@ def device_memory_stats() -> dict[str, Any]:
 class _TrainSetup:
   """The train step of `steps` for one model size and batch shape."""
 
-  def __init__(self, model: str, dtype: str, rows: int, source_length: int,
-               target_length: int, vocab_size: int, remat: str, seed: int = 0,
-               attention: str = ''):
+  def __init__(
+      self,
+      model: str,
+      dtype: str,
+      rows: int,
+      source_length: int,
+      target_length: int,
+      vocab_size: int,
+      remat: str,
+      seed: int = 0,
+      attention: str = '',
+  ):
     self.config = run_config(model, vocab_size, dtype, remat, attention)
     self.model_config = TransformerConfig.from_config(self.config)
     self.partitioner = Partitioner.from_config(self.config)
     opt_config = optimizer.OptimizerConfig.from_config(self.config, self.model_config.d_model)
     self.tx, self.schedule = optimizer.create_optimizer(opt_config)
     self.abstract, self.shardings = train_steps.abstract_state(
-        self.model_config, self.tx, self.partitioner)
-    self.step_config = train_steps.StepConfig(model=self.model_config, seed=seed,
-                                            dropout_rng_impl=self.config.dropout_rng_impl,
-                                            label_smoothing=self.config.label_smoothing)
-    self.step = train_steps.jit_train_step(self.step_config, self.tx, self.schedule,
-                                         self.partitioner, self.shardings)
+        self.model_config, self.tx, self.partitioner
+    )
+    self.step_config = train_steps.StepConfig(
+        model=self.model_config,
+        seed=seed,
+        dropout_rng_impl=self.config.dropout_rng_impl,
+        label_smoothing=self.config.label_smoothing,
+    )
+    self.step = train_steps.jit_train_step(
+        self.step_config, self.tx, self.schedule, self.partitioner, self.shardings
+    )
     self.shape = (rows, source_length, target_length)
     self.seed = seed
 
   def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
     rows, source_length, target_length = self.shape
     sharding = self.partitioner.batch_sharding
-    return {k: jax.ShapeDtypeStruct((rows, target_length if k.startswith('targets')
-                                     else source_length), jnp.int32, sharding=sharding)
-            for k in models.BATCH_KEYS}
+    return {
+        k: jax.ShapeDtypeStruct(
+            (rows, target_length if k.startswith('targets') else source_length),
+            jnp.int32,
+            sharding=sharding,
+        )
+        for k in models.BATCH_KEYS
+    }
 
   def compile(self) -> tuple[Any, float]:
     start = time.perf_counter()
@@ -156,24 +208,38 @@ class _TrainSetup:
 class TrainTask:
   """One full training step (forward, backward, Adam update) of `train_steps.train_step`."""
 
-  def __init__(self, model: str = 'base', dtype: str = 'float32', rows: int = 8,
-               source_length: int = 64, target_length: int = 64, vocab_size: int = 37000,
-               remat: str = 'none', attention: str = '', packed: bool = False):
-    self.train = _TrainSetup(model, dtype, rows, source_length, target_length, vocab_size,
-                             remat, attention=attention)
+  def __init__(
+      self,
+      model: str = 'base',
+      dtype: str = 'float32',
+      rows: int = 8,
+      source_length: int = 64,
+      target_length: int = 64,
+      vocab_size: int = 37000,
+      remat: str = 'none',
+      attention: str = '',
+      packed: bool = False,
+  ):
+    self.train = _TrainSetup(
+        model, dtype, rows, source_length, target_length, vocab_size, remat, attention=attention
+    )
     self.packed = packed
 
   def setup(self) -> dict[str, Any]:
     t = self.train
     rows, source_length, target_length = t.shape
     start = time.perf_counter()
-    self.state = train_steps.create_train_state(t.seed, t.model_config, t.tx, t.partitioner,
-                                              t.shardings)
+    self.state = train_steps.create_train_state(
+        t.seed, t.model_config, t.tx, t.partitioner, t.shardings
+    )
     jax.block_until_ready(self.state)
     init_s = time.perf_counter() - start
     self.compiled, compile_s = t.compile()
-    self.batch = t.partitioner.shard_batch(random_batch(
-        rows, source_length, target_length, t.model_config.vocab_size, packed=self.packed))
+    self.batch = t.partitioner.shard_batch(
+        random_batch(
+            rows, source_length, target_length, t.model_config.vocab_size, packed=self.packed
+        )
+    )
     start = time.perf_counter()
     self.run()
     first_step_s = time.perf_counter() - start
@@ -184,12 +250,14 @@ class TrainTask:
         'params': train_steps.count_params(self.state.params),
         'source_tokens': rows * source_length,
         'target_tokens': rows * target_length,
-        'model_flops': flops.batch_flops(t.model_config, [source_length] * rows,
-                                         [target_length] * rows),
+        'model_flops': flops.batch_flops(
+            t.model_config, [source_length] * rows, [target_length] * rows
+        ),
         'xla_flops': aot.compiled_flops(self.compiled),
         'compiled_memory_bytes': aot.memory_bytes(self.compiled),
         'attention_implementation': kernel_choice.attention_choice(
-            t.config, jax.default_backend(), np.dtype(t.model_config.dtype).name).reason,
+            t.config, jax.default_backend(), np.dtype(t.model_config.dtype).name
+        ).reason,
         'fused_attention_calls': aot.fused_attention_calls(self.compiled.as_text()),
         'device_memory': device_memory_stats(),
         'device': jax.devices()[0].device_kind,
@@ -217,8 +285,14 @@ class TrainTask:
       return bench_breakdown.jax_trace_breakdown(directory, kinds, steps)
 
 
-def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: jax.Array,
-                        beam_size: int, output_length: int, alpha: float = 0.6) -> jax.Array:
+def fixed_length_search(
+    model_config: TransformerConfig,
+    params: Any,
+    inputs: jax.Array,
+    beam_size: int,
+    output_length: int,
+    alpha: float = 0.6,
+) -> jax.Array:
   """Encode, create the caches and search, as `translator.search`, with EOS never chosen.
 
   Random weights stop at arbitrary times; masking the end-of-sequence logit makes every
@@ -228,7 +302,8 @@ def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: ja
     int32 [batch, output_length], the best hypothesis of each row.
   """
   model_step, cache = translator.start_decoding(
-      model_config, params, inputs, decode.cache_lengths(output_length)[0])
+      model_config, params, inputs, decode.cache_lengths(output_length)[0]
+  )
 
   def tokens_to_logits(tokens, cache):
     logits, cache = model_step(tokens, cache)
@@ -236,14 +311,25 @@ def fixed_length_search(model_config: TransformerConfig, params: Any, inputs: ja
 
   batch_size = inputs.shape[0]
   if beam_size == 1:
-    sequences, _ = decode.greedy_search(tokens_to_logits, cache, batch_size, output_length,
-                                        bos_id=model_config.decoder_start_id,
-                                        grow_cache=translator.grow_cache)
+    sequences, _ = decode.greedy_search(
+        tokens_to_logits,
+        cache,
+        batch_size,
+        output_length,
+        bos_id=model_config.decoder_start_id,
+        grow_cache=translator.grow_cache,
+    )
     return sequences
-  sequences, _ = decode.beam_search(tokens_to_logits, cache, batch_size,
-                                    beam_size, output_length, alpha=alpha,
-                                    bos_id=model_config.decoder_start_id,
-                                    grow_cache=translator.grow_cache)
+  sequences, _ = decode.beam_search(
+      tokens_to_logits,
+      cache,
+      batch_size,
+      beam_size,
+      output_length,
+      alpha=alpha,
+      bos_id=model_config.decoder_start_id,
+      grow_cache=translator.grow_cache,
+  )
   return sequences[:, 0]
 
 
@@ -256,9 +342,18 @@ class DecodeTask:
   for the reference systems to decode; the outputs, in those ids, come with the setup facts.
   """
 
-  def __init__(self, model: str = 'base', dtype: str = 'float32', batch: int = 32,
-               source_length: int = 32, output_length: int = 32, beam_size: int = 1,
-               vocab_size: int = 37000, attention: str = '', export_dir: str = ''):
+  def __init__(
+      self,
+      model: str = 'base',
+      dtype: str = 'float32',
+      batch: int = 32,
+      source_length: int = 32,
+      output_length: int = 32,
+      beam_size: int = 1,
+      vocab_size: int = 37000,
+      attention: str = '',
+      export_dir: str = '',
+  ):
     config = run_config(model, vocab_size, dtype, attention=attention)
     config.decoder_start = 'zero'
     self.model_config = TransformerConfig.from_config(config, deterministic=True)
@@ -271,10 +366,14 @@ class DecodeTask:
     cfg = self.model_config
     tokens = jnp.ones((1, 8), jnp.int32)
     self.params = jax.jit(lambda rng: Transformer(cfg).init(rng, tokens, tokens)['params'])(
-        jax.random.key(0))
+        jax.random.key(0)
+    )
     self.inputs = jnp.asarray(random_batch(batch, source_length, 1, cfg.vocab_size)['inputs'])
-    fn = jax.jit(lambda params, inputs: fixed_length_search(
-        cfg, params, inputs, self.beam_size, output_length))
+    fn = jax.jit(
+        lambda params, inputs: fixed_length_search(
+            cfg, params, inputs, self.beam_size, output_length
+        )
+    )
     start = time.perf_counter()
     self.compiled = fn.lower(self.params, self.inputs).compile()
     compile_s = time.perf_counter() - start
@@ -285,11 +384,14 @@ class DecodeTask:
     lengths = (out != PAD_ID).sum(axis=1)
     if not (lengths == output_length).all() or (out == EOS_ID).any():
       raise AssertionError(f'outputs are not all {output_length} tokens: {lengths}')
-    info = {'compile_s': compile_s, 'first_s': first_s,
-            'generated_tokens': int(lengths.sum()),
-            'fused_attention_calls': aot.fused_attention_calls(self.compiled.as_text()),
-            'device_memory': device_memory_stats(),
-            'device': jax.devices()[0].device_kind}
+    info = {
+        'compile_s': compile_s,
+        'first_s': first_s,
+        'generated_tokens': int(lengths.sum()),
+        'fused_attention_calls': aot.fused_attention_calls(self.compiled.as_text()),
+        'device_memory': device_memory_stats(),
+        'device': jax.devices()[0].device_kind,
+    }
     if self.export_dir:
       self._export()
       info['outputs'] = self._exported_ids(out).tolist()
@@ -304,12 +406,22 @@ class DecodeTask:
     if os.path.exists(os.path.join(self.export_dir, 'config.json')):
       return
     pieces = ['<pad>', '<s>', '</s>', '<unk>'] + [
-        f't{i}' for i in range(FIRST_ORDINARY_ID, self.model_config.vocab_size)]
-    marian.write_model(self.export_dir, nn.unbox(self.params), self.model_config, pieces, {},
-                       source_lang='src', target_lang='tgt',
-                       decoding={'beam_size': self.beam_size})
-    np.save(os.path.join(self.export_dir, bench_marian.SOURCES_FILE),
-            self._exported_ids(np.asarray(self.inputs)))
+        f't{i}' for i in range(FIRST_ORDINARY_ID, self.model_config.vocab_size)
+    ]
+    marian.write_model(
+        self.export_dir,
+        nn.unbox(self.params),
+        self.model_config,
+        pieces,
+        {},
+        source_lang='src',
+        target_lang='tgt',
+        decoding={'beam_size': self.beam_size},
+    )
+    np.save(
+        os.path.join(self.export_dir, bench_marian.SOURCES_FILE),
+        self._exported_ids(np.asarray(self.inputs)),
+    )
 
   def run(self) -> None:
     self.output = self.compiled(self.params, self.inputs)
@@ -319,8 +431,9 @@ class DecodeTask:
 class MatmulTask:
   """Square matrix multiplies through XLA: the measured peak a step is compared with."""
 
-  def __init__(self, n: int = 2048, dtype: str = 'float32', reps: int = 1,
-               precision: str = 'default'):
+  def __init__(
+      self, n: int = 2048, dtype: str = 'float32', reps: int = 1, precision: str = 'default'
+  ):
     self.n, self.dtype, self.reps, self.precision = n, jnp.dtype(dtype), reps, precision
 
   def setup(self) -> dict[str, Any]:
@@ -332,12 +445,16 @@ class MatmulTask:
 
     def chain(a, b):  # reps dependent multiplies, so one dispatch covers them all.
       return jax.lax.fori_loop(0, reps, lambda _, x: jnp.dot(x, b, precision=precision), a)
+
     start = time.perf_counter()
     self.compiled = jax.jit(chain).lower(self.a, self.b).compile()
     compile_s = time.perf_counter() - start
     self.run()
-    return {'flops_per_iter': 2.0 * n ** 3 * reps, 'compile_s': compile_s,
-            'device': jax.devices()[0].device_kind}
+    return {
+        'flops_per_iter': 2.0 * n**3 * reps,
+        'compile_s': compile_s,
+        'device': jax.devices()[0].device_kind,
+    }
 
   def run(self) -> None:
     jax.block_until_ready(self.compiled(self.a, self.b))
@@ -352,10 +469,20 @@ class BudgetTask:
   is then run once to confirm it. Reports tokens per side (the paper's 25,000 is per side).
   """
 
-  def __init__(self, model: str = 'base', dtype: str = 'bfloat16', remat: str = 'none',
-               length: int = 64, vocab_size: int = 37000, limit_bytes: int | None = None,
-               start_tokens: int = 25000, max_doublings: int = 6, row_multiple: int = 8,
-               attention: str = '', time_budget_s: float = 400.0):
+  def __init__(
+      self,
+      model: str = 'base',
+      dtype: str = 'bfloat16',
+      remat: str = 'none',
+      length: int = 64,
+      vocab_size: int = 37000,
+      limit_bytes: int | None = None,
+      start_tokens: int = 25000,
+      max_doublings: int = 6,
+      row_multiple: int = 8,
+      attention: str = '',
+      time_budget_s: float = 400.0,
+  ):
     self.args = (model, dtype, remat, length, vocab_size)
     self.attention = attention
     self.limit_bytes = limit_bytes
@@ -365,8 +492,9 @@ class BudgetTask:
 
   def _fits(self, rows: int) -> tuple[bool, int | None]:
     model, dtype, remat, length, vocab_size = self.args
-    setup = _TrainSetup(model, dtype, rows, length, length, vocab_size, remat,
-                        attention=self.attention)
+    setup = _TrainSetup(
+        model, dtype, rows, length, length, vocab_size, remat, attention=self.attention
+    )
     try:
       compiled, _ = setup.compile()
     except Exception as e:  # XLA may refuse to compile.
@@ -397,26 +525,35 @@ class BudgetTask:
       raise RuntimeError('the device reports no memory limit; pass limit_bytes.')
     length, m = self.args[3], self.multiple
     found = aot.largest_fitting(
-        self._fits, start=math.ceil(self.start_tokens / length / m) * m, multiple=m,
-        limit_bytes=self.limit_bytes, time_budget_s=self.time_budget_s,
+        self._fits,
+        start=math.ceil(self.start_tokens / length / m) * m,
+        multiple=m,
+        limit_bytes=self.limit_bytes,
+        time_budget_s=self.time_budget_s,
         max_doublings=self.max_doublings,
-        log=lambda line: print(f'budget probe: rows {line}', file=sys.stderr, flush=True))
+        log=lambda line: print(f'budget probe: rows {line}', file=sys.stderr, flush=True),
+    )
     lo, confirmed = found['largest'], False
     while lo > 0 and not confirmed:
       confirmed = self._runs(lo)
       if not confirmed:
         lo = max(m, int(lo * 0.95) // m * m) if lo > m else 0
-    return {'rows': lo, 'length': length, 'tokens_per_side': lo * length,
-            'upper_bound_found': found['smallest_not_fitting'] is not None,
-            'confirmed_by_running': confirmed,
-            'smallest_not_fitting_rows': found['smallest_not_fitting'],
-            'search_s': found['search_s'], 'compiles': len(found['probes']),
-            'limit_bytes': self.limit_bytes, 'probes': found['probes'],
-            'device': jax.devices()[0].device_kind}
+    return {
+        'rows': lo,
+        'length': length,
+        'tokens_per_side': lo * length,
+        'upper_bound_found': found['smallest_not_fitting'] is not None,
+        'confirmed_by_running': confirmed,
+        'smallest_not_fitting_rows': found['smallest_not_fitting'],
+        'search_s': found['search_s'],
+        'compiles': len(found['probes']),
+        'limit_bytes': self.limit_bytes,
+        'probes': found['probes'],
+        'device': jax.devices()[0].device_kind,
+    }
 
   def run(self) -> None:
     pass
-
 
 
 def profile_tasks(tasks: Mapping[str, worker.Task], directory: str) -> None:
@@ -427,12 +564,15 @@ def profile_tasks(tasks: Mapping[str, worker.Task], directory: str) -> None:
       for _ in range(3):
         task.run()
 
-FACTORIES = {'train': TrainTask, 'decode': DecodeTask, 'matmul': MatmulTask,
-             'budget': BudgetTask}
+
+FACTORIES = {'train': TrainTask, 'decode': DecodeTask, 'matmul': MatmulTask, 'budget': BudgetTask}
 
 if __name__ == '__main__':
   # As every command does (`cli.run`): the step's scratch memory is reused, not page-faulted
   # in afresh each step. TRANSFORMER_JAX_MALLOC=system measures glibc's defaults.
   host_memory.retain_freed_memory()
-  worker.serve(FACTORIES, extra_exit_info=lambda: {'device_memory': device_memory_stats()},
-               profile=profile_tasks)
+  worker.serve(
+      FACTORIES,
+      extra_exit_info=lambda: {'device_memory': device_memory_stats()},
+      profile=profile_tasks,
+  )

@@ -40,28 +40,38 @@ from transformer_jax import flops
 from transformer_jax import host_memory
 from transformer_jax.config import TransformerConfig
 
-GIB = 1024 ** 3
+GIB = 1024**3
 MAIN_JOB_RSS_GOAL = 8 * GIB
 
 
 class Worker:
   """A worker process of `bench/worker.py`, driven over its stdin/stdout."""
 
-  def __init__(self, label: str, module: str, specs: list[dict[str, Any]],
-               env: dict[str, str], log_dir: str):
+  def __init__(
+      self, label: str, module: str, specs: list[dict[str, Any]], env: dict[str, str], log_dir: str
+  ):
     self.label, self.specs = label, specs
     self.log_path = os.path.join(log_dir, f'{label}.log')
     self.log = open(self.log_path, 'w')
     start = time.perf_counter()
     cpus = worker_cpus(env)
     self.process = subprocess.Popen(
-        [sys.executable, '-m', module, json.dumps(specs)], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, stderr=self.log, env=env, text=True, bufsize=1,
-        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+        [sys.executable, '-m', module, json.dumps(specs)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=self.log,
+        env=env,
+        text=True,
+        bufsize=1,
+        preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus),
+    )
     self.ready = self._receive()['ready']
     self.startup_s = time.perf_counter() - start
-    print(f'[bench] {label}: set up in {self.startup_s:.0f} s (log: {self.log_path})',
-          file=sys.stderr, flush=True)
+    print(
+        f'[bench] {label}: set up in {self.startup_s:.0f} s (log: {self.log_path})',
+        file=sys.stderr,
+        flush=True,
+    )
     self.exit_info: dict[str, Any] = {}
 
   def _receive(self) -> dict[str, Any]:
@@ -98,8 +108,9 @@ class Worker:
     return self.exit_info
 
 
-def interleave(workers: dict[str, tuple[Worker, str]], rounds: int,
-               iters: int) -> dict[str, list[list[float]]]:
+def interleave(
+    workers: dict[str, tuple[Worker, str]], rounds: int, iters: int
+) -> dict[str, list[list[float]]]:
   """Times each (worker, task) for `iters` iterations a round, alternating the order."""
   times: dict[str, list[list[float]]] = {name: [] for name in workers}
   names = [n for n, (w, task) in workers.items() if w.ok(task)]
@@ -115,9 +126,14 @@ def summarize(rounds: list[list[float]]) -> dict[str, float] | None:
     return None
   flat = sorted(t for r in rounds for t in r)
   q = statistics.quantiles(flat, n=4) if len(flat) > 1 else [flat[0]] * 3
-  return {'median_s': statistics.median(flat), 'min_s': flat[0], 'p25_s': q[0],
-          'p75_s': q[2], 'n': len(flat),
-          'round_medians_s': [statistics.median(r) for r in rounds]}
+  return {
+      'median_s': statistics.median(flat),
+      'min_s': flat[0],
+      'p25_s': q[0],
+      'p75_s': q[2],
+      'n': len(flat),
+      'round_medians_s': [statistics.median(r) for r in rounds],
+  }
 
 
 def paired_speedup(ours: dict | None, ref: dict | None) -> float | None:
@@ -142,8 +158,9 @@ def best_speedup(ours: dict | None, ref: dict | None) -> float | None:
 CPUS_VAR = 'BENCH_JAX_CPUS'
 
 
-def jax_env(threads: int, platform_name: str, extra_xla_flags: str,
-            profile_dir: str = '') -> dict[str, str]:
+def jax_env(
+    threads: int, platform_name: str, extra_xla_flags: str, profile_dir: str = ''
+) -> dict[str, str]:
   """The JAX workers' environment. XLA:CPU has no thread-count flag: it sizes its thread
   pools by the CPUs the process may run on, so on the CPU plan the worker is pinned to
   `threads` of them (`worker_cpus`). XLA_FLAGS holds `--flag=value` tokens only: XLA stops
@@ -160,8 +177,10 @@ def jax_env(threads: int, platform_name: str, extra_xla_flags: str,
   env['XLA_FLAGS'] = ' '.join([env.get('XLA_FLAGS', '')] + flags).strip()
   bad = [t for t in env['XLA_FLAGS'].split() if not t.startswith('--')]
   if bad:
-    raise SystemExit(f'XLA_FLAGS has {bad}: each flag is --name=value (XLA ignores every '
-                     'flag after a token without the dashes).')
+    raise SystemExit(
+        f'XLA_FLAGS has {bad}: each flag is --name=value (XLA ignores every '
+        'flag after a token without the dashes).'
+    )
   env.update(OMP_NUM_THREADS=str(threads), TF_CPP_MIN_LOG_LEVEL='2')
   if profile_dir:
     env[worker.PROFILE_VAR] = os.path.abspath(profile_dir)
@@ -176,15 +195,26 @@ def worker_cpus(env: dict[str, str]) -> set[int] | None:
 
 def torch_env(threads: int) -> dict[str, str]:
   env = dict(os.environ)
-  env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-             BENCH_THREADS=str(threads), TOKENIZERS_PARALLELISM='false',
-             HF_HUB_OFFLINE='1', TRANSFORMERS_VERBOSITY='error', CUDA_VISIBLE_DEVICES='')
+  env.update(
+      OMP_NUM_THREADS=str(threads),
+      MKL_NUM_THREADS=str(threads),
+      BENCH_THREADS=str(threads),
+      TOKENIZERS_PARALLELISM='false',
+      HF_HUB_OFFLINE='1',
+      TRANSFORMERS_VERBOSITY='error',
+      CUDA_VISIBLE_DEVICES='',
+  )
   return env
 
 
 def detect_backend(env: dict[str, str]) -> str:
-  out = subprocess.run([sys.executable, '-c', 'import jax; print(jax.default_backend())'],
-                       env=env, capture_output=True, text=True, check=True)
+  out = subprocess.run(
+      [sys.executable, '-c', 'import jax; print(jax.default_backend())'],
+      env=env,
+      capture_output=True,
+      text=True,
+      check=True,
+  )
   return out.stdout.strip().splitlines()[-1]
 
 
@@ -230,11 +260,21 @@ def run_cpu(args, results: dict[str, Any], log_dir: str) -> None:
   # 1. Matrix-multiply peak: what both training steps are measured against.
   n = s.matmul_n
   only = set(args.only.split(',')) if args.only else {'train', 'decode'}
-  group = {'xla': (Worker('peak_jax', 'bench.jax_side',
-                          [dict(name='mm', kind='matmul', n=n)], jenv, log_dir), 'mm')}
+  group = {
+      'xla': (
+          Worker(
+              'peak_jax', 'bench.jax_side', [dict(name='mm', kind='matmul', n=n)], jenv, log_dir
+          ),
+          'mm',
+      )
+  }
   if has_torch:
-    group['torch'] = (Worker('peak_torch', 'bench.marian',
-                             [dict(name='mm', kind='torch_matmul', n=n)], tenv, log_dir), 'mm')
+    group['torch'] = (
+        Worker(
+            'peak_torch', 'bench.marian', [dict(name='mm', kind='torch_matmul', n=n)], tenv, log_dir
+        ),
+        'mm',
+    )
   times = interleave(group, s.rounds, 3)
   peak = {}
   for name, (w, task) in group.items():
@@ -264,51 +304,108 @@ BREAKDOWN_STEPS = 3
 
 def torch_size(cfg: TransformerConfig) -> dict[str, Any]:
   """The reference model's dimensions and normalization, from ours."""
-  return dict(d_model=cfg.d_model, heads=cfg.num_heads, d_ff=cfg.d_ff,
-              encoder_layers=cfg.num_encoder_layers, decoder_layers=cfg.num_decoder_layers,
-              dropout=cfg.dropout_rate, norm=cfg.norm_position)
+  return dict(
+      d_model=cfg.d_model,
+      heads=cfg.num_heads,
+      d_ff=cfg.d_ff,
+      encoder_layers=cfg.num_encoder_layers,
+      decoder_layers=cfg.num_decoder_layers,
+      dropout=cfg.dropout_rate,
+      norm=cfg.norm_position,
+  )
 
 
 def run_cpu_train(args, s, results, log_dir, jenv, tenv, has_torch, machine_peak):
   """Training steps, ours against Hugging Face's of the same architecture, fp32: for each
   model size (`--models`; the main job's config and the paper's base by default)."""
-  models = args.models.split(',') if args.models else (['tiny'] if args.quick
-                                                        else ['main', 'base'])
+  models = args.models.split(',') if args.models else (['tiny'] if args.quick else ['main', 'base'])
   results['train'] = {}
   for model in models:
     if model not in CPU_TRAIN_SHAPES:
-      raise SystemExit(f'--models: {model!r} is not one of {sorted(CPU_TRAIN_SHAPES)} on the '
-                       'CPU plan.')
+      raise SystemExit(
+          f'--models: {model!r} is not one of {sorted(CPU_TRAIN_SHAPES)} on the ' 'CPU plan.'
+      )
     results['train'][model] = run_cpu_train_model(
-        model, s, log_dir, jenv, tenv, has_torch, machine_peak, args.glibc_malloc_too)
+        model, s, log_dir, jenv, tenv, has_torch, machine_peak, args.glibc_malloc_too
+    )
 
 
-def run_cpu_train_model(model, s, log_dir, jenv, tenv, has_torch, machine_peak,
-                        glibc_malloc_too=False):
+def run_cpu_train_model(
+    model, s, log_dir, jenv, tenv, has_torch, machine_peak, glibc_malloc_too=False
+):
   rows, length, vocab, packed = CPU_TRAIN_SHAPES[model]
   cfg = model_config(model, vocab)
   step_flops = flops.batch_flops(cfg, [length] * rows, [length] * rows)
   tokens = 2 * rows * length
-  group = {'jax': (Worker(f'train_{model}_jax', 'bench.jax_side', [dict(
-      name='train', kind='train', model=model, rows=rows, source_length=length,
-      target_length=length, vocab_size=vocab, packed=packed)], jenv, log_dir), 'train')}
+  group = {
+      'jax': (
+          Worker(
+              f'train_{model}_jax',
+              'bench.jax_side',
+              [
+                  dict(
+                      name='train',
+                      kind='train',
+                      model=model,
+                      rows=rows,
+                      source_length=length,
+                      target_length=length,
+                      vocab_size=vocab,
+                      packed=packed,
+                  )
+              ],
+              jenv,
+              log_dir,
+          ),
+          'train',
+      )
+  }
   if has_torch:
-    group['torch'] = (Worker(f'train_{model}_torch', 'bench.marian', [dict(
-        name='train', kind='torch_train', model=model, rows=rows, source_length=length,
-        target_length=length, vocab_size=vocab, size=torch_size(cfg))], tenv, log_dir),
-        'train')
+    group['torch'] = (
+        Worker(
+            f'train_{model}_torch',
+            'bench.marian',
+            [
+                dict(
+                    name='train',
+                    kind='torch_train',
+                    model=model,
+                    rows=rows,
+                    source_length=length,
+                    target_length=length,
+                    vocab_size=vocab,
+                    size=torch_size(cfg),
+                )
+            ],
+            tenv,
+            log_dir,
+        ),
+        'train',
+    )
   if glibc_malloc_too:  # Our step again, with glibc's malloc defaults (host_memory.py).
-    group['jax_glibc_malloc'] = (Worker(f'train_{model}_jax_glibc_malloc', 'bench.jax_side',
-                                        group['jax'][0].specs,
-                                        dict(jenv, **{host_memory.ENV_VAR: 'system'}),
-                                        log_dir), 'train')
+    group['jax_glibc_malloc'] = (
+        Worker(
+            f'train_{model}_jax_glibc_malloc',
+            'bench.jax_side',
+            group['jax'][0].specs,
+            dict(jenv, **{host_memory.ENV_VAR: 'system'}),
+            log_dir,
+        ),
+        'train',
+    )
   times = interleave(group, s.rounds, s.train_iters)
-  train = {'model_flops_per_step': step_flops, 'tokens_per_step': tokens,
-           'norm_position': cfg.norm_position,
-           'reference': ('M2M100ForConditionalGeneration' if cfg.norm_position == 'pre'
-                         else 'MarianMTModel'),
-           'batch': (f'{rows} x {length} source + {length} target, no padding'
-                     + (' (ours packed, several examples a row)' if packed else ''))}
+  train = {
+      'model_flops_per_step': step_flops,
+      'tokens_per_step': tokens,
+      'norm_position': cfg.norm_position,
+      'reference': (
+          'M2M100ForConditionalGeneration' if cfg.norm_position == 'pre' else 'MarianMTModel'
+      ),
+      'batch': (
+          f'{rows} x {length} source + {length} target, no padding'
+          + (' (ours packed, several examples a row)' if packed else '')
+      ),
+  }
   for name, (w, task) in group.items():
     st = summarize(times[name])
     entry = {'setup': w.ready[task], 'startup_s': w.startup_s, 'times': st}
@@ -320,13 +417,16 @@ def run_cpu_train_model(model, s, log_dir, jenv, tenv, has_torch, machine_peak,
       entry['breakdown'] = w.breakdown(task, BREAKDOWN_STEPS)
     entry['exit'] = w.close()
     train[name] = entry
-  train['speedup_vs_torch'] = paired_speedup(train['jax'].get('times'),
-                                             train.get('torch', {}).get('times'))
-  train['best_speedup_vs_torch'] = best_speedup(train['jax'].get('times'),
-                                                train.get('torch', {}).get('times'))
+  train['speedup_vs_torch'] = paired_speedup(
+      train['jax'].get('times'), train.get('torch', {}).get('times')
+  )
+  train['best_speedup_vs_torch'] = best_speedup(
+      train['jax'].get('times'), train.get('torch', {}).get('times')
+  )
   if glibc_malloc_too:
     train['speedup_vs_glibc_malloc'] = paired_speedup(
-        train['jax'].get('times'), train['jax_glibc_malloc'].get('times'))
+        train['jax'].get('times'), train['jax_glibc_malloc'].get('times')
+    )
   return train
 
 
@@ -344,23 +444,47 @@ def run_cpu_decode(args, s, results, log_dir, jenv, tenv, has_torch, has_ct2):
   loads that directory and CTranslate2 converts it, so all three decode the same sentences
   with the same weights.
   """
-  dec = dict(batch=s.decode_batch, source_length=s.decode_source,
-             output_length=s.decode_output)
+  dec = dict(batch=s.decode_batch, source_length=s.decode_source, output_length=s.decode_output)
   beams = {'greedy': 1, 'beam4': 4}
   model_dir = os.path.join(log_dir, 'exported_model')
-  workers = {'jax': Worker('decode_jax', 'bench.jax_side', [
-      dict(name=k, kind='decode', beam_size=b, model=s.model, vocab_size=s.vocab,
-           export_dir=model_dir, **dec) for k, b in beams.items()], jenv, log_dir)}
+  workers = {
+      'jax': Worker(
+          'decode_jax',
+          'bench.jax_side',
+          [
+              dict(
+                  name=k,
+                  kind='decode',
+                  beam_size=b,
+                  model=s.model,
+                  vocab_size=s.vocab,
+                  export_dir=model_dir,
+                  **dec,
+              )
+              for k, b in beams.items()
+          ],
+          jenv,
+          log_dir,
+      )
+  }
   refs = {'hf': ('hf_generate', has_torch), 'ct2': ('ct2_translate', has_ct2)}
   for name, (kind, available) in refs.items():
     if available and workers['jax'].ok('greedy'):
-      workers[name] = Worker(f'decode_{name}', 'bench.marian', [
-          dict(name=k, kind=kind, beam_size=b, model_dir=model_dir,
-               output_length=s.decode_output) for k, b in beams.items()], tenv, log_dir)
+      workers[name] = Worker(
+          f'decode_{name}',
+          'bench.marian',
+          [
+              dict(
+                  name=k, kind=kind, beam_size=b, model_dir=model_dir, output_length=s.decode_output
+              )
+              for k, b in beams.items()
+          ],
+          tenv,
+          log_dir,
+      )
   decoding = {'shape': dict(dec, model=s.model, vocab_size=s.vocab)}
   for search in beams:
-    times = interleave({name: (w, search) for name, w in workers.items()}, s.rounds,
-                       s.decode_iters)
+    times = interleave({name: (w, search) for name, w in workers.items()}, s.rounds, s.decode_iters)
     entry = {}
     ours = workers['jax'].ready[search].pop('outputs', None)
     for name, w in workers.items():
@@ -376,10 +500,12 @@ def run_cpu_decode(args, s, results, log_dir, jenv, tenv, has_torch, has_ct2):
         e['same_tokens_as_ours'] = same_rows(ours, outputs)
       entry[name] = e
     for ref in ('hf', 'ct2'):
-      entry[f'speedup_vs_{ref}'] = paired_speedup(entry['jax']['times'],
-                                                  entry.get(ref, {}).get('times'))
-      entry[f'best_speedup_vs_{ref}'] = best_speedup(entry['jax']['times'],
-                                                     entry.get(ref, {}).get('times'))
+      entry[f'speedup_vs_{ref}'] = paired_speedup(
+          entry['jax']['times'], entry.get(ref, {}).get('times')
+      )
+      entry[f'best_speedup_vs_{ref}'] = best_speedup(
+          entry['jax']['times'], entry.get(ref, {}).get('times')
+      )
     decoding[search] = entry
   decoding['exit'] = {name: w.close() for name, w in workers.items()}
   results['decode'] = decoding
@@ -387,12 +513,36 @@ def run_cpu_decode(args, s, results, log_dir, jenv, tenv, has_torch, has_ct2):
 
 def gpu_sizes(quick: bool) -> dict[str, Any]:
   if quick:  # Plumbing only: tiny shapes, which also run on a CPU with --platform=gpu.
-    return dict(models=['tiny'], vocab=1000, length=16, tokens=256, matmul_n=512,
-                matmul_reps=2, decode_batches=[8, 32], decode_source=8, decode_output=8,
-                rounds=2, iters=2, chain=5, budget_doublings=3)
-  return dict(models=['base', 'big'], vocab=37000, length=64, tokens=25000, matmul_n=8192,
-              matmul_reps=10, decode_batches=[32, 256, 1024], decode_source=32,
-              decode_output=32, rounds=3, iters=3, chain=50, budget_doublings=6)
+    return dict(
+        models=['tiny'],
+        vocab=1000,
+        length=16,
+        tokens=256,
+        matmul_n=512,
+        matmul_reps=2,
+        decode_batches=[8, 32],
+        decode_source=8,
+        decode_output=8,
+        rounds=2,
+        iters=2,
+        chain=5,
+        budget_doublings=3,
+    )
+  return dict(
+      models=['base', 'big'],
+      vocab=37000,
+      length=64,
+      tokens=25000,
+      matmul_n=8192,
+      matmul_reps=10,
+      decode_batches=[32, 256, 1024],
+      decode_source=32,
+      decode_output=32,
+      rounds=3,
+      iters=3,
+      chain=50,
+      budget_doublings=6,
+  )
 
 
 GPU_PARTS = ('train', 'budget', 'decode')
@@ -418,20 +568,37 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
     """One worker at a time, so that device memory peaks are its own. With `chain`, each
     task is also timed over `chain` runs dispatched back to back ('<name>/chained')."""
     w = Worker(label, 'bench.jax_side', specs, env, log_dir)
-    times = {spec['name']: summarize(interleave({spec['name']: (w, spec['name'])},
-                                                rounds, iters)[spec['name']])
-             for spec in specs if spec['kind'] != 'budget'}
+    times = {
+        spec['name']: summarize(
+            interleave({spec['name']: (w, spec['name'])}, rounds, iters)[spec['name']]
+        )
+        for spec in specs
+        if spec['kind'] != 'budget'
+    }
     for spec in specs if chain else ():
       if w.ok(spec['name']):
         times[spec['name'] + '/chained'] = summarize([w.time(spec['name'], 2, chain)])
     exit_info = w.close()
     return w.ready, times, exit_info
 
-  ready, times, _ = solo('peak_gpu', [
-      dict(name='bf16', kind='matmul', n=g['matmul_n'], dtype='bfloat16',
-           reps=g['matmul_reps']),
-      dict(name='fp32', kind='matmul', n=g['matmul_n'], dtype='float32',
-           reps=g['matmul_reps'], precision='highest')], g['rounds'], 3)
+  ready, times, _ = solo(
+      'peak_gpu',
+      [
+          dict(
+              name='bf16', kind='matmul', n=g['matmul_n'], dtype='bfloat16', reps=g['matmul_reps']
+          ),
+          dict(
+              name='fp32',
+              kind='matmul',
+              n=g['matmul_n'],
+              dtype='float32',
+              reps=g['matmul_reps'],
+              precision='highest',
+          ),
+      ],
+      g['rounds'],
+      3,
+  )
   peak = {k: ready[k]['flops_per_iter'] / times[k]['min_s'] for k in times if times[k]}
   results['matmul_peak_flops'] = peak
   results['machine_peak_flops'] = peak['bf16']
@@ -448,14 +615,35 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
     cfg = model_config(model, g['vocab'])
     step_flops = flops.batch_flops(cfg, [g['length']] * rows, [g['length']] * rows)
     for attention in attentions if 'train' in parts else ():
-      ready, times, exit_info = solo(f'train_{model}_{attention or "auto"}', [dict(
-          name='train', kind='train', model=model, dtype=dtype, rows=rows,
-          source_length=g['length'], target_length=g['length'], vocab_size=g['vocab'],
-          attention=attention)], g['rounds'], g['iters'], chain=g['chain'])
-      entry = {'setup': ready['train'], 'times': times.get('train'), 'exit': exit_info,
-               'chained_times': times.get('train/chained'), 'chain': g['chain'],
-               'model_flops_per_step': step_flops, 'tokens_per_step': 2 * rows * g['length'],
-               'batch': f'{rows} x {g["length"]} source + {g["length"]} target, bf16'}
+      ready, times, exit_info = solo(
+          f'train_{model}_{attention or "auto"}',
+          [
+              dict(
+                  name='train',
+                  kind='train',
+                  model=model,
+                  dtype=dtype,
+                  rows=rows,
+                  source_length=g['length'],
+                  target_length=g['length'],
+                  vocab_size=g['vocab'],
+                  attention=attention,
+              )
+          ],
+          g['rounds'],
+          g['iters'],
+          chain=g['chain'],
+      )
+      entry = {
+          'setup': ready['train'],
+          'times': times.get('train'),
+          'exit': exit_info,
+          'chained_times': times.get('train/chained'),
+          'chain': g['chain'],
+          'model_flops_per_step': step_flops,
+          'tokens_per_step': 2 * rows * g['length'],
+          'batch': f'{rows} x {g["length"]} source + {g["length"]} target, bf16',
+      }
       if entry['times']:
         entry['tokens_per_s'] = entry['tokens_per_step'] / entry['times']['median_s']
         entry['mfu'] = flops.mfu(step_flops, entry['times']['median_s'], peak['bf16'])
@@ -463,13 +651,23 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
         step_s = entry['chained_times']['median_s']
         entry['chained_tokens_per_s'] = entry['tokens_per_step'] / step_s
         entry['chained_mfu'] = flops.mfu(step_flops, step_s, peak['bf16'])
-        entry['chained_mfu_datasheet'] = (flops.mfu(step_flops, step_s, datasheet)
-                                          if datasheet else None)
+        entry['chained_mfu_datasheet'] = (
+            flops.mfu(step_flops, step_s, datasheet) if datasheet else None
+        )
       train[label(model, attention)] = entry
     for remat in remats if 'budget' in parts else ():
-      spec = dict(name='budget', kind='budget', model=model, dtype=dtype, remat=remat,
-                  length=g['length'], vocab_size=g['vocab'], start_tokens=g['tokens'],
-                  max_doublings=g['budget_doublings'], attention=attentions[0])
+      spec = dict(
+          name='budget',
+          kind='budget',
+          model=model,
+          dtype=dtype,
+          remat=remat,
+          length=g['length'],
+          vocab_size=g['vocab'],
+          start_tokens=g['tokens'],
+          max_doublings=g['budget_doublings'],
+          attention=attentions[0],
+      )
       if args.memory_limit_gib:
         spec['limit_bytes'] = int(args.memory_limit_gib * GIB)
       ready, _, _ = solo(f'budget_{model}_{remat}', [spec], 0, 0)
@@ -480,18 +678,32 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
   decoding = {}
   for batch in g['decode_batches'] if 'decode' in parts else ():
     for attention in attentions:
-      specs = [dict(name=label(f'{k}_b{batch}', attention), kind='decode', model=models[0],
-                    dtype=dtype, batch=batch, source_length=g['decode_source'],
-                    output_length=g['decode_output'], beam_size=b, vocab_size=g['vocab'],
-                    attention=attention)
-               for k, b in (('greedy', 1), ('beam4', 4))]
-      ready, times, exit_info = solo(f'decode_b{batch}_{attention or "auto"}', specs,
-                                     g['rounds'], g['iters'])
+      specs = [
+          dict(
+              name=label(f'{k}_b{batch}', attention),
+              kind='decode',
+              model=models[0],
+              dtype=dtype,
+              batch=batch,
+              source_length=g['decode_source'],
+              output_length=g['decode_output'],
+              beam_size=b,
+              vocab_size=g['vocab'],
+              attention=attention,
+          )
+          for k, b in (('greedy', 1), ('beam4', 4))
+      ]
+      ready, times, exit_info = solo(
+          f'decode_b{batch}_{attention or "auto"}', specs, g['rounds'], g['iters']
+      )
       for spec in specs:
         t = times.get(spec['name'])
         decoding[spec['name']] = {
-            'setup': ready[spec['name']], 'times': t, 'exit': exit_info,
-            'tokens_per_s': batch * g['decode_output'] / t['median_s'] if t else None}
+            'setup': ready[spec['name']],
+            'times': t,
+            'exit': exit_info,
+            'tokens_per_s': batch * g['decode_output'] / t['median_s'] if t else None,
+        }
   results['decode'] = decoding
 
 
@@ -506,45 +718,106 @@ def train_table(lines: list[str], model: str, t: dict[str, Any]) -> None:
   """The CPU plan's rows for one training comparison, and where each step's time goes."""
   add = lines.append
   row = '{:<34} {:>14} {:>14} {:>14}'
-  add(f"Training step ({model}, {t['norm_position']}-norm, fp32, {t['batch']}; "
-      f"{t['model_flops_per_step'] / 1e9:.1f} model GFLOP/step)")
+  add(
+      f"Training step ({model}, {t['norm_position']}-norm, fp32, {t['batch']}; "
+      f"{t['model_flops_per_step'] / 1e9:.1f} model GFLOP/step)"
+  )
   add(row.format('', 'JAX (ours)', f"HF {t['reference'][:11]}", 'ours/theirs'))
   j, p = t['jax'], t.get('torch', {})
-  add(row.format('tokens/s (source+target)', _fmt(j.get('tokens_per_s')),
-                 _fmt(p.get('tokens_per_s')), _fmt(t['speedup_vs_torch'], '.2f', 1, 'x')))
-  add(row.format('steps/s', _fmt(j.get('steps_per_s'), '.2f'), _fmt(p.get('steps_per_s'), '.2f'),
-                 ''))
-  add(row.format('step time, median s', _fmt((j.get('times') or {}).get('median_s'), '.3f'),
-                 _fmt((p.get('times') or {}).get('median_s'), '.3f'), ''))
-  add(row.format('step time, best s', _fmt((j.get('times') or {}).get('min_s'), '.3f'),
-                 _fmt((p.get('times') or {}).get('min_s'), '.3f'),
-                 _fmt(t['best_speedup_vs_torch'], '.2f', 1, 'x')))
-  add(row.format('MFU vs machine matmul peak', _fmt(j.get('mfu'), '.1%'),
-                 _fmt(p.get('mfu'), '.1%'), ''))
-  add(row.format('MFU at the best step', _fmt(j.get('mfu_best'), '.1%'),
-                 _fmt(p.get('mfu_best'), '.1%'), ''))
-  add(row.format('compile s / first step s',
-                 f"{_fmt(j['setup'].get('compile_s'))} / "
-                 f"{_fmt(j['setup'].get('first_step_s'))}",
-                 f"- / {_fmt(p.get('setup', {}).get('first_step_s'))}", ''))
-  add(row.format('peak RSS GiB', _fmt(j['exit']['peak_rss_bytes'], '.2f', 1 / GIB),
-                 _fmt(p.get('exit', {}).get('peak_rss_bytes'), '.2f', 1 / GIB), ''))
-  add(f"  main job (JAX train) peak RSS goal < 8 GiB: "
-      f"{'met' if j['exit']['peak_rss_bytes'] < MAIN_JOB_RSS_GOAL else 'NOT met'}")
+  add(
+      row.format(
+          'tokens/s (source+target)',
+          _fmt(j.get('tokens_per_s')),
+          _fmt(p.get('tokens_per_s')),
+          _fmt(t['speedup_vs_torch'], '.2f', 1, 'x'),
+      )
+  )
+  add(
+      row.format(
+          'steps/s', _fmt(j.get('steps_per_s'), '.2f'), _fmt(p.get('steps_per_s'), '.2f'), ''
+      )
+  )
+  add(
+      row.format(
+          'step time, median s',
+          _fmt((j.get('times') or {}).get('median_s'), '.3f'),
+          _fmt((p.get('times') or {}).get('median_s'), '.3f'),
+          '',
+      )
+  )
+  add(
+      row.format(
+          'step time, best s',
+          _fmt((j.get('times') or {}).get('min_s'), '.3f'),
+          _fmt((p.get('times') or {}).get('min_s'), '.3f'),
+          _fmt(t['best_speedup_vs_torch'], '.2f', 1, 'x'),
+      )
+  )
+  add(
+      row.format(
+          'MFU vs machine matmul peak', _fmt(j.get('mfu'), '.1%'), _fmt(p.get('mfu'), '.1%'), ''
+      )
+  )
+  add(
+      row.format(
+          'MFU at the best step', _fmt(j.get('mfu_best'), '.1%'), _fmt(p.get('mfu_best'), '.1%'), ''
+      )
+  )
+  add(
+      row.format(
+          'compile s / first step s',
+          f"{_fmt(j['setup'].get('compile_s'))} / " f"{_fmt(j['setup'].get('first_step_s'))}",
+          f"- / {_fmt(p.get('setup', {}).get('first_step_s'))}",
+          '',
+      )
+  )
+  add(
+      row.format(
+          'peak RSS GiB',
+          _fmt(j['exit']['peak_rss_bytes'], '.2f', 1 / GIB),
+          _fmt(p.get('exit', {}).get('peak_rss_bytes'), '.2f', 1 / GIB),
+          '',
+      )
+  )
+  add(
+      f'  main job (JAX train) peak RSS goal < 8 GiB: '
+      f"{'met' if j['exit']['peak_rss_bytes'] < MAIN_JOB_RSS_GOAL else 'NOT met'}"
+  )
   if 'jax_glibc_malloc' in t:
     g = t['jax_glibc_malloc']
-    add(row.format('ours, glibc malloc defaults', _fmt(g.get('tokens_per_s')), '',
-                   _fmt(t['speedup_vs_glibc_malloc'], '.2f', 1, 'x')))
+    add(
+        row.format(
+            'ours, glibc malloc defaults',
+            _fmt(g.get('tokens_per_s')),
+            '',
+            _fmt(t['speedup_vs_glibc_malloc'], '.2f', 1, 'x'),
+        )
+    )
   jb, pb = j.get('breakdown'), p.get('breakdown')
   if jb:
     add(f'  where a step goes, ms (profiled, {BREAKDOWN_STEPS} steps; bench/breakdown.py):')
     for kind in breakdown.KINDS:
-      add(row.format(f'    {kind}', _fmt(jb['kinds_ms'][kind], '.1f'),
-                     _fmt(pb['kinds_ms'][kind] if pb else None, '.1f'), ''))
-    add(row.format('    idle (no operation running)', _fmt(jb['idle_ms'], '.1f'),
-                   _fmt(pb['idle_ms'] if pb else None, '.1f'), ''))
-    add(row.format('    operations a step', str(jb['operations']),
-                   str(pb['operations']) if pb else '-', ''))
+      add(
+          row.format(
+              f'    {kind}',
+              _fmt(jb['kinds_ms'][kind], '.1f'),
+              _fmt(pb['kinds_ms'][kind] if pb else None, '.1f'),
+              '',
+          )
+      )
+    add(
+        row.format(
+            '    idle (no operation running)',
+            _fmt(jb['idle_ms'], '.1f'),
+            _fmt(pb['idle_ms'] if pb else None, '.1f'),
+            '',
+        )
+    )
+    add(
+        row.format(
+            '    operations a step', str(jb['operations']), str(pb['operations']) if pb else '-', ''
+        )
+    )
   add('')
 
 
@@ -552,14 +825,18 @@ def table(results: dict[str, Any]) -> str:
   lines = []
   add = lines.append
   env = results['environment']
-  add(f"transformer_jax benchmark ({env['backend']}, {env['threads']} threads, "
+  add(
+      f"transformer_jax benchmark ({env['backend']}, {env['threads']} threads, "
       f"{env['cpu']}); load average {env['load_before'][0]:.2f} before, "
-      f"{env['load_after'][0]:.2f} after (1 min)")
+      f"{env['load_after'][0]:.2f} after (1 min)"
+  )
   add('')
   peak = results['matmul_peak_flops']
-  add('Matrix-multiply peak (measured): ' + ', '.join(
-      f'{k} {v / 1e9:.1f} GFLOP/s' for k, v in peak.items())
-      + f"; MFU below is against {results['machine_peak_flops'] / 1e9:.1f} GFLOP/s")
+  add(
+      'Matrix-multiply peak (measured): '
+      + ', '.join(f'{k} {v / 1e9:.1f} GFLOP/s' for k, v in peak.items())
+      + f"; MFU below is against {results['machine_peak_flops'] / 1e9:.1f} GFLOP/s"
+  )
   add('')
   row = '{:<34} {:>14} {:>14} {:>14} {:>10}'
   if env['plan'] == 'cpu' and 'train' in results:
@@ -567,41 +844,89 @@ def table(results: dict[str, Any]) -> str:
       train_table(lines, model, t)
   if env['plan'] == 'cpu' and 'decode' in results:
     d = results['decode']
-    add(f"Decoding ({results['sizes']['model']}, fp32, batch {d['shape']['batch']}, source "
+    add(
+        f"Decoding ({results['sizes']['model']}, fp32, batch {d['shape']['batch']}, source "
         f"{d['shape']['source_length']}, exactly {d['shape']['output_length']} generated "
-        'tokens; generated tokens/s of the best hypothesis)')
+        'tokens; generated tokens/s of the best hypothesis)'
+    )
     row5 = '{:<20} {:>11} {:>11} {:>11} {:>9} {:>9} {:>12}'
-    add(row5.format('', 'JAX (ours)', 'HF generate', 'CTranslate2', 'ours/HF', 'ours/CT2',
-                    'JAX compile s'))
+    add(
+        row5.format(
+            '', 'JAX (ours)', 'HF generate', 'CTranslate2', 'ours/HF', 'ours/CT2', 'JAX compile s'
+        )
+    )
     for search in ('greedy', 'beam4'):
       e = d[search]
-      add(row5.format(search, _fmt(e['jax'].get('tokens_per_s')),
-                      _fmt(e.get('hf', {}).get('tokens_per_s')),
-                      _fmt(e.get('ct2', {}).get('tokens_per_s')),
-                      _fmt(e['speedup_vs_hf'], '.2f', 1, 'x'),
-                      _fmt(e['speedup_vs_ct2'], '.2f', 1, 'x'),
-                      _fmt(e['jax']['setup'].get('compile_s'))))
-      add(row5.format('  best iteration', '', '', '',
-                      _fmt(e['best_speedup_vs_hf'], '.2f', 1, 'x'),
-                      _fmt(e['best_speedup_vs_ct2'], '.2f', 1, 'x'), ''))
-    add(row5.format('peak RSS GiB', *[_fmt(d['exit'].get(k, {}).get('peak_rss_bytes'), '.2f',
-                                           1 / GIB) for k in ('jax', 'hf', 'ct2')], '', '',
-                    ''))
+      add(
+          row5.format(
+              search,
+              _fmt(e['jax'].get('tokens_per_s')),
+              _fmt(e.get('hf', {}).get('tokens_per_s')),
+              _fmt(e.get('ct2', {}).get('tokens_per_s')),
+              _fmt(e['speedup_vs_hf'], '.2f', 1, 'x'),
+              _fmt(e['speedup_vs_ct2'], '.2f', 1, 'x'),
+              _fmt(e['jax']['setup'].get('compile_s')),
+          )
+      )
+      add(
+          row5.format(
+              '  best iteration',
+              '',
+              '',
+              '',
+              _fmt(e['best_speedup_vs_hf'], '.2f', 1, 'x'),
+              _fmt(e['best_speedup_vs_ct2'], '.2f', 1, 'x'),
+              '',
+          )
+      )
+    add(
+        row5.format(
+            'peak RSS GiB',
+            *[
+                _fmt(d['exit'].get(k, {}).get('peak_rss_bytes'), '.2f', 1 / GIB)
+                for k in ('jax', 'hf', 'ct2')
+            ],
+            '',
+            '',
+            '',
+        )
+    )
     for search in ('greedy', 'beam4'):
       e = d[search]
-      add(row5.format(f'{search} MiB/sentence',
-                      *[_fmt(e.get(k, {}).get('memory_per_sentence_bytes'), '.1f', 1 / 2**20)
-                        for k in ('jax', 'hf', 'ct2')], '', '', ''))
+      add(
+          row5.format(
+              f'{search} MiB/sentence',
+              *[
+                  _fmt(e.get(k, {}).get('memory_per_sentence_bytes'), '.1f', 1 / 2**20)
+                  for k in ('jax', 'hf', 'ct2')
+              ],
+              '',
+              '',
+              '',
+          )
+      )
       same = [e.get(k, {}).get('same_tokens_as_ours') for k in ('hf', 'ct2')]
-      add(row5.format(f'{search} same as ours', '', *[
-          '-' if n is None else f"{n}/{d['shape']['batch']}" for n in same], '', '', ''))
-    add("  One model in all three: ours exported (marian.write_model); Hugging Face loads "
-        "it, CTranslate2 converts it. MiB/sentence: the memory one more search adds at its "
-        "peak, over the batch.")
+      add(
+          row5.format(
+              f'{search} same as ours',
+              '',
+              *['-' if n is None else f"{n}/{d['shape']['batch']}" for n in same],
+              '',
+              '',
+              '',
+          )
+      )
+    add(
+        '  One model in all three: ours exported (marian.write_model); Hugging Face loads '
+        'it, CTranslate2 converts it. MiB/sentence: the memory one more search adds at its '
+        'peak, over the batch.'
+    )
   if env['plan'] == 'gpu':
     datasheet = results.get('datasheet_bf16_flops')
-    add(f"{results.get('device', '')}: datasheet bf16 dense "
-        + (f'{datasheet / 1e12:.0f} TFLOP/s' if datasheet else 'unknown to flops.py'))
+    add(
+        f"{results.get('device', '')}: datasheet bf16 dense "
+        + (f'{datasheet / 1e12:.0f} TFLOP/s' if datasheet else 'unknown to flops.py')
+    )
     add(row.format('Training step, bf16', 'tokens/s', 'MFU', 'compile s', 'peak GiB'))
     for model, e in results['train'].items():
       fused = e['setup'].get('fused_attention_calls')
@@ -609,13 +934,25 @@ def table(results: dict[str, Any]) -> str:
         model = f'{model} ({fused} cuDNN attention calls)'
 
       mem = e['exit'].get('device_memory', {}).get('peak_bytes_in_use')
-      add(row.format(f"{model}: {e['batch']}", _fmt(e.get('tokens_per_s'), '.0f'),
-                     _fmt(e.get('mfu'), '.1%'), _fmt(e['setup'].get('compile_s')),
-                     _fmt(mem, '.1f', 1 / GIB)))
+      add(
+          row.format(
+              f"{model}: {e['batch']}",
+              _fmt(e.get('tokens_per_s'), '.0f'),
+              _fmt(e.get('mfu'), '.1%'),
+              _fmt(e['setup'].get('compile_s')),
+              _fmt(mem, '.1f', 1 / GIB),
+          )
+      )
       if e.get('chained_times'):
-        add(row.format(f"  {e['chain']} steps back to back", _fmt(e['chained_tokens_per_s'], '.0f'),
-                       _fmt(e['chained_mfu'], '.1%'),
-                       f"{_fmt(e['chained_mfu_datasheet'], '.1%')} of datasheet", ''))
+        add(
+            row.format(
+                f"  {e['chain']} steps back to back",
+                _fmt(e['chained_tokens_per_s'], '.0f'),
+                _fmt(e['chained_mfu'], '.1%'),
+                f"{_fmt(e['chained_mfu_datasheet'], '.1%')} of datasheet",
+                '',
+            )
+        )
       if 'error' in e['setup']:
         add(f"  {model}: {e['setup']['error']}")
     add('')
@@ -624,14 +961,23 @@ def table(results: dict[str, Any]) -> str:
       if 'error' in b:
         add(f'  {key}: {b["error"]}')
         continue
-      add(row.format(f'{key} (model/remat)', b['tokens_per_side'],
-                     f"{b['rows']} x {b['length']}", str(b['confirmed_by_running']),
-                     f"{b.get('compiles', '?')} compiles, {_fmt(b.get('search_s'), '.0f')} s"))
+      add(
+          row.format(
+              f'{key} (model/remat)',
+              b['tokens_per_side'],
+              f"{b['rows']} x {b['length']}",
+              str(b['confirmed_by_running']),
+              f"{b.get('compiles', '?')} compiles, {_fmt(b.get('search_s'), '.0f')} s",
+          )
+      )
     add('')
     add(row.format('Decoding, bf16', 'tokens/s', 'compile s', '', ''))
     for name, e in results['decode'].items():
-      add(row.format(name, _fmt(e['tokens_per_s'], '.0f'),
-                     _fmt(e['setup'].get('compile_s')), '', ''))
+      add(
+          row.format(
+              name, _fmt(e['tokens_per_s'], '.0f'), _fmt(e['setup'].get('compile_s')), '', ''
+          )
+      )
   return '\n'.join(lines)
 
 
@@ -640,43 +986,86 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument('--quick', action='store_true', help='tiny sizes, few iterations')
   parser.add_argument('--json', default='', help='write all results to this path')
   parser.add_argument('--threads', type=int, default=2)
-  parser.add_argument('--platform', choices=('auto', 'cpu', 'gpu'), default='auto',
-                      help="'gpu' runs the GPU plan on whatever backend JAX has")
-  parser.add_argument('--xla_flags', '--xla-flags', default='',
-                      help='extra XLA_FLAGS for the JAX workers (experiments)')
-  parser.add_argument('--only', default='',
-                      help='comma-separated parts: train,decode on the CPU plan; '
-                      'train,budget,decode on the GPU plan (the matmul peak always runs)')
-  parser.add_argument('--models', default='',
-                      help="comma-separated model sizes to train: CPU plan 'main' (the main "
-                      "job's config), 'base', 'tiny' (default 'main,base'; --quick 'tiny'); "
-                      "GPU plan 'base', 'big' (default 'base,big')")
-  parser.add_argument('--glibc_malloc_too', '--glibc-malloc-too', action='store_true',
-                      help="CPU plan: also time our training step with glibc's malloc "
-                      "defaults (TRANSFORMER_JAX_MALLOC=system), side by side")
-  parser.add_argument('--attention', default='',
-                      help="GPU plan: comma-separated attention_implementation values to "
-                      "compare, e.g. 'xla,cudnn' ('' is automatic, the default: cuDNN on a "
-                      "GPU where it can serve, fed sequence lengths)")
-  parser.add_argument('--profile_dir', '--profile-dir', default='',
-                      help='after timing, trace 3 more iterations of each JAX task with '
-                      'jax.profiler into DIR/<task> (TensorBoard, Perfetto)')
-  parser.add_argument('--log_dir', '--log-dir', default='',
-                      help="keep the workers' logs here (default: a temporary directory)")
-  parser.add_argument('--remat', default='none,full',
-                      help='GPU plan: remat policies of the token-budget search')
-  parser.add_argument('--memory_limit_gib', '--memory-limit-gib', type=float, default=0,
-                      help='token-budget limit when the device reports none (CPU)')
+  parser.add_argument(
+      '--platform',
+      choices=('auto', 'cpu', 'gpu'),
+      default='auto',
+      help="'gpu' runs the GPU plan on whatever backend JAX has",
+  )
+  parser.add_argument(
+      '--xla_flags',
+      '--xla-flags',
+      default='',
+      help='extra XLA_FLAGS for the JAX workers (experiments)',
+  )
+  parser.add_argument(
+      '--only',
+      default='',
+      help='comma-separated parts: train,decode on the CPU plan; '
+      'train,budget,decode on the GPU plan (the matmul peak always runs)',
+  )
+  parser.add_argument(
+      '--models',
+      default='',
+      help="comma-separated model sizes to train: CPU plan 'main' (the main "
+      "job's config), 'base', 'tiny' (default 'main,base'; --quick 'tiny'); "
+      "GPU plan 'base', 'big' (default 'base,big')",
+  )
+  parser.add_argument(
+      '--glibc_malloc_too',
+      '--glibc-malloc-too',
+      action='store_true',
+      help="CPU plan: also time our training step with glibc's malloc "
+      'defaults (TRANSFORMER_JAX_MALLOC=system), side by side',
+  )
+  parser.add_argument(
+      '--attention',
+      default='',
+      help='GPU plan: comma-separated attention_implementation values to '
+      "compare, e.g. 'xla,cudnn' ('' is automatic, the default: cuDNN on a "
+      'GPU where it can serve, fed sequence lengths)',
+  )
+  parser.add_argument(
+      '--profile_dir',
+      '--profile-dir',
+      default='',
+      help='after timing, trace 3 more iterations of each JAX task with '
+      'jax.profiler into DIR/<task> (TensorBoard, Perfetto)',
+  )
+  parser.add_argument(
+      '--log_dir',
+      '--log-dir',
+      default='',
+      help="keep the workers' logs here (default: a temporary directory)",
+  )
+  parser.add_argument(
+      '--remat', default='none,full', help='GPU plan: remat policies of the token-budget search'
+  )
+  parser.add_argument(
+      '--memory_limit_gib',
+      '--memory-limit-gib',
+      type=float,
+      default=0,
+      help='token-budget limit when the device reports none (CPU)',
+  )
   args = parser.parse_args(argv)
 
   backend = detect_backend(jax_env(args.threads, 'auto', ''))
   plan = backend if args.platform == 'auto' else args.platform
   plan = 'cpu' if plan == 'cpu' else 'gpu'
-  results: dict[str, Any] = {'environment': {
-      'backend': backend, 'plan': plan, 'threads': args.threads,
-      'cpu': platform.processor() or platform.machine(), 'cpus': os.cpu_count(),
-      'load_before': os.getloadavg(), 'quick': args.quick, 'xla_flags': args.xla_flags,
-      'python': sys.version.split()[0]}}
+  results: dict[str, Any] = {
+      'environment': {
+          'backend': backend,
+          'plan': plan,
+          'threads': args.threads,
+          'cpu': platform.processor() or platform.machine(),
+          'cpus': os.cpu_count(),
+          'load_before': os.getloadavg(),
+          'quick': args.quick,
+          'xla_flags': args.xla_flags,
+          'python': sys.version.split()[0],
+      }
+  }
   try:
     with open('/proc/cpuinfo') as f:
       names = [line.split(':', 1)[1].strip() for line in f if line.startswith('model name')]
@@ -693,7 +1082,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   results['environment']['load_after'] = os.getloadavg()
   results['environment']['wall_s'] = time.perf_counter() - start
   results['environment']['parent_peak_rss_bytes'] = (
-      __import__('resource').getrusage(__import__('resource').RUSAGE_SELF).ru_maxrss * 1024)
+      __import__('resource').getrusage(__import__('resource').RUSAGE_SELF).ru_maxrss * 1024
+  )
   text = table(results)
   results['table'] = text
   print(text)

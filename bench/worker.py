@@ -47,7 +47,8 @@ PROFILE_VAR = 'BENCH_PROFILE_DIR'
 class Task(Protocol):
   """One measurement. `setup` returns facts to report (compile seconds, shapes, memory)."""
 
-  def setup(self) -> dict[str, Any]: ...
+  def setup(self) -> dict[str, Any]:
+    ...
 
   def run(self) -> None:
     """One timed iteration; returns when the work is finished (results blocked on)."""
@@ -83,9 +84,11 @@ def run_peak_extra_bytes(task: Task) -> int | None:
   return None if before is None or peak is None else max(peak - before, 0)
 
 
-def serve(factories: Mapping[str, Callable[..., Task]],
-          extra_exit_info: Callable[[], dict[str, Any]] | None = None,
-          profile: Callable[[Mapping[str, Task], str], None] | None = None) -> None:
+def serve(
+    factories: Mapping[str, Callable[..., Task]],
+    extra_exit_info: Callable[[], dict[str, Any]] | None = None,
+    profile: Callable[[Mapping[str, Task], str], None] | None = None,
+) -> None:
   """Runs the worker side of the protocol for the task kinds in `factories`.
 
   Args:

@@ -84,14 +84,21 @@ def render() -> str:
   for field_section, name, description in fields():
     if field_section != section:
       section = field_section
-      lines += ['', f'## {section}', '', '| Field | Default | Allowed | Resume | Meaning |',
-                '|---|---|---|---|---|']
+      lines += [
+          '',
+          f'## {section}',
+          '',
+          '| Field | Default | Allowed | Resume | Meaning |',
+          '|---|---|---|---|---|',
+      ]
     value = defaults[name]
     default = repr(value.to_dict() if hasattr(value, 'to_dict') else value)
     allowed = ', '.join(f'`{c!r}`' for c in CHOICES[name]) if name in CHOICES else ''
     resume = 'yes' if name in config_lib.RESUMABLE_FIELDS else ''
-    lines.append(f'| `{name}` | `{_cell(default)}` | {_cell(allowed)} | {resume} | '
-                 f'{_cell(description)} |')
+    lines.append(
+        f'| `{name}` | `{_cell(default)}` | {_cell(allowed)} | {resume} | '
+        f'{_cell(description)} |'
+    )
   return '\n'.join(lines) + '\n'
 
 

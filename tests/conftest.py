@@ -16,14 +16,16 @@ import pytest
 # about 2/3 of the CPU time (bench/RESULTS.md, Test suite). Both sides of every comparison
 # are compiled alike, here or in a subprocess.
 os.environ['XLA_FLAGS'] = ' '.join(
-    [*os.environ.get('XLA_FLAGS', '').split(), '--xla_backend_optimization_level=0'])
+    [*os.environ.get('XLA_FLAGS', '').split(), '--xla_backend_optimization_level=0']
+)
 
 from test_translator import build_test_run  # noqa: E402
 import train_testlib  # noqa: E402 (after XLA_FLAGS)
 
 # Fixtures that start a service or train a model: a test that uses one is slow (pytest.ini).
-SLOW_FIXTURES = frozenset({'run_dir', 'finished_run', 'gcs_server', 'bucket', 'cluster',
-                           'multihost_reference'})
+SLOW_FIXTURES = frozenset(
+    {'run_dir', 'finished_run', 'gcs_server', 'bucket', 'cluster', 'multihost_reference'}
+)
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -31,8 +33,11 @@ def pytest_xdist_auto_num_workers(config):
   busy compiling; one more for the whole suite, whose slow tests also wait (on SLURM's
   time-limit sweep, on Cloud Storage retries, on subprocesses starting), which a third
   worker fills on 2 cores. Measured in bench/RESULTS.md (Test suite)."""
-  cores = (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')  # Linux
-           else os.cpu_count() or 1)
+  cores = (
+      len(os.sched_getaffinity(0))
+      if hasattr(os, 'sched_getaffinity')  # Linux
+      else os.cpu_count() or 1
+  )
   quick = 'not slow' in (config.option.markexpr or '')
   return cores if quick else cores + 1
 
@@ -56,27 +61,45 @@ def pytest_configure(config):
 # quick ones), so these start first and no long file is left to run alone at the end. A file
 # not named here runs after them, in name order; a stale order costs time, never a result.
 # test_model_options and test_decode are placed for the quick tier, where they are longest.
-LONGEST_FIRST = ('test_launchers', 'test_gcs', 'test_cli', 'test_aot', 'test_bench',
-                 'test_docs', 'test_marian', 'test_models', 'test_model_options',
-                 'test_translate_cli', 'test_train', 'test_translator', 'test_decode',
-                 'test_sharding')
+LONGEST_FIRST = (
+    'test_launchers',
+    'test_gcs',
+    'test_cli',
+    'test_aot',
+    'test_bench',
+    'test_docs',
+    'test_marian',
+    'test_models',
+    'test_model_options',
+    'test_translate_cli',
+    'test_train',
+    'test_translator',
+    'test_decode',
+    'test_sharding',
+)
 
 
 def pytest_collection_modifyitems(items):
   """Puts the longest files first (LONGEST_FIRST). Refuses a test that uses a slow fixture
   without the slow mark: the quick tier (-m "not slow") would start the service or train the
   model after all."""
+
   def rank(item):
     name = item.path.stem
     return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
   items.sort(key=rank)  # Stable: a file's tests keep their order.
-  unmarked = [item.nodeid for item in items if SLOW_FIXTURES & set(item.fixturenames)
-              and item.get_closest_marker('slow') is None]
+  unmarked = [
+      item.nodeid
+      for item in items
+      if SLOW_FIXTURES & set(item.fixturenames) and item.get_closest_marker('slow') is None
+  ]
   if unmarked:
     raise pytest.UsageError(
         'These tests use a fixture that starts a service or trains a model '
         f'({", ".join(sorted(SLOW_FIXTURES))}) but are not marked slow; add '
-        '@pytest.mark.slow (docs/developing.md, the tiers):\n  ' + '\n  '.join(unmarked))
+        '@pytest.mark.slow (docs/developing.md, the tiers):\n  ' + '\n  '.join(unmarked)
+    )
 
 
 @contextlib.contextmanager
@@ -131,6 +154,7 @@ def gcs_server():
   here and in the commands the tests start talks to it. A server that cannot start fails the
   tests that need it (no skip)."""
   import gcs_testlib
+
   server = gcs_testlib.start()
   saved = {name: os.environ.get(name) for name in gcs_testlib.ENV_NAMES}
   os.environ.update(gcs_testlib.environment(server.url))

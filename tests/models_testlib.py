@@ -15,9 +15,16 @@ VOCAB = 40
 # Two decoder layers, so that cached decoding carries a layer's output into the next; one
 # encoder layer, whose stacking test_torch_parity checks (two layers against PyTorch's):
 # each layer is a third of a program's compile time.
-TINY = TransformerConfig(vocab_size=VOCAB, d_model=32, num_heads=4, d_ff=64,
-                         num_encoder_layers=1, num_decoder_layers=2, max_len=32,
-                         deterministic=True)
+TINY = TransformerConfig(
+    vocab_size=VOCAB,
+    d_model=32,
+    num_heads=4,
+    d_ff=64,
+    num_encoder_layers=1,
+    num_decoder_layers=2,
+    max_len=32,
+    deterministic=True,
+)
 # The shapes of most tests' [batch, length] sources and targets: one set of compiled programs.
 SOURCE, TARGET = (3, 9), (3, 7)
 VARIANTS = {
@@ -26,8 +33,9 @@ VARIANTS = {
     'learned': dataclasses.replace(TINY, positional_encoding='learned'),
     'rope': dataclasses.replace(TINY, positional_encoding='rope'),
     'alibi': dataclasses.replace(TINY, positional_encoding='alibi'),
-    'separate_embeddings': dataclasses.replace(TINY, share_embeddings=False,
-                                               tie_output_embedding=False),
+    'separate_embeddings': dataclasses.replace(
+        TINY, share_embeddings=False, tie_output_embedding=False
+    ),
     'stacked_qkv': dataclasses.replace(TINY, qkv_projection='stacked'),
 }
 
@@ -60,4 +68,3 @@ def apply(cfg, variables, *args, method=None, mutable=False, **kwargs):
 @functools.cache
 def compiled_apply(cfg, method, mutable):
   return jax.jit(functools.partial(Transformer(cfg).apply, method=method, mutable=mutable))
-

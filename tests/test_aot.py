@@ -25,10 +25,17 @@ COMPILE = os.path.join(train_testlib.REPO, 'compile.py')
 def _compile(*flags, python=sys.executable, devices=1, timeout=600, elsewhere=None):
   """compile.py on configs/tiny.py; from the directory `elsewhere`, as a user of the installed
   package runs it: the module, and the shipped config by name."""
-  command = ([python, '-m', 'transformer_jax.commands.compile', '--config=tiny'] if elsewhere
-             else [python, COMPILE, '--config=configs/tiny.py'])
-  return train_testlib.run_command([*command, *flags], cwd=elsewhere or train_testlib.REPO,
-                                   env=train_testlib.subprocess_env(devices), timeout=timeout)
+  command = (
+      [python, '-m', 'transformer_jax.commands.compile', '--config=tiny']
+      if elsewhere
+      else [python, COMPILE, '--config=configs/tiny.py']
+  )
+  return train_testlib.run_command(
+      [*command, *flags],
+      cwd=elsewhere or train_testlib.REPO,
+      env=train_testlib.subprocess_env(devices),
+      timeout=timeout,
+  )
 
 
 def _aot_python() -> str:
@@ -69,23 +76,40 @@ def _check_kernels(train: dict, stdout: str) -> None:
   assert view['top_kernels'][0]['estimate_s'] >= view['top_kernels'][-1]['estimate_s']
 
 
-@pytest.mark.parametrize('topology,flags,kind,hosts,mesh', [
-    ('v5e-8', [], 'TPU v5 lite', 1, {'data': 8, 'fsdp': 1, 'tensor': 1}),
-    # Two hosts of 4: the mesh spans both; fsdp adds the parameter all-gathers and the
-    # gradient reduce-scatters. The post-norm kernels are Pallas's, compiled by Triton, one
-    # each way a sub-layer on each device's rows: one layer a side has every kind of them
-    # (and compiles half as many Triton kernels as tiny's two).
-    ('2x4xH100', ['--config.mesh.fsdp=2', '--config.post_norm_kernel=pallas',
-                  '--config.num_encoder_layers=1', '--config.num_decoder_layers=1'],
-     'NVIDIA H100 80GB HBM3', 2, {'data': 4, 'fsdp': 2, 'tensor': 1}),
-])
+@pytest.mark.parametrize(
+    'topology,flags,kind,hosts,mesh',
+    [
+        ('v5e-8', [], 'TPU v5 lite', 1, {'data': 8, 'fsdp': 1, 'tensor': 1}),
+        # Two hosts of 4: the mesh spans both; fsdp adds the parameter all-gathers and the
+        # gradient reduce-scatters. The post-norm kernels are Pallas's, compiled by Triton, one
+        # each way a sub-layer on each device's rows: one layer a side has every kind of them
+        # (and compiles half as many Triton kernels as tiny's two).
+        (
+            '2x4xH100',
+            [
+                '--config.mesh.fsdp=2',
+                '--config.post_norm_kernel=pallas',
+                '--config.num_encoder_layers=1',
+                '--config.num_decoder_layers=1',
+            ],
+            'NVIDIA H100 80GB HBM3',
+            2,
+            {'data': 4, 'fsdp': 2, 'tensor': 1},
+        ),
+    ],
+)
 @pytest.mark.slow
-def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, kind, hosts,
-                                                     mesh):
+def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, kind, hosts, mesh):
   out = tmp_path / 'report.json'
   # The TPU compile as the compiling guide gives it to a user of the installed package.
-  result = _compile(f'--topology={topology}', *flags, '--decode', f'--json={out}',
-                    python=_aot_python(), elsewhere=str(tmp_path) if hosts == 1 else None)
+  result = _compile(
+      f'--topology={topology}',
+      *flags,
+      '--decode',
+      f'--json={out}',
+      python=_aot_python(),
+      elsewhere=str(tmp_path) if hosts == 1 else None,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'fits' in result.stdout, result.stdout
   report = json.loads(out.read_text())
@@ -114,11 +138,18 @@ def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, 
 
 @pytest.mark.slow
 def test_h200_target_has_its_memory_and_kind():
-  code = ('from transformer_jax import aot; t = aot.target("2x8xH200"); '
-          'print(t.device_kind, len(t.devices), t.num_hosts, t.memory_bytes)')
-  result = subprocess.run([_aot_python(), '-c', code], capture_output=True, text=True,
-                          timeout=120, cwd=train_testlib.REPO,
-                          env=train_testlib.subprocess_env(1))
+  code = (
+      'from transformer_jax import aot; t = aot.target("2x8xH200"); '
+      'print(t.device_kind, len(t.devices), t.num_hosts, t.memory_bytes)'
+  )
+  result = subprocess.run(
+      [_aot_python(), '-c', code],
+      capture_output=True,
+      text=True,
+      timeout=120,
+      cwd=train_testlib.REPO,
+      env=train_testlib.subprocess_env(1),
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.split()[-4:] == ['H200', '16', '2', str(151397597184)]
 
@@ -128,10 +159,18 @@ def test_cpu_target_search_and_decoder(tmp_path):
   """8 CPU devices and a made-up 50 MiB device: the search brackets the largest batch
   (a multiple of the batch shards) between a size that fits and one that does not."""
   out = tmp_path / 'report.json'
-  result = _compile('--topology=cpu', '--config.mesh.fsdp=2', '--config.num_encoder_layers=1',
-                    '--config.num_decoder_layers=1', '--search_batch',
-                    '--memory_limit_gib=0.05', '--search_budget_s=3000', '--decode',
-                    f'--json={out}', devices=8)
+  result = _compile(
+      '--topology=cpu',
+      '--config.mesh.fsdp=2',
+      '--config.num_encoder_layers=1',
+      '--config.num_decoder_layers=1',
+      '--search_batch',
+      '--memory_limit_gib=0.05',
+      '--search_budget_s=3000',
+      '--decode',
+      f'--json={out}',
+      devices=8,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(out.read_text())
   search = report['largest_batch']
@@ -151,13 +190,16 @@ def test_cpu_target_search_and_decoder(tmp_path):
   assert 'roofline estimate' not in result.stdout
 
 
-@pytest.mark.parametrize('flags,message', [
-    (['--topology=v9z-8'], 'is unknown'),
-    (['--topology=cpu', '--config.mesh.fsdp=3'], 'do not divide the 1 devices'),
-    (['--topology=cpu', '--config.dtype=float8'], 'dtype'),
-    (['--topology=cpu', '--memory_limit_gib=-1'], 'must be positive'),
-    ([], '--topology is required'),
-])
+@pytest.mark.parametrize(
+    'flags,message',
+    [
+        (['--topology=v9z-8'], 'is unknown'),
+        (['--topology=cpu', '--config.mesh.fsdp=3'], 'do not divide the 1 devices'),
+        (['--topology=cpu', '--config.dtype=float8'], 'dtype'),
+        (['--topology=cpu', '--memory_limit_gib=-1'], 'must be positive'),
+        ([], '--topology is required'),
+    ],
+)
 @pytest.mark.slow
 def test_bad_input_fails_before_compiling(flags, message):
   result = _compile(*flags, timeout=120)
@@ -169,9 +211,15 @@ def test_bad_input_fails_before_compiling(flags, message):
 @pytest.mark.slow
 def test_packed_rows_on_a_gpu_fall_back_to_xla_and_say_why(tmp_path):
   out = tmp_path / 'report.json'
-  result = _compile('--topology=1xH100', '--config.packing=True', '--config.num_encoder_layers=1',
-                    '--config.num_decoder_layers=1', f'--json={out}',
-                    python=_aot_python(), timeout=300)
+  result = _compile(
+      '--topology=1xH100',
+      '--config.packing=True',
+      '--config.num_encoder_layers=1',
+      '--config.num_decoder_layers=1',
+      f'--json={out}',
+      python=_aot_python(),
+      timeout=300,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   train = json.loads(out.read_text())['train_step']
   assert train['fused_attention_calls'] == 0
@@ -189,9 +237,12 @@ def test_cudnn_attention_without_the_cudnn_library_is_a_clear_error():
 def test_missing_wheels_are_named_with_the_fix():
   """This Python has no libtpu (the test environment keeps it in .venv-aot)."""
   import importlib.util
+
   if importlib.util.find_spec('libtpu') is not None:
-    pytest.skip('libtpu is installed in this Python, so the missing-wheel message cannot '
-                'arise here; .venv-aot keeps it out of the test environment')
+    pytest.skip(
+        'libtpu is installed in this Python, so the missing-wheel message cannot '
+        'arise here; .venv-aot keeps it out of the test environment'
+    )
   result = _compile('--topology=v5e-8', timeout=120)
   assert result.returncode == 2
   assert 'python -m transformer_jax.aot_env ~/.venv-aot' in result.stderr
@@ -207,8 +258,7 @@ def test_largest_fitting_brackets_a_linear_memory_curve():
     need = 1000 + 37 * n
     return need <= 100_000, need
 
-  found = aot.largest_fitting(fits, start=64, multiple=8, limit_bytes=100_000,
-                              time_budget_s=60)
+  found = aot.largest_fitting(fits, start=64, multiple=8, limit_bytes=100_000, time_budget_s=60)
   best = (100_000 - 1000) // 37 // 8 * 8  # 2672
   assert best - best // 32 <= found['largest'] <= best
   assert found['smallest_not_fitting'] > best
@@ -218,12 +268,14 @@ def test_largest_fitting_brackets_a_linear_memory_curve():
 
 def test_largest_fitting_when_the_compiler_refuses():
   """A TPU compile that does not fit raises (bytes unknown): bisection still brackets."""
+
   def fits(n):
     return (True, 10 * n) if n <= 200 else (False, None)
 
   lines = []
-  found = aot.largest_fitting(fits, start=16, multiple=8, limit_bytes=10_000,
-                              time_budget_s=60, log=lines.append)
+  found = aot.largest_fitting(
+      fits, start=16, multiple=8, limit_bytes=10_000, time_budget_s=60, log=lines.append
+  )
   assert 192 <= found['largest'] <= 200 and found['smallest_not_fitting'] > 200
   assert all(int(n) % 8 == 0 for n in found['probes'])
   # Each probe's line says what happened; a refused one names no byte count.
@@ -234,14 +286,16 @@ def test_largest_fitting_when_the_compiler_refuses():
 
 
 def test_collectives_count_results_once():
-  hlo = '\n'.join([
-      '%ag = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(%p), dimensions={0}',
-      '%agd = f32[16,8]{1,0} all-gather-done(%ag)',
-      '%rs = ((bf16[64]{0}, bf16[32]{0}), (bf16[16]{0}, bf16[8]{0})) reduce-scatter-start(%a)',
-      '%ar = (f32[10]{0}, f32[6]{0}) all-reduce-start(%x, %y), to_apply=%add',
-      '%ar2 = s32[] all-reduce(%z), to_apply=%add',
-      '%cp = f32[5]{0} collective-permute(%w), source_target_pairs={{0,1}}',
-  ])
+  hlo = '\n'.join(
+      [
+          '%ag = (f32[4,8]{1,0}, f32[16,8]{1,0}) all-gather-start(%p), dimensions={0}',
+          '%agd = f32[16,8]{1,0} all-gather-done(%ag)',
+          '%rs = ((bf16[64]{0}, bf16[32]{0}), (bf16[16]{0}, bf16[8]{0})) reduce-scatter-start(%a)',
+          '%ar = (f32[10]{0}, f32[6]{0}) all-reduce-start(%x, %y), to_apply=%add',
+          '%ar2 = s32[] all-reduce(%z), to_apply=%add',
+          '%cp = f32[5]{0} collective-permute(%w), source_target_pairs={{0,1}}',
+      ]
+  )
   assert aot.collectives(hlo) == {
       'all-gather': {'count': 1, 'bytes': 16 * 8 * 4},
       'reduce-scatter': {'count': 1, 'bytes': (16 + 8) * 2},
@@ -259,8 +313,11 @@ def test_the_compile_environment_takes_the_installed_jaxs_own_wheels(capsys):
   """`python -m transformer_jax.aot_env DIR` (what setup.sh --aot runs): the compile-only
   wheels of exactly this jax, and a usage line, not a traceback, without a directory."""
   version = importlib.metadata.version('jax')
-  assert aot_env.wheels(version) == [f'jax[tpu]=={version}', f'jax-cuda12-plugin=={version}',
-                                     f'jax-cuda12-pjrt=={version}']
+  assert aot_env.wheels(version) == [
+      f'jax[tpu]=={version}',
+      f'jax-cuda12-plugin=={version}',
+      f'jax-cuda12-pjrt=={version}',
+  ]
   assert aot_env.main(['aot_env']) == 2
   assert 'usage: python -m transformer_jax.aot_env DIRECTORY' in capsys.readouterr().err
   assert aot_env.main(['aot_env', '--help']) == 0

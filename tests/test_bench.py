@@ -25,24 +25,34 @@ pytestmark = pytest.mark.slow  # the benchmarks, through subprocesses.
 needs_references = pytest.mark.skipif(
     importlib.util.find_spec('transformers') is None,
     reason='Hugging Face transformers, the reference side, is not installed: '
-    "pip install -e '.[test]' (the README's test command does)")
+    "pip install -e '.[test]' (the README's test command does)",
+)
 
 
 def run_bench(tmp_path, *args: str) -> tuple[dict, str]:
   """`python -m bench.run ARGS --json=...`: its JSON results and its table."""
   out = tmp_path / 'bench.json'
-  result = subprocess.run([sys.executable, '-m', 'bench.run', *args, f'--json={out}'],
-                          cwd=train_testlib.REPO, env=train_testlib.subprocess_env(),
-                          capture_output=True, text=True, timeout=600)
+  result = subprocess.run(
+      [sys.executable, '-m', 'bench.run', *args, f'--json={out}'],
+      cwd=train_testlib.REPO,
+      env=train_testlib.subprocess_env(),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(out.read_text()), result.stdout
 
 
 @needs_references
 def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
-  results, table = run_bench(tmp_path, '--quick', '--only=decode',
-                             f'--log_dir={tmp_path / "logs"}',
-                             f'--profile_dir={tmp_path / "profile"}')
+  results, table = run_bench(
+      tmp_path,
+      '--quick',
+      '--only=decode',
+      f'--log_dir={tmp_path / "logs"}',
+      f'--profile_dir={tmp_path / "profile"}',
+  )
   decode = results['decode']
   batch = decode['shape']['batch']
   systems = ['jax', 'hf', 'ct2']  # The test extra installs both references.
@@ -56,8 +66,10 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
     assert decode[search]['speedup_vs_hf'] > 0
   assert 'same as ours' in table and 'MiB/sentence' in table
   # --profile_dir: the JAX worker traced its tasks after timing them.
-  traced = {p.parent.parent.parent.parent.name for p in (tmp_path / 'profile').glob(
-      '*/plugins/profile/*/*.xplane.pb')}
+  traced = {
+      p.parent.parent.parent.parent.name
+      for p in (tmp_path / 'profile').glob('*/plugins/profile/*/*.xplane.pb')
+  }
   assert {'greedy', 'beam4'} <= traced, traced
 
 
@@ -76,8 +88,9 @@ def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp
     kinds = entry['breakdown']['kinds_ms']
     # Every kind of work shows up on both sides, and the kinds account for the busy time
     # (which kind is largest is a timing, and differs between CPUs: it is never asserted).
-    assert all(kinds[k] > 0 for k in ('matmul', 'attention', 'normalization', 'loss',
-                                      'optimizer')), (side, kinds)
+    assert all(
+        kinds[k] > 0 for k in ('matmul', 'attention', 'normalization', 'loss', 'optimizer')
+    ), (side, kinds)
     breakdown = entry['breakdown']
     assert sum(kinds.values()) == pytest.approx(breakdown['busy_ms'], rel=1e-6), (side, kinds)
     if side == 'jax':  # The union of the operations' intervals lies within their span.
@@ -100,12 +113,17 @@ def test_gpu_plan_times_steps_back_to_back_besides_blocked_ones(tmp_path):
 def test_jax_workers_get_the_extra_xla_flags_and_their_cpus(tmp_path):
   sys.path.insert(0, str(train_testlib.REPO))
   from bench import run as bench_run
+
   dump = tmp_path / 'dump'
   env = bench_run.jax_env(1, 'cpu', f'--xla_dump_to={dump}')
   # XLA reads the flag (it used to follow a token without dashes, after which XLA reads
   # nothing): the dump it asks for is written.
-  subprocess.run([sys.executable, '-c', 'import jax; jax.jit(lambda x: x * 2)(1.0)'],
-                 env=env, check=True, timeout=300)
+  subprocess.run(
+      [sys.executable, '-c', 'import jax; jax.jit(lambda x: x * 2)(1.0)'],
+      env=env,
+      check=True,
+      timeout=300,
+  )
   assert list(dump.iterdir())
   with pytest.raises(SystemExit, match='--name=value'):
     bench_run.jax_env(1, 'cpu', 'xla_cpu_use_onednn=true')
@@ -120,9 +138,21 @@ def test_checkpoint_storage_bench_runs_and_reports_both_sides(tmp_path):
   figures are in bench/RESULTS.md, never asserted)."""
   out = tmp_path / 'storage.json'
   result = subprocess.run(
-      [sys.executable, '-m', 'bench.checkpoint_storage', '--model=tiny', '--rounds=1',
-       '--steps=1', f'--json={out}'], cwd=train_testlib.REPO,
-      env=train_testlib.subprocess_env(), capture_output=True, text=True, timeout=300)
+      [
+          sys.executable,
+          '-m',
+          'bench.checkpoint_storage',
+          '--model=tiny',
+          '--rounds=1',
+          '--steps=1',
+          f'--json={out}',
+      ],
+      cwd=train_testlib.REPO,
+      env=train_testlib.subprocess_env(),
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'gs:// / local' in result.stdout
   rows = json.loads(out.read_text())['rows']

@@ -12,12 +12,14 @@ from transformer_jax.config import base_config
 
 
 def test_osis_to_text_strips_markup_notes_headings_and_strongs():
-  osis = ('<div type="x-milestone" subType="x-preverse" sID="pv1"/><title>A heading</title>'
-          '<title canonical="true" type="psalm">A <w lemma="strong:H4210">Psalm</w>.</title> '
-          '¶ And <w lemma="strong:H0430">God</w> <transChange type="added">said</transChange>'
-          ', ¡<w lemma="strong:H1">Let</w>!<note placement="foot"><reference type="annotat'
-          'eRef">1.3 </reference>Heb. a note</note> <l level="1" sID="x"/>\\nd LORD'
-          '<chapter eID="Gen.1"/>')
+  osis = (
+      '<div type="x-milestone" subType="x-preverse" sID="pv1"/><title>A heading</title>'
+      '<title canonical="true" type="psalm">A <w lemma="strong:H4210">Psalm</w>.</title> '
+      '¶ And <w lemma="strong:H0430">God</w> <transChange type="added">said</transChange>'
+      ', ¡<w lemma="strong:H1">Let</w>!<note placement="foot"><reference type="annotat'
+      'eRef">1.3 </reference>Heb. a note</note> <l level="1" sID="x"/>\\nd LORD'
+      '<chapter eID="Gen.1"/>'
+  )
   assert bible_corpus.osis_to_text(osis) == 'A Psalm. And God said, ¡Let! LORD'
 
 
@@ -37,7 +39,12 @@ def _write_ztext(path, verse_texts):
 def test_reader_decodes_slots_and_rejects_other_versifications(tmp_path):
   _write_ztext(tmp_path, [b'', b'', b'In the beginning', b'', b'x'])
   assert bible_corpus._read_testament(str(tmp_path), 'ot') == [
-      b'', b'', b'In the beginning', b'', b'x']
+      b'',
+      b'',
+      b'In the beginning',
+      b'',
+      b'x',
+  ]
   (tmp_path / 'nt.bzv').write_bytes(b'')
   with pytest.raises(ValueError, match='not in KJV versification'):
     bible_corpus.read_module(str(tmp_path))
@@ -46,8 +53,13 @@ def test_reader_decodes_slots_and_rejects_other_versifications(tmp_path):
 def test_missing_module_says_how_to_install(tmp_path):
   with pytest.raises(bible_corpus.SwordModuleNotFoundError) as error:
     bible_corpus.find_module('engKJV2006eb', roots=[str(tmp_path)])
-  for needle in ('engKJV2006eb', str(tmp_path), 'scripts/setup_bible.sh',
-                 'apt-get install -y sword-text-kjv sword-text-sparv', 'SWORD_PATH'):
+  for needle in (
+      'engKJV2006eb',
+      str(tmp_path),
+      'scripts/setup_bible.sh',
+      'apt-get install -y sword-text-kjv sword-text-sparv',
+      'SWORD_PATH',
+  ):
     assert needle in str(error.value)
 
 
@@ -62,7 +74,8 @@ def _modules_installed():
 
 needs_modules = pytest.mark.skipif(
     not _modules_installed(),
-    reason='SWORD modules missing: run `bash scripts/setup_bible.sh` (as root: apt-get).')
+    reason='SWORD modules missing: run `bash scripts/setup_bible.sh` (as root: apt-get).',
+)
 
 
 @pytest.fixture(scope='module')
@@ -72,21 +85,26 @@ def splits(tmp_path_factory):
   out = {}
   for split in ('train', 'validation', 'test'):
     source = builder.as_data_source(split)
-    out[split] = {r['ref'].decode(): (r['en'].decode(), r['es'].decode())
-                  for r in (source[i] for i in range(len(source)))}
+    out[split] = {
+        r['ref'].decode(): (r['en'].decode(), r['es'].decode())
+        for r in (source[i] for i in range(len(source)))
+    }
   return out
 
 
 @needs_modules
 def test_known_verses_are_aligned(splits):
   verses = {ref: pair for split in splits.values() for ref, pair in split.items()}
-  assert verses['Gen.1.1'] == ('In the beginning God created the heaven and the earth.',
-                               'EN el principio crió Dios los cielos y la tierra.')
+  assert verses['Gen.1.1'] == (
+      'In the beginning God created the heaven and the earth.',
+      'EN el principio crió Dios los cielos y la tierra.',
+  )
   assert verses['John.3.16'][0].startswith('For God so loved the world, that he gave his')
   assert verses['John.3.16'][1].startswith('Porque de tal manera amó Dios al mundo')
   assert verses['Rev.22.21'] == (
       'The grace of our Lord Jesus Christ be with you all. Amen.',
-      'La gracia de nuestro Señor Jesucristo sea con todos vosotros. Amén.')
+      'La gracia de nuestro Señor Jesucristo sea con todos vosotros. Amén.',
+  )
   # The psalm title is part of verse 1 on both sides.
   assert verses['Ps.3.1'][0].startswith('A Psalm of David, when he fled from Absalom')
   assert verses['Ps.3.1'][1].startswith('Salmo de David, cuando huía de delante de Absalom')

@@ -25,8 +25,11 @@ REPO = train_testlib.REPO
 
 
 def _command(script: str, *flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
-  return train_testlib.run_command([sys.executable, os.path.join(REPO, script), *flags],
-                                   env=train_testlib.subprocess_env(), timeout=timeout)
+  return train_testlib.run_command(
+      [sys.executable, os.path.join(REPO, script), *flags],
+      env=train_testlib.subprocess_env(),
+      timeout=timeout,
+  )
 
 
 def _assert_user_error(result: subprocess.CompletedProcess, *phrases: str) -> None:
@@ -53,16 +56,23 @@ def _train(tmp_path, files, *flags, **overrides):
 def test_config_file_with_a_syntax_error(tmp_path):
   path = tmp_path / 'broken.py'
   path.write_text('def get_config(:\n  pass\n')
-  _assert_user_error(_command('train.py', f'--config={path}', f'--workdir={tmp_path}/w'),
-                     str(path), 'not valid Python', 'line 1')
+  _assert_user_error(
+      _command('train.py', f'--config={path}', f'--workdir={tmp_path}/w'),
+      str(path),
+      'not valid Python',
+      'line 1',
+  )
 
 
 @pytest.mark.slow
 def test_config_file_without_get_config(tmp_path):
   path = tmp_path / 'empty.py'
   path.write_text('x = 1\n')
-  _assert_user_error(_command('train.py', f'--config={path}', f'--workdir={tmp_path}/w'),
-                     str(path), 'no get_config()')
+  _assert_user_error(
+      _command('train.py', f'--config={path}', f'--workdir={tmp_path}/w'),
+      str(path),
+      'no get_config()',
+  )
 
 
 def _write(path, data: bytes) -> str:
@@ -70,12 +80,15 @@ def _write(path, data: bytes) -> str:
   return str(path)
 
 
-@pytest.mark.parametrize('target,phrases', [
-    (b'ONE\nTWO\nTHREE\n', ('2 lines', '3')),  # Unequal line counts.
-    (b'', ('is empty',)),
-    (b'\x00\x01\x02binary\x00\n\x00\n', ('NUL bytes', 'binary')),
-    (b'ok\n\xff\xfe latin-1 \xe9\n', ('not UTF-8', 'line 2', 'iconv')),
-])
+@pytest.mark.parametrize(
+    'target,phrases',
+    [
+        (b'ONE\nTWO\nTHREE\n', ('2 lines', '3')),  # Unequal line counts.
+        (b'', ('is empty',)),
+        (b'\x00\x01\x02binary\x00\n\x00\n', ('NUL bytes', 'binary')),
+        (b'ok\n\xff\xfe latin-1 \xe9\n', ('not UTF-8', 'line 2', 'iconv')),
+    ],
+)
 @pytest.mark.slow
 def test_unusable_text_files(tmp_path, data_files, target, phrases):
   source = _write(tmp_path / 'train.src', b'one\ntwo\n')
@@ -83,17 +96,23 @@ def test_unusable_text_files(tmp_path, data_files, target, phrases):
   _assert_user_error(_train(tmp_path, files), *phrases)
 
 
-@pytest.mark.parametrize('overrides,phrases', [
-    ({'vocab_size_target': 2}, ('vocab_size_target=2', 'must be an int >= 8')),
-    ({'positional_encoding': 'learned', 'max_len': 16},
-     ('max_len=16', 'learned positions', '--config.max_len=32')),
-    ({'bucket_boundaries': (16, 8)}, ('bucket_boundaries', 'increasing order')),
-    ({'bucket_boundaries': (0, 8)}, ('bucket_boundaries', 'positive')),
-    ({'max_source_length': 0}, ('max_source_length=0', 'must be an int >= 1')),
-])
+@pytest.mark.parametrize(
+    'overrides,phrases',
+    [
+        ({'vocab_size_target': 2}, ('vocab_size_target=2', 'must be an int >= 8')),
+        (
+            {'positional_encoding': 'learned', 'max_len': 16},
+            ('max_len=16', 'learned positions', '--config.max_len=32'),
+        ),
+        ({'bucket_boundaries': (16, 8)}, ('bucket_boundaries', 'increasing order')),
+        ({'bucket_boundaries': (0, 8)}, ('bucket_boundaries', 'positive')),
+        ({'max_source_length': 0}, ('max_source_length=0', 'must be an int >= 1')),
+    ],
+)
 @pytest.mark.slow
-def test_config_values_that_cannot_work_fail_before_anything_runs(tmp_path, data_files,
-                                                                  overrides, phrases):
+def test_config_values_that_cannot_work_fail_before_anything_runs(
+    tmp_path, data_files, overrides, phrases
+):
   result = _train(tmp_path, data_files, **overrides)
   _assert_user_error(result, *phrases)
   assert not os.path.exists(tmp_path / 'run' / 'vocab')  # Stopped before the data.
@@ -102,14 +121,22 @@ def test_config_values_that_cannot_work_fail_before_anything_runs(tmp_path, data
 @pytest.mark.slow
 def test_train_keeps_its_compiled_programs_in_the_compilation_cache(tmp_path, data_files):
   cache = tmp_path / 'cache'
-  result = _train(tmp_path, data_files, f'--compilation_cache_dir={cache}',
-                  num_train_steps=2, checkpoint_every_steps=2)
+  result = _train(
+      tmp_path,
+      data_files,
+      f'--compilation_cache_dir={cache}',
+      num_train_steps=2,
+      checkpoint_every_steps=2,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert cache.is_dir() and any(cache.iterdir())
   not_a_directory = tmp_path / 'file'
   not_a_directory.write_text('')
-  _assert_user_error(_train(tmp_path, data_files, f'--compilation_cache_dir={not_a_directory}'),
-                     'is a file', 'give a directory')
+  _assert_user_error(
+      _train(tmp_path, data_files, f'--compilation_cache_dir={not_a_directory}'),
+      'is a file',
+      'give a directory',
+  )
 
 
 @pytest.mark.slow
@@ -134,8 +161,7 @@ def _damage(directory: str, item: str, how: str) -> None:
 def test_damaged_checkpoint_names_the_step_and_suggests_another(run_dir, tmp_path, item, how):
   workdir = str(tmp_path / 'run')
   shutil.copytree(run_dir, workdir)
-  steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))
-                 if s.isdigit())
+  steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')) if s.isdigit())
   _damage(os.path.join(workdir, 'checkpoints', str(steps[-1])), item, how)
   result = _command('evaluate.py', f'--workdir={workdir}', '--max_sentences=2')
   _assert_user_error(result, f'Checkpoint {steps[-1]}', 'damaged', '--step', str(steps[0]))
@@ -154,7 +180,7 @@ def test_damaged_checkpoint_stops_a_resume_with_the_way_out(tmp_path, data_files
 def test_full_disk_is_one_line_naming_the_file(tmp_path):
   """A full disk as orbax reports it: an OSError wrapped in another exception."""
   script = tmp_path / 'full_disk.py'
-  script.write_text(textwrap.dedent(f'''
+  script.write_text(textwrap.dedent(f"""
       import errno, sys
       sys.path.insert(0, {REPO!r})
       from transformer_jax import cli
@@ -166,9 +192,10 @@ def test_full_disk_is_one_line_naming_the_file(tmp_path):
           raise ValueError('Checkpoint save failed') from e
 
       cli.run(main)
-  '''))
-  result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=120)
+  """))
+  result = subprocess.run(
+      [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+  )
   assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr
   assert result.stderr.count('\n') == 1
   assert 'No space left' in result.stderr and '/work/run/checkpoints/7' in result.stderr
@@ -189,17 +216,22 @@ def test_user_errors_are_found_through_wrapping_exceptions():
   assert isinstance(config_error, ValueError)  # Callers catching ValueError still work.
 
 
-@pytest.mark.parametrize('script,own_flags', [
-    ('evaluate.py', ('--workdir', '--step', '--average_last', '--beam_size', '--split',
-                     '--verbose')),
-    ('translate.py', ('--workdir', '--beam_size', '--length_penalty', '--input', '--verbose')),
-    ('train.py', ('--config', '--workdir', '--compilation_cache_dir', '--verbose')),
-    ('average_checkpoints.py', ('--workdir', '--output_workdir', '--verbose')),
-    ('import_marian.py', ('--model_dir', '--workdir', '--verbose')),
-    ('export_marian.py', ('--workdir', '--step', '--output_dir', '--verbose')),
-    ('compile.py', ('--config', '--topology', '--json', '--search_batch', '--[no]verbose')),
-    ('prepare_data.py', ('--config', '--workdir', '--splits', '--num_hosts', '--[no]verbose')),
-])
+@pytest.mark.parametrize(
+    'script,own_flags',
+    [
+        (
+            'evaluate.py',
+            ('--workdir', '--step', '--average_last', '--beam_size', '--split', '--verbose'),
+        ),
+        ('translate.py', ('--workdir', '--beam_size', '--length_penalty', '--input', '--verbose')),
+        ('train.py', ('--config', '--workdir', '--compilation_cache_dir', '--verbose')),
+        ('average_checkpoints.py', ('--workdir', '--output_workdir', '--verbose')),
+        ('import_marian.py', ('--model_dir', '--workdir', '--verbose')),
+        ('export_marian.py', ('--workdir', '--step', '--output_dir', '--verbose')),
+        ('compile.py', ('--config', '--topology', '--json', '--search_batch', '--[no]verbose')),
+        ('prepare_data.py', ('--config', '--workdir', '--splits', '--num_hosts', '--[no]verbose')),
+    ],
+)
 def test_help_lists_each_commands_own_flags(script, own_flags):
   result = _command(script, '--help', timeout=120)
   # Help given is a success (absl's own exit code is 1), so `command --help && ...` goes on.
@@ -211,13 +243,16 @@ def test_help_lists_each_commands_own_flags(script, own_flags):
 def _flip_bytes(directory: str, item: str, count: int = 64) -> str:
   """Inverts `count` bytes in the middle of the item's largest file (what a bad disk or a
   bad copy does); returns the file."""
-  files = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(directory, item))
-           for name in names]
+  files = [
+      os.path.join(root, name)
+      for root, _, names in os.walk(os.path.join(directory, item))
+      for name in names
+  ]
   path = max(files, key=os.path.getsize)
   with open(path, 'r+b') as f:
     data = bytearray(f.read())
     middle = len(data) // 2
-    data[middle:middle + count] = bytes(255 - b for b in data[middle:middle + count])
+    data[middle : middle + count] = bytes(255 - b for b in data[middle : middle + count])
     f.seek(0)
     f.write(data)
   return path
@@ -227,8 +262,7 @@ def _flip_bytes(directory: str, item: str, count: int = 64) -> str:
 def test_flipped_bytes_in_parameters_are_caught_by_evaluation(run_dir, tmp_path):
   workdir = str(tmp_path / 'run')
   shutil.copytree(run_dir, workdir)
-  steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints'))
-                 if s.isdigit())
+  steps = sorted(int(s) for s in os.listdir(os.path.join(workdir, 'checkpoints')) if s.isdigit())
   _flip_bytes(os.path.join(workdir, 'checkpoints', str(steps[-1])), 'params')
   result = _command('evaluate.py', f'--workdir={workdir}', '--max_sentences=2')
   _assert_user_error(result, f'Checkpoint {steps[-1]}', 'damaged', '--step', str(steps[0]))
@@ -236,16 +270,16 @@ def test_flipped_bytes_in_parameters_are_caught_by_evaluation(run_dir, tmp_path)
 
 
 @pytest.mark.slow
-def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path,
-                                                                         data_files):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, data_files):
   """Steps 2 and 4 saved; 4's parameters get flipped bytes; resuming to 6 warns, names both
   steps, keeps 4 as 4.damaged and trains on from 2 (now validating with BLEU every 3 steps,
   so checkpoints with and without metrics alternate)."""
   assert _train(tmp_path, data_files, num_train_steps=4).returncode == 0
   checkpoints = tmp_path / 'run' / 'checkpoints'
   _flip_bytes(str(checkpoints / '4'), 'params')
-  result = _train(tmp_path, data_files, num_train_steps=6, eval_every_steps=3,
-                  eval_bleu_sentences=4)
+  result = _train(
+      tmp_path, data_files, num_train_steps=6, eval_every_steps=3, eval_bleu_sentences=4
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Checkpoint 4 is damaged, so training resumes from 2' in result.stderr
   assert 'sacreBLEU' in result.stderr  # The evaluation's log line.
@@ -260,7 +294,9 @@ def test_a_folder_named_like_a_shipped_config_does_not_shadow_it(tmp_path, monke
   monkeypatch.chdir(tmp_path)
   (tmp_path / 'tiny').mkdir()
   assert cli._shipped_config(['train.py', '--config=tiny']) == [
-      'train.py', f'--config={os.path.join(cli.configs_directory(), "tiny.py")}']
+      'train.py',
+      f'--config={os.path.join(cli.configs_directory(), "tiny.py")}',
+  ]
   (tmp_path / 'mine').mkdir()
   argv = ['train.py', '--config=mine']
   assert cli._shipped_config(argv) == argv
@@ -276,16 +312,18 @@ def test_orbax_warnings_about_what_the_commands_mean_to_do_are_dropped():
 
   def record(path, level, message):
     return logging.LogRecord('absl', level, path, 1, message, None, None)
+
   orbax = '/site-packages/orbax/checkpoint/checkpoint_manager.py'
-  for message in ('Given directory is read only=/runs/x/checkpoints',
-                  'CheckpointManagerOptions.read_only=True, setting save_interval_steps=0.',
-                  'Item "params" was found in the checkpoint, but could not be restored. '
-                  'Please provide a `CheckpointHandlerRegistry`'):
+  for message in (
+      'Given directory is read only=/runs/x/checkpoints',
+      'CheckpointManagerOptions.read_only=True, setting save_interval_steps=0.',
+      'Item "params" was found in the checkpoint, but could not be restored. '
+      'Please provide a `CheckpointHandlerRegistry`',
+  ):
     assert not quiet(record(orbax, logging.WARNING, message)), message
   assert quiet(record(orbax, logging.WARNING, 'Something else went wrong'))
   assert not quiet(record(orbax, logging.INFO, 'Saving checkpoint'))
-  assert quiet(record('/site-packages/jax/x.py', logging.WARNING,
-                      'Given directory is read only'))
+  assert quiet(record('/site-packages/jax/x.py', logging.WARNING, 'Given directory is read only'))
 
 
 def test_an_input_line_loses_its_ending_and_bad_bytes_are_replaced_and_flagged():
@@ -301,9 +339,13 @@ def test_checksums_catch_a_flipped_bit_and_swapped_words():
   import numpy as np
 
   from transformer_jax import checkpointing
+
   rng = np.random.default_rng(0)
-  tree = {'w': rng.normal(size=(64, 48)).astype(np.float32), 'step': np.int32(7),
-          'h': jnp.asarray(rng.normal(size=(5,)), jnp.bfloat16)}
+  tree = {
+      'w': rng.normal(size=(64, 48)).astype(np.float32),
+      'step': np.int32(7),
+      'h': jnp.asarray(rng.normal(size=(5,)), jnp.bfloat16),
+  }
   saved = checkpointing.checksums(tree)
   checkpointing.verify_checksums(saved, tree)
   checkpointing.verify_checksums(None, tree)  # Saved before checksums existed: passes.
@@ -323,20 +365,33 @@ def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data
   loadable."""
   mount = tmp_path / 'small'
   mount.mkdir()
-  mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=32m', 'tmpfs', str(mount)],
-                           capture_output=True, text=True, check=False)
+  mounted = subprocess.run(
+      ['mount', '-t', 'tmpfs', '-o', 'size=32m', 'tmpfs', str(mount)],
+      capture_output=True,
+      text=True,
+      check=False,
+  )
   if mounted.returncode:
     pytest.skip(f'cannot mount a small tmpfs here (needs root): {mounted.stderr.strip()}')
   try:
     workdir = mount / 'run'
     config = train_testlib.write_config_file(
-        str(tmp_path / 'config.py'), data_files, num_train_steps=100000,
-        checkpoint_every_steps=5, log_every_steps=100000, keep_checkpoints=2)
+        str(tmp_path / 'config.py'),
+        data_files,
+        num_train_steps=100000,
+        checkpoint_every_steps=5,
+        log_every_steps=100000,
+        keep_checkpoints=2,
+    )
     log = tmp_path / 'train.log'
     with open(log, 'w', encoding='utf-8') as out:
-      process = subprocess.Popen(train_testlib.train_command(config, str(workdir)),
-                                 cwd=REPO, env=train_testlib.subprocess_env(), stdout=out,
-                                 stderr=out)
+      process = subprocess.Popen(
+          train_testlib.train_command(config, str(workdir)),
+          cwd=REPO,
+          env=train_testlib.subprocess_env(),
+          stdout=out,
+          stderr=out,
+      )
     deadline = time.time() + 240
     while not (workdir / 'checkpoints' / '5').is_dir():
       assert process.poll() is None, log.read_text()[-3000:]
@@ -354,6 +409,7 @@ def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data
     assert 'MB there' in message and 'rerun the same command' in message, message
     os.remove(mount / 'filler')
     from transformer_jax import checkpointing
+
     steps = checkpointing.list_steps(str(workdir))
     _, step = checkpointing.restore_params(str(workdir), steps[-1])  # Intact, verified.
     assert step >= 5
@@ -365,6 +421,7 @@ def _installed_script(name: str) -> str:
   """The console script `name` of the installed package (pip install -e . puts it beside
   the Python that runs the tests; scripts/setup.sh always installs it)."""
   import importlib.metadata
+
   try:
     importlib.metadata.distribution('transformer-jax')
   except importlib.metadata.PackageNotFoundError:
@@ -381,18 +438,34 @@ def test_console_scripts_take_shipped_config_names(tmp_path):
   script = _installed_script('transformer-jax-train')
   result = subprocess.run(
       [script, '--config=tiny', f'--workdir={tmp_path / "run"}', '--config.num_train_steps=0'],
-      cwd=str(tmp_path), env=train_testlib.subprocess_env(), capture_output=True, text=True,
-      timeout=300)
+      cwd=str(tmp_path),
+      env=train_testlib.subprocess_env(),
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr[-3000:]
   message = result.stderr.strip().splitlines()[-1]
   assert message.startswith('transformer-jax-train: error: num_train_steps=0'), message
-  help_text = subprocess.run([_installed_script('transformer-jax-translate'), '--help'],
-                             cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+  help_text = subprocess.run(
+      [_installed_script('transformer-jax-translate'), '--help'],
+      cwd=str(tmp_path),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert '--n_best' in help_text.stdout and '--sampling' in help_text.stdout
   missing = _command('train.py', '--config=no_such_config', f'--workdir={tmp_path}/w')
   _assert_user_error(missing, 'does not exist', 'bible_en_es', 'tiny')
   installed = subprocess.run(
-      [sys.executable, '-c', 'import transformer_jax.configs.tiny as t; '
-       'print(t.get_config().d_model)'], cwd=str(tmp_path), capture_output=True, text=True,
-      timeout=120)
+      [
+          sys.executable,
+          '-c',
+          'import transformer_jax.configs.tiny as t; ' 'print(t.get_config().d_model)',
+      ],
+      cwd=str(tmp_path),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert installed.stdout.strip() == '32', installed.stderr[-2000:]

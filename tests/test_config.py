@@ -18,8 +18,7 @@ from transformer_jax.config import ConfigError
 from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
 
-CONFIG_FILES = sorted(p.stem for p in pathlib.Path('configs').glob('*.py')
-                      if p.stem != '__init__')
+CONFIG_FILES = sorted(p.stem for p in pathlib.Path('configs').glob('*.py') if p.stem != '__init__')
 
 
 @pytest.mark.parametrize('name', CONFIG_FILES)
@@ -41,8 +40,9 @@ def _count_params(config_name: str, vocab_size: int) -> int:
   return sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
 
 
-@pytest.mark.parametrize('config_name,paper_millions', [
-    ('wmt14_ende_base', 65), ('wmt14_ende_big', 213)])
+@pytest.mark.parametrize(
+    'config_name,paper_millions', [('wmt14_ende_base', 65), ('wmt14_ende_big', 213)]
+)
 def test_parameter_count_matches_table_3(config_name, paper_millions):
   # Exact counts with a shared 37,000-token vocabulary: base 63.08M, big 214.25M. Table 3
   # rounds and does not state the vocabulary it counted with (the paper says "about
@@ -66,21 +66,24 @@ def test_untied_embeddings_add_the_expected_matrices():
   assert untied - tied == 2 * 37000 * 512
 
 
-@pytest.mark.parametrize('field,value,message', [
-    ('num_heads', 7, 'not divisible by num_heads'),
-    ('positional_encoding', 'relative', "positional_encoding='relative' is not one of"),
-    ('dropout_rate', -0.1, 'dropout_rate=-0.1 must be in [0, 1)'),
-    ('attention_dropout_rate', 1.5, 'attention_dropout_rate=1.5'),
-    ('norm_position', 'sandwich', 'norm_position'),
-    ('layer_norm_statistics', 'welford', 'layer_norm_statistics'),
-    ('logits_sum', 'mean', 'logits_sum'),
-    ('post_norm_kernel', 'triton', "post_norm_kernel='triton' is not one of"),
-    ('qkv_projection', 'fused', "qkv_projection='fused' is not one of"),
-    ('dtype', 'float8', 'dtype='),
-    ('dtype', 'float16', 'needs loss scaling'),
-    ('num_encoder_layers', 0, 'num_encoder_layers=0'),
-    ('layer_norm_epsilon', 0.0, 'layer_norm_epsilon'),
-])
+@pytest.mark.parametrize(
+    'field,value,message',
+    [
+        ('num_heads', 7, 'not divisible by num_heads'),
+        ('positional_encoding', 'relative', "positional_encoding='relative' is not one of"),
+        ('dropout_rate', -0.1, 'dropout_rate=-0.1 must be in [0, 1)'),
+        ('attention_dropout_rate', 1.5, 'attention_dropout_rate=1.5'),
+        ('norm_position', 'sandwich', 'norm_position'),
+        ('layer_norm_statistics', 'welford', 'layer_norm_statistics'),
+        ('logits_sum', 'mean', 'logits_sum'),
+        ('post_norm_kernel', 'triton', "post_norm_kernel='triton' is not one of"),
+        ('qkv_projection', 'fused', "qkv_projection='fused' is not one of"),
+        ('dtype', 'float8', 'dtype='),
+        ('dtype', 'float16', 'needs loss scaling'),
+        ('num_encoder_layers', 0, 'num_encoder_layers=0'),
+        ('layer_norm_epsilon', 0.0, 'layer_norm_epsilon'),
+    ],
+)
 def test_bad_config_fails_when_built_with_a_clear_message(field, value, message):
   config = base_config()
   config.vocab_size = 1000
@@ -90,9 +93,14 @@ def test_bad_config_fails_when_built_with_a_clear_message(field, value, message)
   assert message in str(error.value)
 
 
-@pytest.mark.parametrize('platform,dtype', [
-    ('cpu', jnp.float32), ('gpu', jnp.bfloat16), ('tpu', jnp.bfloat16),
-])
+@pytest.mark.parametrize(
+    'platform,dtype',
+    [
+        ('cpu', jnp.float32),
+        ('gpu', jnp.bfloat16),
+        ('tpu', jnp.bfloat16),
+    ],
+)
 def test_auto_dtype_is_bfloat16_on_accelerators_and_float32_on_cpu(platform, dtype):
   """Every paper config leaves dtype at 'auto'; parameters stay float32 everywhere."""
   for name in ('wmt14_ende_base', 'wmt14_ende_big', 'wmt14_enfr_big'):
@@ -101,22 +109,25 @@ def test_auto_dtype_is_bfloat16_on_accelerators_and_float32_on_cpu(platform, dty
     model_config = TransformerConfig.from_config(config, vocab_size=1000, platform=platform)
     assert model_config.dtype == dtype and model_config.param_dtype == jnp.float32
   assert TransformerConfig.from_config(base_config(), vocab_size=100).dtype == (
-      jnp.bfloat16 if jax.default_backend() != 'cpu' else jnp.float32)
+      jnp.bfloat16 if jax.default_backend() != 'cpu' else jnp.float32
+  )
 
 
-@pytest.mark.parametrize('field,gpu,elsewhere', [
-    ('logits_sum', 'linear', 'reduce'), ('qkv_projection', 'stacked', 'separate')])
+@pytest.mark.parametrize(
+    'field,gpu,elsewhere',
+    [('logits_sum', 'linear', 'reduce'), ('qkv_projection', 'stacked', 'separate')],
+)
 @pytest.mark.parametrize('platform', ['cpu', 'gpu', 'cuda', 'tpu'])
 def test_automatic_choices_differ_on_gpus_only(field, gpu, elsewhere, platform):
   config = base_config()
   assert config[field] == ''
   automatic = gpu if platform in ('gpu', 'cuda') else elsewhere
   assert getattr(TransformerConfig.from_config(config, 100, platform=platform), field) == (
-      automatic)
+      automatic
+  )
   for chosen in (gpu, elsewhere):
     config[field] = chosen
-    assert getattr(TransformerConfig.from_config(config, 100, platform=platform), field) == (
-        chosen)
+    assert getattr(TransformerConfig.from_config(config, 100, platform=platform), field) == (chosen)
 
 
 def test_config_is_frozen_and_modes_derive_by_replace():
@@ -138,23 +149,25 @@ def test_a_saved_config_gets_legacy_values_and_todays_defaults_for_missing_field
   config = config_lib.from_saved(saved)
   assert config.dropout_rng_impl == config_lib.LEGACY_VALUES['dropout_rng_impl']
   assert config.max_skipped_steps_in_a_row == base_config().max_skipped_steps_in_a_row
-  assert config.shuffle_buffer == 0 and dict(config.mesh) == {'data': 2, 'fsdp': 1,
-                                                               'tensor': 1}
+  assert config.shuffle_buffer == 0 and dict(config.mesh) == {'data': 2, 'fsdp': 1, 'tensor': 1}
   config_lib.validate(config, vocab_size=100)
   with pytest.raises(AttributeError):
     config.new_field = 1  # Locked.
 
 
-@pytest.mark.parametrize('field,value,message', [
-    ('bucket_boundaries', (32, 16), 'increasing order'),
-    ('vocab_size_target', 4, 'vocab_size_target=4'),
-    ('nonfinite', 'ignore', 'nonfinite'),
-    ('max_skipped_steps_in_a_row', -1, 'max_skipped_steps_in_a_row'),
-    ('beam_size', 0, 'beam_size'),
-    ('warmup_steps', 0, 'warmup_steps'),
-    ('profile_steps', '5:3', "profile_steps='5:3' must be 'A:B'"),
-    ('profile_steps', '10', "profile_steps='10' must be 'A:B'"),
-])
+@pytest.mark.parametrize(
+    'field,value,message',
+    [
+        ('bucket_boundaries', (32, 16), 'increasing order'),
+        ('vocab_size_target', 4, 'vocab_size_target=4'),
+        ('nonfinite', 'ignore', 'nonfinite'),
+        ('max_skipped_steps_in_a_row', -1, 'max_skipped_steps_in_a_row'),
+        ('beam_size', 0, 'beam_size'),
+        ('warmup_steps', 0, 'warmup_steps'),
+        ('profile_steps', '5:3', "profile_steps='5:3' must be 'A:B'"),
+        ('profile_steps', '10', "profile_steps='10' must be 'A:B'"),
+    ],
+)
 def test_validate_names_the_field(field, value, message):
   config = base_config()
   config[field] = value
@@ -164,6 +177,7 @@ def test_validate_names_the_field(field, value, message):
 
 def _package_imports(module) -> set[str]:
   import ast
+
   tree = ast.parse(open(module.__file__, encoding='utf-8').read())
   imported = set()
   for node in ast.walk(tree):
@@ -180,35 +194,51 @@ def test_config_imports_nothing_of_the_package_but_errors_and_kernel_choice():
   other fields (optimizer, decoding) import it, so it may not import them (`config_checks`
   sits above all three)."""
   errors = {'transformer_jax.errors', 'transformer_jax.errors.ConfigError'}
-  assert _package_imports(config_lib) <= errors | {'transformer_jax',
-                                                   'transformer_jax.kernel_choice'}
+  assert _package_imports(config_lib) <= errors | {
+      'transformer_jax',
+      'transformer_jax.kernel_choice',
+  }
   assert _package_imports(kernel_choice) <= errors
 
 
-@pytest.mark.parametrize('overrides,platform,implementation,lengths,reason', [
-    ({}, 'gpu', 'cudnn', True, 'cuDNN fused attention (automatic on GPU)'),
-    ({}, 'cpu', None, False, 'XLA attention (automatic on cpu)'),
-    ({}, 'tpu', None, False, 'XLA attention (automatic on tpu)'),
-    ({'packing': True}, 'gpu', 'xla', False, 'cannot serve packed rows'),
-    ({'dtype': 'float32'}, 'gpu', 'xla', False, 'cannot serve dtype float32'),
-    ({'attention_dropout_rate': 0.1}, 'gpu', 'xla', False, 'attention_dropout_rate > 0'),
-    ({'positional_encoding': 'alibi'}, 'gpu', 'xla', False, 'ALiBi'),
-    ({'d_model': 2560, 'num_heads': 10}, 'gpu', 'xla', False, 'head dimension 256'),
-    ({'attention_implementation': 'xla'}, 'gpu', 'xla', False, 'as configured'),
-    ({'attention_implementation': 'cudnn'}, 'cpu', 'cudnn', True, 'sequence lengths'),
-    ({'attention_implementation': 'cudnn', 'packing': True}, 'gpu', 'cudnn', False,
-     'a dense mask'),
-])
+@pytest.mark.parametrize(
+    'overrides,platform,implementation,lengths,reason',
+    [
+        ({}, 'gpu', 'cudnn', True, 'cuDNN fused attention (automatic on GPU)'),
+        ({}, 'cpu', None, False, 'XLA attention (automatic on cpu)'),
+        ({}, 'tpu', None, False, 'XLA attention (automatic on tpu)'),
+        ({'packing': True}, 'gpu', 'xla', False, 'cannot serve packed rows'),
+        ({'dtype': 'float32'}, 'gpu', 'xla', False, 'cannot serve dtype float32'),
+        ({'attention_dropout_rate': 0.1}, 'gpu', 'xla', False, 'attention_dropout_rate > 0'),
+        ({'positional_encoding': 'alibi'}, 'gpu', 'xla', False, 'ALiBi'),
+        ({'d_model': 2560, 'num_heads': 10}, 'gpu', 'xla', False, 'head dimension 256'),
+        ({'attention_implementation': 'xla'}, 'gpu', 'xla', False, 'as configured'),
+        ({'attention_implementation': 'cudnn'}, 'cpu', 'cudnn', True, 'sequence lengths'),
+        (
+            {'attention_implementation': 'cudnn', 'packing': True},
+            'gpu',
+            'cudnn',
+            False,
+            'a dense mask',
+        ),
+    ],
+)
 def test_attention_choice_takes_cudnn_on_gpu_where_it_can_serve(
-    monkeypatch, overrides, platform, implementation, lengths, reason):
+    monkeypatch, overrides, platform, implementation, lengths, reason
+):
   monkeypatch.setattr(kernel_choice, 'cudnn_version', lambda: 92800)
   config = base_config()
   config.update(overrides)
   model = TransformerConfig.from_config(config, vocab_size=100, platform=platform)
   assert (model.attention_implementation, model.attention_lengths) == (implementation, lengths)
-  assert reason in kernel_choice.attention_choice(
-      config, platform, 'float32' if config.dtype == 'float32' or platform == 'cpu'
-      else 'bfloat16').reason
+  assert (
+      reason
+      in kernel_choice.attention_choice(
+          config,
+          platform,
+          'float32' if config.dtype == 'float32' or platform == 'cpu' else 'bfloat16',
+      ).reason
+  )
 
 
 def test_attention_choice_without_a_cudnn_library_is_xla_and_says_so(monkeypatch):
@@ -217,22 +247,26 @@ def test_attention_choice_without_a_cudnn_library_is_xla_and_says_so(monkeypatch
   assert choice.implementation == 'xla' and 'no cuDNN library found' in choice.reason
 
 
-@pytest.mark.parametrize('platform,resolved', [
-    ('gpu', 'pallas'), ('cpu', 'pallas_interpret'), ('tpu', None)])
+@pytest.mark.parametrize(
+    'platform,resolved', [('gpu', 'pallas'), ('cpu', 'pallas_interpret'), ('tpu', None)]
+)
 def test_pallas_post_norm_kernel_compiles_on_gpus_interprets_on_cpu_and_names_the_fix(
-    platform, resolved):
+    platform, resolved
+):
   config = base_config()
   assert config.post_norm_kernel == 'xla'
   config.post_norm_kernel = 'pallas'
   if resolved:
     assert TransformerConfig.from_config(config, 100, platform=platform).post_norm_kernel == (
-        resolved)
+        resolved
+    )
   else:
     with pytest.raises(ConfigError, match="not tpu; set post_norm_kernel='xla'"):
       TransformerConfig.from_config(config, 100, platform=platform)
-  for field, value, message in (('norm_position', 'pre', "norm_position='pre' set "
-                                 "post_norm_kernel='xla'"),
-                                ('d_model', 768, 'power-of-two d_model')):
+  for field, value, message in (
+      ('norm_position', 'pre', "norm_position='pre' set " "post_norm_kernel='xla'"),
+      ('d_model', 768, 'power-of-two d_model'),
+  ):
     bad = base_config()
     bad.update({'post_norm_kernel': 'pallas', field: value, 'num_heads': 8})
     with pytest.raises(ConfigError, match=message):

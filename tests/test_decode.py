@@ -34,10 +34,16 @@ def toy_step(params: dict, tokens: jax.Array, cache: dict) -> tuple[jax.Array, d
   seen = (jnp.arange(memory.shape[1]) <= index)[None, :, None]
   memory_mean = jnp.sum(memory * seen, axis=1) / (index + 1)  # [batch, hidden]
   state = jnp.tanh(x + cache['state'] @ params['w_state'] + cache['source'])
-  logits = (jnp.tanh(state + memory_mean @ params['w_memory']) @ params['w_out']
-            + params['position_bias'][index])
-  return logits, {'source': cache['source'], 'state': state, 'memory': memory,
-                  'cache_index': index + 1}
+  logits = (
+      jnp.tanh(state + memory_mean @ params['w_memory']) @ params['w_out']
+      + params['position_bias'][index]
+  )
+  return logits, {
+      'source': cache['source'],
+      'state': state,
+      'memory': memory,
+      'cache_index': index + 1,
+  }
 
 
 class ToyDecoder:
@@ -48,8 +54,14 @@ class ToyDecoder:
   inputs, written at 'cache_index'), 'cache_index' [] (int32, shared by all rows).
   """
 
-  def __init__(self, vocab_size: int = 7, hidden: int = 8, max_len: int = 32,
-               seed: int = 0, eos_bias: float = 0.0):
+  def __init__(
+      self,
+      vocab_size: int = 7,
+      hidden: int = 8,
+      max_len: int = 32,
+      seed: int = 0,
+      eos_bias: float = 0.0,
+  ):
     rng = np.random.default_rng(seed)
     self.vocab_size, self.hidden, self.max_len = vocab_size, hidden, max_len
     self.embed = rng.normal(size=(vocab_size, hidden))
@@ -58,8 +70,10 @@ class ToyDecoder:
     self.w_out = rng.normal(size=(hidden, vocab_size)) * 1.5
     self.position_bias = rng.normal(size=(max_len, vocab_size))
     self.position_bias[:, EOS_ID] += eos_bias
-    self.params = {name: jnp.asarray(getattr(self, name), jnp.float32)
-                   for name in ('embed', 'w_state', 'w_memory', 'w_out', 'position_bias')}
+    self.params = {
+        name: jnp.asarray(getattr(self, name), jnp.float32)
+        for name in ('embed', 'w_state', 'w_memory', 'w_out', 'position_bias')
+    }
     self.tokens_to_logits = functools.partial(toy_step, self.params)
 
   def sources(self, batch_size: int, seed: int = 1) -> np.ndarray:
@@ -67,10 +81,12 @@ class ToyDecoder:
 
   def init_cache(self, sources: np.ndarray) -> dict:
     batch_size = sources.shape[0]
-    return {'source': jnp.asarray(sources, jnp.float32),
-            'state': jnp.zeros((batch_size, self.hidden), jnp.float32),
-            'memory': jnp.zeros((batch_size, self.max_len, self.hidden), jnp.float32),
-            'cache_index': jnp.array(0, jnp.int32)}
+    return {
+        'source': jnp.asarray(sources, jnp.float32),
+        'state': jnp.zeros((batch_size, self.hidden), jnp.float32),
+        'memory': jnp.zeros((batch_size, self.max_len, self.hidden), jnp.float32),
+        'cache_index': jnp.array(0, jnp.int32),
+    }
 
   def step_logits_np(self, inputs: list[int], source: np.ndarray) -> np.ndarray:
     """Teacher forcing in numpy: the logits [len(inputs), vocab] after each input."""
@@ -80,8 +96,7 @@ class ToyDecoder:
       seen.append(x)
       state = np.tanh(x + state @ self.w_state + source)
       memory_mean = np.mean(seen, axis=0)
-      out.append(np.tanh(state + memory_mean @ self.w_memory) @ self.w_out
-                 + self.position_bias[t])
+      out.append(np.tanh(state + memory_mean @ self.w_memory) @ self.w_out + self.position_bias[t])
     return np.stack(out)
 
   def log_prob_np(self, output: list[int], source: np.ndarray) -> float:
@@ -93,7 +108,7 @@ class ToyDecoder:
 
 
 def lp_np(length: int, alpha: float, form: str) -> float:
-  return ((5 + length) / 6) ** alpha if form == 'gnmt' else length ** alpha
+  return ((5 + length) / 6) ** alpha if form == 'gnmt' else length**alpha
 
 
 def strip(sequence: np.ndarray) -> list[int]:
@@ -120,24 +135,27 @@ def _search(params, cache, rng, search, options):
 
 def run_beam(model, sources, beam_size, max_len, **kwargs):
   options = tuple(sorted(dict(kwargs, beam_size=beam_size, max_decode_len=max_len).items()))
-  return jax.device_get(_search(model.params, model.init_cache(sources), None, 'beam',
-                                options))
+  return jax.device_get(_search(model.params, model.init_cache(sources), None, 'beam', options))
 
 
 def run_greedy(model, sources, max_len):
-  return jax.device_get(_search(model.params, model.init_cache(sources), None, 'greedy',
-                                (('max_decode_len', max_len),)))
+  return jax.device_get(
+      _search(
+          model.params, model.init_cache(sources), None, 'greedy', (('max_decode_len', max_len),)
+      )
+  )
 
 
 def run_sample(model, sources, max_len, seed=0, **kwargs):
   options = tuple(sorted(dict(kwargs, max_decode_len=max_len).items()))
-  return jax.device_get(_search(model.params, model.init_cache(sources),
-                                jax.random.key(seed), 'sample', options))
+  return jax.device_get(
+      _search(model.params, model.init_cache(sources), jax.random.key(seed), 'sample', options)
+  )
 
 
 def test_length_penalty_forms():
   np.testing.assert_allclose(decode.length_penalty(7, 0.6), (12 / 6) ** 0.6, rtol=1e-6)
-  np.testing.assert_allclose(decode.length_penalty(7, 0.6, 'power'), 7 ** 0.6, rtol=1e-6)
+  np.testing.assert_allclose(decode.length_penalty(7, 0.6, 'power'), 7**0.6, rtol=1e-6)
   assert decode.length_penalty(7, 0.0) == 1.0
   with pytest.raises(ValueError, match='length_penalty_form'):
     decode.length_penalty(7, 0.6, 'linear')
@@ -161,8 +179,9 @@ def test_greedy_picks_argmax_and_reports_log_prob(seed):
     logits[:, PAD_ID] = -np.inf  # PAD is never generated.
     np.testing.assert_array_equal(np.argmax(logits, -1), output)
     assert output[-1] == EOS_ID or len(output) == 10
-    np.testing.assert_allclose(log_probs[row], model.log_prob_np(output, sources[row]),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        log_probs[row], model.log_prob_np(output, sources[row]), rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize('seed', [0, 1, 2])
@@ -190,8 +209,9 @@ def check_beam_order(outputs: list[list[int]], scores: np.ndarray, max_len: int)
 def test_beam_scores_are_sorted_and_equal_recomputed_penalised_log_probs(alpha, form):
   model = ToyDecoder(seed=0, eos_bias=1.0)
   sources = model.sources(4, seed=4)
-  sequences, scores = run_beam(model, sources, beam_size=4, max_len=10, alpha=alpha,
-                               length_penalty_form=form)
+  sequences, scores = run_beam(
+      model, sources, beam_size=4, max_len=10, alpha=alpha, length_penalty_form=form
+  )
   assert sequences.shape == (4, 4, 10) and sequences.dtype == np.int32
   lengths = set()
   for row in range(4):
@@ -199,8 +219,7 @@ def test_beam_scores_are_sorted_and_equal_recomputed_penalised_log_probs(alpha, 
     assert check_beam_order(outputs, scores[row], 10) == 4
     assert len({tuple(o) for o in outputs}) == 4
     lengths.update(len(o) for o in outputs)
-    expected = [model.log_prob_np(o, sources[row]) / lp_np(len(o), alpha, form)
-                for o in outputs]
+    expected = [model.log_prob_np(o, sources[row]) / lp_np(len(o), alpha, form) for o in outputs]
     np.testing.assert_allclose(scores[row], expected, rtol=1e-4, atol=1e-4)
   assert len(lengths) > 2  # The length penalty matters.
 
@@ -220,13 +239,17 @@ def test_wide_beam_finds_the_exhaustive_ranking():
   model = ToyDecoder(vocab_size=5, seed=5, eos_bias=-0.5)
   max_len, continuing = 4, (BOS_ID, 3, 4)
   sources = model.sources(2, seed=6)
-  sequences, scores = run_beam(model, sources, beam_size=128, max_len=max_len, alpha=alpha,
-                               length_penalty_form=form)
+  sequences, scores = run_beam(
+      model, sources, beam_size=128, max_len=max_len, alpha=alpha, length_penalty_form=form
+  )
   for row in range(2):
+
     def score(output):
       return model.log_prob_np(list(output), sources[row]) / lp_np(len(output), alpha, form)
-    finished = [p + (EOS_ID,) for n in range(max_len)
-                for p in itertools.product(continuing, repeat=n)]
+
+    finished = [
+        p + (EOS_ID,) for n in range(max_len) for p in itertools.product(continuing, repeat=n)
+    ]
     truncated = list(itertools.product(continuing, repeat=max_len))
     finished.sort(key=score, reverse=True)
     truncated.sort(key=score, reverse=True)
@@ -234,12 +257,13 @@ def test_wide_beam_finds_the_exhaustive_ranking():
     # The order is the search's only where float32 cannot swap neighbours (7e-4 apart here).
     for group in (finished, truncated):
       assert min(score(a) - score(b) for a, b in zip(group, group[1:])) > 1e-4
-    got = [tuple(strip(s)) for s in sequences[row, :len(expected)]]
+    got = [tuple(strip(s)) for s in sequences[row, : len(expected)]]
     assert got == expected
-    np.testing.assert_allclose(scores[row, :len(expected)], [score(o) for o in expected],
-                               rtol=1e-4, atol=1e-4)
-    assert np.all(scores[row, len(expected):] == -np.inf)
-    assert np.all(sequences[row, len(expected):] == PAD_ID)
+    np.testing.assert_allclose(
+        scores[row, : len(expected)], [score(o) for o in expected], rtol=1e-4, atol=1e-4
+    )
+    assert np.all(scores[row, len(expected) :] == -np.inf)
+    assert np.all(sequences[row, len(expected) :] == PAD_ID)
 
 
 @pytest.mark.parametrize('n,k', [(4096, 8), (5000, 8), (37000, 8), (1000, 3)])
@@ -281,13 +305,17 @@ def reference_beam_search_np(model, source, beam_size, max_len, alpha):
     for seq, log_prob in alive:
       logits = model.step_logits_np(list(seq), source)[-1]
       log_probs = logits - logits.max() - np.log(np.sum(np.exp(logits - logits.max())))
-      candidates += [(log_prob + log_probs[t], seq + (t,)) for t in range(model.vocab_size)
-                     if t != PAD_ID]
+      candidates += [
+          (log_prob + log_probs[t], seq + (t,)) for t in range(model.vocab_size) if t != PAD_ID
+      ]
     candidates.sort(key=lambda c: -c[0])
     gap = min(gap, candidates[2 * beam_size - 1][0] - candidates[2 * beam_size][0])
-    top = candidates[:2 * beam_size]
-    finished += [(seq[1:], log_prob / lp_np(step + 1, alpha, 'gnmt'))
-                 for log_prob, seq in top[:beam_size] if seq[-1] == EOS_ID]
+    top = candidates[: 2 * beam_size]
+    finished += [
+        (seq[1:], log_prob / lp_np(step + 1, alpha, 'gnmt'))
+        for log_prob, seq in top[:beam_size]
+        if seq[-1] == EOS_ID
+    ]
     finished = sorted(finished, key=lambda f: -f[1])[:beam_size]
     alive = [(seq, log_prob) for log_prob, seq in top if seq[-1] != EOS_ID][:beam_size]
   unfinished = [(seq[1:], log_prob / lp_np(max_len, alpha, 'gnmt')) for seq, log_prob in alive]
@@ -299,8 +327,9 @@ def test_beam_search_over_a_vocabulary_wider_than_two_beams_matches_the_referenc
   # chosen; with 40 tokens that cut is real, and must not change the search.
   model = ToyDecoder(vocab_size=40, seed=3, eos_bias=2.5)
   sources = model.sources(3, seed=9)
-  sequences, scores = run_beam(model, sources, beam_size=3, max_len=7, alpha=0.6,
-                               early_stopping=False)
+  sequences, scores = run_beam(
+      model, sources, beam_size=3, max_len=7, alpha=0.6, early_stopping=False
+  )
   finished_rows = 0
   for row in range(3):
     expected, gap = reference_beam_search_np(model, sources[row], 3, 7, alpha=0.6)
@@ -318,6 +347,7 @@ def _count_steps(model):
   def tokens_to_logits(tokens, cache):
     jax.debug.callback(lambda: calls.append(1))
     return model.tokens_to_logits(tokens, cache)
+
   return tokens_to_logits, calls
 
 
@@ -330,9 +360,17 @@ def test_early_stopping_gives_the_same_result_in_fewer_steps(seed, alpha):
   results = {}
   for early in (True, False):
     fn, calls = _count_steps(model)
-    out = jax.jit(functools.partial(
-        decode.beam_search, fn, batch_size=4, beam_size=4, max_decode_len=24,
-        alpha=alpha, early_stopping=early))(model.init_cache(sources))
+    out = jax.jit(
+        functools.partial(
+            decode.beam_search,
+            fn,
+            batch_size=4,
+            beam_size=4,
+            max_decode_len=24,
+            alpha=alpha,
+            early_stopping=early,
+        )
+    )(model.init_cache(sources))
     out = jax.device_get(out)
     jax.effects_barrier()
     results[early] = out, len(calls)
@@ -347,8 +385,9 @@ def test_searches_end_at_an_immediate_eos():
   model = ToyDecoder(seed=0, eos_bias=50.0)  # EOS first, always.
   fn, calls = _count_steps(model)
   sources = model.sources(4)
-  sequences, log_probs = jax.jit(functools.partial(
-      decode.greedy_search, fn, batch_size=4, max_decode_len=10))(model.init_cache(sources))
+  sequences, log_probs = jax.jit(
+      functools.partial(decode.greedy_search, fn, batch_size=4, max_decode_len=10)
+  )(model.init_cache(sources))
   jax.effects_barrier()
   assert len(calls) == 1
   np.testing.assert_array_equal(sequences, [[EOS_ID] + [PAD_ID] * 9] * 4)
@@ -367,8 +406,9 @@ def test_without_eos_every_search_returns_full_length_outputs():
   for row in range(4):
     output = strip(greedy_seqs[row])
     assert len(output) == max_len and EOS_ID not in output
-    np.testing.assert_allclose(greedy_log_probs[row], model.log_prob_np(output, sources[row]),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        greedy_log_probs[row], model.log_prob_np(output, sources[row]), rtol=1e-4, atol=1e-4
+    )
     assert check_beam_order([strip(q) for q in sequences[row]], scores[row], max_len) == 0
     for sequence, score in zip(sequences[row], scores[row]):
       output = strip(sequence)
@@ -386,8 +426,7 @@ def test_unfinished_beams_fill_the_slots_finished_ones_leave():
     outputs = [strip(s) for s in sequences[row]]
     num_finished = check_beam_order(outputs, scores[row], 10)
     mixed += 0 < num_finished < 4
-    expected = [model.log_prob_np(o, sources[row]) / lp_np(len(o), 0.6, 'gnmt')
-                for o in outputs]
+    expected = [model.log_prob_np(o, sources[row]) / lp_np(len(o), 0.6, 'gnmt') for o in outputs]
     np.testing.assert_allclose(scores[row], expected, rtol=1e-4, atol=1e-4)
   assert mixed > 0  # The case this test is about happened.
 
@@ -397,8 +436,7 @@ def test_sampling_with_top_k_one_or_zero_temperature_is_greedy(seed):
   model = ToyDecoder(seed=seed, eos_bias=0.5)
   sources = model.sources(4, seed=seed)
   greedy = run_greedy(model, sources, max_len=10)
-  for kwargs in ({'top_k': 1}, {'temperature': 0.0}, {'temperature': 1e-4},
-                 {'top_p': 1e-6}):
+  for kwargs in ({'top_k': 1}, {'temperature': 0.0}, {'temperature': 1e-4}, {'top_p': 1e-6}):
     sampled = run_sample(model, sources, max_len=10, seed=seed, **kwargs)
     np.testing.assert_array_equal(sampled[0], greedy[0], err_msg=str(kwargs))
     np.testing.assert_allclose(sampled[1], greedy[1], rtol=1e-5, err_msg=str(kwargs))
@@ -412,8 +450,9 @@ def test_sampled_log_probs_are_the_model_log_probs():
   for row in range(4):
     output = strip(sequences[row])
     assert output[-1] == EOS_ID or len(output) == 10
-    np.testing.assert_allclose(log_probs[row], model.log_prob_np(output, sources[row]),
-                               rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        log_probs[row], model.log_prob_np(output, sources[row]), rtol=1e-4, atol=1e-4
+    )
 
 
 def _first_token_frequencies(model, kwargs, num_samples=4000):
@@ -482,14 +521,15 @@ def test_searches_have_no_host_callbacks():
   searches = [
       lambda c: decode.greedy_search(model.tokens_to_logits, c, 2, 5),
       lambda c: decode.beam_search(model.tokens_to_logits, c, 2, 3, 5),
-      lambda c: decode.sample(model.tokens_to_logits, c, jax.random.key(0), 2, 5,
-                              top_k=3, top_p=0.9),
+      lambda c: decode.sample(
+          model.tokens_to_logits, c, jax.random.key(0), 2, 5, top_k=3, top_p=0.9
+      ),
   ]
   for search in searches:
     assert 'callback' not in str(jax.make_jaxpr(search)(cache))
 
 
-_SHARDED_SCRIPT = textwrap.dedent('''
+_SHARDED_SCRIPT = textwrap.dedent("""
     import functools, sys
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -506,7 +546,7 @@ _SHARDED_SCRIPT = textwrap.dedent('''
       np.testing.assert_array_equal(got[0], expected[name + '_sequences'], err_msg=name)
       np.testing.assert_allclose(got[1], expected[name + '_scores'], rtol=1e-5, err_msg=name)
     print('ok')
-''')
+""")
 # Options as `run_beam` and `run_sample` spell them, so the reference runs reuse compilations.
 SHARDED_CASES = {
     'beam': ('beam', (('beam_size', 4), ('max_decode_len', 10))),
@@ -520,15 +560,21 @@ def test_searches_run_with_the_batch_sharded_over_two_devices(tmp_path):
   expected = {}
   for name, (search, options) in SHARDED_CASES.items():
     sequences, scores = jax.device_get(
-        _search(model.params, cache, jax.random.key(0), search, options))
+        _search(model.params, cache, jax.random.key(0), search, options)
+    )
     expected[name + '_sequences'], expected[name + '_scores'] = sequences, scores
   np.savez(tmp_path / 'expected.npz', **expected)
   env = train_testlib.subprocess_env(2)
-  env['PYTHONPATH'] = os.pathsep.join([train_testlib.REPO, os.path.join(train_testlib.REPO,
-                                                                         'tests')])
+  env['PYTHONPATH'] = os.pathsep.join(
+      [train_testlib.REPO, os.path.join(train_testlib.REPO, 'tests')]
+  )
   result = subprocess.run(
-      [sys.executable, '-c', _SHARDED_SCRIPT, str(tmp_path / 'expected.npz')], env=env,
-      capture_output=True, text=True, timeout=300)
+      [sys.executable, '-c', _SHARDED_SCRIPT, str(tmp_path / 'expected.npz')],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert result.returncode == 0 and 'ok' in result.stdout, result.stderr[-3000:]
 
 
@@ -550,10 +596,16 @@ def test_searches_in_phases_of_growing_cache_equal_one_loop(search):
   if search == 'beam':
     options['beam_size'] = 3
   rng = jax.random.key(5) if search == 'sample' else None
-  one = jax.device_get(_search(model.params, cache, rng, search,
-                               tuple(sorted(options.items()))))
-  phased = jax.device_get(_search(model.params, short, rng, search, tuple(sorted(dict(
-      options, grow_cache=_grow_toy_cache).items()))))
+  one = jax.device_get(_search(model.params, cache, rng, search, tuple(sorted(options.items()))))
+  phased = jax.device_get(
+      _search(
+          model.params,
+          short,
+          rng,
+          search,
+          tuple(sorted(dict(options, grow_cache=_grow_toy_cache).items())),
+      )
+  )
   np.testing.assert_array_equal(phased[0], one[0])
   np.testing.assert_allclose(phased[1], one[1], rtol=1e-6)
   assert max(len(strip(s)) for s in np.reshape(one[0], (-1, 40))) > 32  # The last phase ran.
@@ -582,13 +634,26 @@ def test_each_row_stops_at_its_own_limit_as_if_it_were_the_search_limit(search):
   if search == 'beam':
     options['beam_size'] = 3
   rng = jax.random.key(5) if search == 'sample' else None
-  together = jax.device_get(_search_with_limits(
-      model.params, model.init_cache(sources), rng, jnp.asarray(limits), search,
-      tuple(sorted(options.items()))))
+  together = jax.device_get(
+      _search_with_limits(
+          model.params,
+          model.init_cache(sources),
+          rng,
+          jnp.asarray(limits),
+          search,
+          tuple(sorted(options.items())),
+      )
+  )
   for row, limit in enumerate(limits):
-    alone = jax.device_get(_search(model.params, model.init_cache(sources), rng, search,
-                                   tuple(sorted(dict(options, max_decode_len=int(limit))
-                                                .items()))))
+    alone = jax.device_get(
+        _search(
+            model.params,
+            model.init_cache(sources),
+            rng,
+            search,
+            tuple(sorted(dict(options, max_decode_len=int(limit)).items())),
+        )
+    )
     sequences = np.asarray(together[0])[row]
     assert np.all(sequences[..., limit:] == PAD_ID)
     np.testing.assert_array_equal(sequences[..., :limit], np.asarray(alone[0])[row])

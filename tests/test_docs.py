@@ -18,15 +18,21 @@ import train_testlib
 from transformer_jax.config import base_config
 
 REPO = train_testlib.REPO
-DOCS = [*(os.path.join(REPO, name) for name in ('README.md', 'CONTRIBUTING.md', 'CHANGELOG.md')),
-        *sorted(glob.glob(os.path.join(REPO, 'docs', '*.md')))]
-COMMANDS = sorted(os.path.basename(p)[:-3] for p in glob.glob(
-    os.path.join(REPO, 'transformer_jax', 'commands', '*.py')) if not p.endswith('__init__.py'))
+DOCS = [
+    *(os.path.join(REPO, name) for name in ('README.md', 'CONTRIBUTING.md', 'CHANGELOG.md')),
+    *sorted(glob.glob(os.path.join(REPO, 'docs', '*.md'))),
+]
+COMMANDS = sorted(
+    os.path.basename(p)[:-3]
+    for p in glob.glob(os.path.join(REPO, 'transformer_jax', 'commands', '*.py'))
+    if not p.endswith('__init__.py')
+)
 
 
 def _reference_module():
   spec = importlib.util.spec_from_file_location(
-      'config_reference', os.path.join(REPO, 'scripts', 'config_reference.py'))
+      'config_reference', os.path.join(REPO, 'scripts', 'config_reference.py')
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -38,8 +44,9 @@ def test_the_config_reference_is_the_codes_and_describes_every_field():
   assert set(described) == set(base_config().keys())
   assert not [name for name, text in described.items() if not text], 'fields without a comment'
   with open(reference.PAGE, encoding='utf-8') as f:
-    assert f.read() == reference.render(), (
-        'docs/config.md is stale: run python scripts/config_reference.py')
+    assert (
+        f.read() == reference.render()
+    ), 'docs/config.md is stale: run python scripts/config_reference.py'
 
 
 def _read(path: str) -> str:
@@ -49,8 +56,10 @@ def _read(path: str) -> str:
 
 def _anchors(path: str) -> set[str]:
   """The anchors GitHub makes of a Markdown file's headings."""
-  return {re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
-          for heading in re.findall(r'^#{1,6} (.+)$', _read(path), re.MULTILINE)}
+  return {
+      re.sub(r'[^\w\- ]', '', heading.strip().lower()).replace(' ', '-')
+      for heading in re.findall(r'^#{1,6} (.+)$', _read(path), re.MULTILINE)
+  }
 
 
 @pytest.mark.parametrize('doc', DOCS, ids=os.path.basename)
@@ -62,8 +71,9 @@ def test_every_relative_link_resolves(doc):
       continue
     file, _, anchor = target.partition('#')
     path = os.path.normpath(os.path.join(os.path.dirname(doc), file)) if file else doc
-    if not os.path.exists(path) or (anchor and path.endswith('.md')
-                                     and anchor not in _anchors(path)):
+    if not os.path.exists(path) or (
+        anchor and path.endswith('.md') and anchor not in _anchors(path)
+    ):
       broken.append(target)
   assert not broken, f'{os.path.basename(doc)} links to what does not exist: {broken}'
 
@@ -88,9 +98,18 @@ def test_every_config_field_the_docs_name_exists(doc):
 def _flags_of(command: str) -> frozenset[str]:
   """The flags `command`.py takes (its own, the shared ones and absl's)."""
   result = subprocess.run(
-      [sys.executable, '-c', f'import transformer_jax.commands.{command}\n'
-       'from absl import flags\nprint("\\n".join(flags.FLAGS))'], cwd=REPO,
-      env=train_testlib.subprocess_env(), capture_output=True, text=True, timeout=120)
+      [
+          sys.executable,
+          '-c',
+          f'import transformer_jax.commands.{command}\n'
+          'from absl import flags\nprint("\\n".join(flags.FLAGS))',
+      ],
+      cwd=REPO,
+      env=train_testlib.subprocess_env(),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   return frozenset(result.stdout.split())
 
@@ -130,8 +149,9 @@ def _run_as_shown(line: str, cwd: str, **replace: str) -> subprocess.CompletedPr
   line = line.replace(' configs/', f' {REPO}/configs/').replace('=configs/', f'={REPO}/configs/')
   env = train_testlib.subprocess_env()
   env['TFDS_DATA_DIR'] = os.path.join(cwd, 'tensorflow_datasets')  # the Bible is prepared here
-  return subprocess.run(['bash', '-c', line], cwd=cwd, env=env, capture_output=True, text=True,
-                        timeout=600)
+  return subprocess.run(
+      ['bash', '-c', line], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+  )
 
 
 @pytest.mark.slow
@@ -140,19 +160,22 @@ def test_the_guides_tiny_run_and_translate_lines_run_as_shown(tmp_path):
   """The training guide's tiny run (the Bible, prepared from nothing) and the evaluating
   guide's translate lines, run through bash as the guides print them, paths aside."""
   workdir = str(tmp_path / 'tiny')
-  train = _run_as_shown(_shown_line('docs/training.md', 'configs/tiny.py'), str(tmp_path),
-                        **{'/tmp/tiny': workdir})
+  train = _run_as_shown(
+      _shown_line('docs/training.md', 'configs/tiny.py'), str(tmp_path), **{'/tmp/tiny': workdir}
+  )
   assert train.returncode == 0, train.stderr[-3000:]
   assert 'step 20/20' in train.stderr
 
-  plot = _run_as_shown(_shown_line('docs/evaluating.md', '--attention_plot'), str(tmp_path),
-                       DIR=workdir)
+  plot = _run_as_shown(
+      _shown_line('docs/evaluating.md', '--attention_plot'), str(tmp_path), DIR=workdir
+  )
   assert plot.returncode == 0, plot.stderr[-3000:]
   assert plot.stdout.strip() and (tmp_path / 'attention.png').stat().st_size > 1000
 
   (tmp_path / 'mono.txt').write_text('In the beginning was the Word.\n\nAnd God said.\n')
-  samples = _run_as_shown(_shown_line('docs/evaluating.md', '--sampling'), str(tmp_path),
-                          DIR=workdir)
+  samples = _run_as_shown(
+      _shown_line('docs/evaluating.md', '--sampling'), str(tmp_path), DIR=workdir
+  )
   assert samples.returncode == 0, samples.stderr[-3000:]
   rows = [line.split(' ||| ') for line in (tmp_path / 'samples.txt').read_text().splitlines()]
   assert [int(row[0]) for row in rows] == [0] * 5 + [1] * 5 + [2] * 5  # the blank line too

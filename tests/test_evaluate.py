@@ -22,7 +22,6 @@ from transformer_jax import loading
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-
 def _run(*args: str, cache_dir: str | None = None, timeout: int = 300):
   command = [sys.executable, *args]
   if cache_dir:
@@ -36,18 +35,18 @@ def test_compound_splitting_follows_tensor2tensor():
   # Perl's s{(\S)-(\S)}{...}g does not overlap matches; neither does this.
   assert evaluation.split_compounds('a-b-c') == 'a ##AT##-##AT## b-c'
   assert evaluation.split_compounds('a - b') == 'a - b'
-  assert (evaluation.tokenize_for_bleu('Hello, world-wide "web".') ==
-          'Hello , world ##AT##-##AT## wide " web " .')
+  assert (
+      evaluation.tokenize_for_bleu('Hello, world-wide "web".')
+      == 'Hello , world ##AT##-##AT## wide " web " .'
+  )
 
 
 def test_scores_match_sacrebleu_and_tokenized_bleu_credits_compound_parts():
   references = ['The rich-text format is old.', 'A dog runs in the park today.']
   hypotheses = ['The rich text format is old.', 'A dog runs in a park today.']
   metrics = evaluation.score(hypotheses, references)
-  assert metrics['bleu'] == pytest.approx(
-      sacrebleu.corpus_bleu(hypotheses, [references]).score)
-  assert metrics['chrf'] == pytest.approx(
-      sacrebleu.corpus_chrf(hypotheses, [references]).score)
+  assert metrics['bleu'] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score)
+  assert metrics['chrf'] == pytest.approx(sacrebleu.corpus_chrf(hypotheses, [references]).score)
   assert 'tok:13a' in metrics['bleu_signature']
   assert f'version:{sacrebleu.__version__}' in metrics['bleu_signature']
   assert 'nc:6' in metrics['chrf_signature']
@@ -75,13 +74,19 @@ def test_the_average_of_the_last_checkpoints_is_their_mean_in_their_dtypes(tmp_p
   """Parameters of any tree, any dtype: summed in float32, returned in each leaf's dtype."""
   from configs import tiny
   from transformer_jax.tokenizer import train_tokenizer
-  tokenizer = train_tokenizer([f'word{i} other{i % 7} thing' for i in range(200)],
-                              str(tmp_path / 'spm.model'), vocab_size=60)
+
+  tokenizer = train_tokenizer(
+      [f'word{i} other{i % 7} thing' for i in range(200)],
+      str(tmp_path / 'spm.model'),
+      vocab_size=60,
+  )
   meta = checkpointing.make_meta(tiny.get_config(), tokenizer)
   rng, workdir, saved = np.random.default_rng(0), str(tmp_path / 'run'), {}
   for step in (1, 2, 3):
-    saved[step] = {'dense': {'kernel': rng.normal(size=(3, 4)).astype(np.float32)},
-                   'norm': {'scale': rng.normal(size=(4,)).astype(jax.numpy.bfloat16)}}
+    saved[step] = {
+        'dense': {'kernel': rng.normal(size=(3, 4)).astype(np.float32)},
+        'norm': {'scale': rng.normal(size=(4,)).astype(jax.numpy.bfloat16)},
+    }
     checkpointing.write_params_checkpoint(workdir, step, saved[step], meta)
   assert averaging.last_steps(workdir, 2) == [2, 3]
   averaged = averaging.average_params(workdir, [2, 3])
@@ -89,9 +94,11 @@ def test_the_average_of_the_last_checkpoints_is_their_mean_in_their_dtypes(tmp_p
     got = averaged[path[0]][path[1]]
     want = [saved[s][path[0]][path[1]] for s in (2, 3)]
     assert got.dtype == want[0].dtype
-    np.testing.assert_allclose(np.asarray(got, np.float32),
-                               (want[0].astype(np.float32) + want[1].astype(np.float32)) / 2,
-                               rtol=1e-2 if got.dtype != np.float32 else 1e-6)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32),
+        (want[0].astype(np.float32) + want[1].astype(np.float32)) / 2,
+        rtol=1e-2 if got.dtype != np.float32 else 1e-6,
+    )
   with pytest.raises(ValueError, match='No checkpoint steps'):
     averaging.average_params(workdir, [])
 
@@ -102,18 +109,21 @@ def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
   assert steps == list(TRAIN_STEPS[-2:])
   expected = jax.tree.map(
       lambda a, b: (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2,
-      *[checkpointing.restore_params(run_dir, s)[0] for s in steps])
+      *[checkpointing.restore_params(run_dir, s)[0] for s in steps],
+  )
   averaged = averaging.average_params(run_dir, steps)
-  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7),
-               averaged, expected)
+  jax.tree.map(
+      lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7), averaged, expected
+  )
 
   out = str(tmp_path / 'avg')
   path, written_steps = averaging.average_checkpoints(run_dir, out, 2)
   assert written_steps == steps and path.endswith(f'checkpoints/{steps[-1]}')
   loaded = loading.load(out)
   assert loaded.step == steps[-1] and loaded.steps == steps
-  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7),
-               loaded.params, expected)
+  jax.tree.map(
+      lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7), loaded.params, expected
+  )
   original = loading.load(run_dir)
   assert loaded.tokenizer.fingerprint == original.tokenizer.fingerprint
   assert loaded.model_config == original.model_config
@@ -137,8 +147,12 @@ def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
 @pytest.mark.slow
 def test_average_and_evaluate_commands(run_dir, tmp_path):
   out = str(tmp_path / 'avg')
-  result = _run('average_checkpoints.py', f'--workdir={run_dir}', f'--output_workdir={out}',
-                '--num_checkpoints=2')
+  result = _run(
+      'average_checkpoints.py',
+      f'--workdir={run_dir}',
+      f'--output_workdir={out}',
+      '--num_checkpoints=2',
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert f'{TRAIN_STEPS[-2:]}'.replace('(', '[').replace(')', ']') in result.stdout
 
@@ -146,8 +160,13 @@ def test_average_and_evaluate_commands(run_dir, tmp_path):
   references = open(os.path.join(root, 'test.de'), encoding='utf-8').read().splitlines()
   baseline = tmp_path / 'baseline.txt'
   baseline.write_text(''.join(r.split(' ')[0] + '\n' for r in references), encoding='utf-8')
-  result = _run('evaluate.py', f'--workdir={out}', f'--compare_to={baseline}',
-                '--bootstrap_samples=100', cache_dir=os.path.join(root, 'jax_cache'))
+  result = _run(
+      'evaluate.py',
+      f'--workdir={out}',
+      f'--compare_to={baseline}',
+      '--bootstrap_samples=100',
+      cache_dir=os.path.join(root, 'jax_cache'),
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'sacreBLEU' in result.stdout and 'sentences/s' in result.stdout
   # stderr is a pipe here: no progress bar (no carriage returns in log files), and no
@@ -160,8 +179,7 @@ def test_average_and_evaluate_commands(run_dir, tmp_path):
   with open(os.path.join(directory, 'test.hyp.txt'), encoding='utf-8') as f:
     hypotheses = f.read().split('\n')[:-1]
   assert len(hypotheses) == len(references) == metrics['decoding']['sentences']
-  assert metrics['bleu'] == pytest.approx(sacrebleu.corpus_bleu(hypotheses,
-                                                                [references]).score)
+  assert metrics['bleu'] == pytest.approx(sacrebleu.corpus_bleu(hypotheses, [references]).score)
   # The fixture model has learned its word substitution: single checkpoints scored
   # BLEU 76-91 on these 24 sentences over 4 trainings (3 seeds, 2 XLA code paths).
   assert metrics['bleu'] > 30
@@ -171,12 +189,15 @@ def test_average_and_evaluate_commands(run_dir, tmp_path):
   assert metrics['paired_bootstrap']['bleu']['p_value'] < 0.05
 
 
-@pytest.mark.parametrize('flags,message', [
-    (['--workdir=/nonexistent/run'], 'does not exist'),
-    (['--step=100', '--average_last=2'], 'not both'),
-    (['--beam_size=many'], 'invalid flags'),
-    (['--step=999'], 'no checkpoint for step 999'),
-])
+@pytest.mark.parametrize(
+    'flags,message',
+    [
+        (['--workdir=/nonexistent/run'], 'does not exist'),
+        (['--step=100', '--average_last=2'], 'not both'),
+        (['--beam_size=many'], 'invalid flags'),
+        (['--step=999'], 'no checkpoint for step 999'),
+    ],
+)
 @pytest.mark.slow
 def test_evaluate_command_rejects_bad_requests_with_exit_code_2(run_dir, flags, message):
   if not any(f.startswith('--workdir') for f in flags):
@@ -189,7 +210,8 @@ def test_evaluate_command_rejects_bad_requests_with_exit_code_2(run_dir, flags, 
 
 @pytest.mark.slow
 def test_averaging_takes_the_steps_that_exist_when_training_rotates_one_away(
-    run_dir, tmp_path, monkeypatch, caplog):
+    run_dir, tmp_path, monkeypatch, caplog
+):
   """evaluate.py --average_last=N beside a running training job: a step it listed is
   deleted before it is read (the job keeps only its last keep_checkpoints). The load takes
   the last N that exist then, and says why; it never calls the checkpoint damaged."""
@@ -228,9 +250,15 @@ def test_evaluate_checks_its_outputs_before_translating(run_dir, tmp_path):
   out.mkdir()
   previous = out / 'test.en.hyp.txt'  # The hypotheses' name for --source_file=.../test.en.
   previous.write_text('the previous system\n' * 24, encoding='utf-8')
-  result = _run('evaluate.py', f'--workdir={run_dir}', f'--output_dir={out}',
-                f'--source_file={root}/test.en', f'--reference_file={root}/test.de',
-                f'--compare_to={previous}', '--progress=false')
+  result = _run(
+      'evaluate.py',
+      f'--workdir={run_dir}',
+      f'--output_dir={out}',
+      f'--source_file={root}/test.en',
+      f'--reference_file={root}/test.de',
+      f'--compare_to={previous}',
+      '--progress=false',
+  )
   assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr[-3000:]
   assert f'the output {previous} is also --compare_to={previous}' in result.stderr
   assert 'Translating' not in result.stderr

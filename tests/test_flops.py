@@ -9,8 +9,9 @@ from transformer_jax.config import TransformerConfig
 from transformer_jax.models import Transformer
 
 # d = 4, d_ff = 8, vocab = 10, one layer a stack.
-HAND = TransformerConfig(vocab_size=10, d_model=4, num_heads=2, d_ff=8,
-                         num_encoder_layers=1, num_decoder_layers=1)
+HAND = TransformerConfig(
+    vocab_size=10, d_model=4, num_heads=2, d_ff=8, num_encoder_layers=1, num_decoder_layers=1
+)
 
 
 def test_matmul_params_by_hand():
@@ -35,14 +36,21 @@ def test_example_flops_by_hand():
 def test_every_matrix_of_the_model_is_counted_once(layers):
   # Each weight matrix (the tied embedding included) is passed through by exactly one kind
   # of token, so the two counts add up to the model's matrix parameters.
-  cfg = TransformerConfig(vocab_size=50, d_model=16, num_heads=2, d_ff=24,
-                          num_encoder_layers=layers[0], num_decoder_layers=layers[1])
+  cfg = TransformerConfig(
+      vocab_size=50,
+      d_model=16,
+      num_heads=2,
+      d_ff=24,
+      num_encoder_layers=layers[0],
+      num_decoder_layers=layers[1],
+  )
   tokens = jnp.ones((1, 4), jnp.int32)
   params = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), tokens, tokens))
   leaves = jax.tree_util.tree_leaves_with_path(params['params'])
   # Attention biases are [heads, head_dim]: matrices by shape, but not multiplied.
-  matrices = sum(x.size for path, x in leaves
-                 if x.ndim >= 2 and 'bias' not in jax.tree_util.keystr(path))
+  matrices = sum(
+      x.size for path, x in leaves if x.ndim >= 2 and 'bias' not in jax.tree_util.keystr(path)
+  )
   p = flops.matmul_params(cfg)
   assert p.source + p.target == matrices
 

@@ -40,10 +40,15 @@ def _inputs(dtype, shape=(3, 7, 64)):
   return x, y, keep, scale, bias, weights
 
 
-@pytest.mark.parametrize('dtype,tolerance', [
-    # float32: the same sums in another order. bfloat16: the kernel rounds the dropped sum
-    # to bfloat16 as the model does (2^-8 of its size), then normalises in float32.
-    (jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize(
+    'dtype,tolerance',
+    [
+        # float32: the same sums in another order. bfloat16: the kernel rounds the dropped sum
+        # to bfloat16 as the model does (2^-8 of its size), then normalises in float32.
+        (jnp.float32, 1e-5),
+        (jnp.bfloat16, 2e-2),
+    ],
+)
 @pytest.mark.parametrize('dropout', [True, False])
 def test_values_and_gradients_match_the_same_math_in_jax(dtype, tolerance, dropout):
   """21 rows (padded to 32: two blocks of 16), with and without a dropout mask."""
@@ -54,21 +59,24 @@ def test_values_and_gradients_match_the_same_math_in_jax(dtype, tolerance, dropo
     return jnp.sum(weights * fn(x, y, scale, bias).astype(jnp.float32))
 
   fused = lambda x, y, s, b: fused_norm.residual_layer_norm(
-      x, y, keep, s, b, rate=0.3, epsilon=1e-6, interpret=True)
+      x, y, keep, s, b, rate=0.3, epsilon=1e-6, interpret=True
+  )
   reference = lambda x, y, s, b: _reference(x, y, keep, s, b, 0.3, 1e-6)
   out = jax.jit(fused)(x, y, scale, bias)
   assert out.dtype == dtype and out.shape == x.shape
   expected = reference(x, y, scale, bias)
-  np.testing.assert_allclose(np.asarray(out, np.float32), expected,
-                             atol=tolerance * float(jnp.abs(expected).max()))
-  grads = jax.jit(jax.grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2, 3)))(
-      x, y, scale, bias)
+  np.testing.assert_allclose(
+      np.asarray(out, np.float32), expected, atol=tolerance * float(jnp.abs(expected).max())
+  )
+  grads = jax.jit(jax.grad(lambda *a: loss(fused, *a), argnums=(0, 1, 2, 3)))(x, y, scale, bias)
   want = jax.grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2, 3))(
-      x.astype(jnp.float32), y.astype(jnp.float32), scale, bias)
+      x.astype(jnp.float32), y.astype(jnp.float32), scale, bias
+  )
   for name, got, exact in zip(('x', 'y', 'scale', 'bias'), grads, want):
     largest = float(jnp.abs(exact).max())
-    np.testing.assert_allclose(np.asarray(got, np.float32), exact, atol=tolerance * largest,
-                               err_msg=name)
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32), exact, atol=tolerance * largest, err_msg=name
+    )
   if dropout:  # Dropped elements get no gradient; the mask is applied, not ignored.
     assert not np.asarray(grads[1])[~np.asarray(keep)].any()
     assert np.asarray(grads[1])[np.asarray(keep)].any()
@@ -84,8 +92,14 @@ def _sharded_worker() -> dict:
   from transformer_jax.partitioning import Partitioner
 
   assert jax.device_count() == 4, jax.devices()
-  cfg = TransformerConfig(vocab_size=40, d_model=64, num_heads=4, d_ff=64, dropout_rate=0.3,
-                          post_norm_kernel='pallas_interpret')
+  cfg = TransformerConfig(
+      vocab_size=40,
+      d_model=64,
+      num_heads=4,
+      d_ff=64,
+      dropout_rate=0.3,
+      post_norm_kernel='pallas_interpret',
+  )
   x, y, _, _, _, weights = _inputs(jnp.float32, (4, 8, 64))
   module = models.SubLayer(cfg)
   variables = module.init(jax.random.key(1), x, lambda h: h * y)
@@ -97,8 +111,9 @@ def _sharded_worker() -> dict:
 
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
   single = grad(variables['params'], x)
-  config = ml_collections.ConfigDict({'mesh': {'data': 2, 'fsdp': 1, 'tensor': 2},
-                                      'logical_axis_rules': ()})
+  config = ml_collections.ConfigDict(
+      {'mesh': {'data': 2, 'fsdp': 1, 'tensor': 2}, 'logical_axis_rules': ()}
+  )
   partitioner = Partitioner.from_config(config, devices=jax.devices())
   with partitioner.activate():
     x_split = jax.device_put(x, partitioner.batch_sharding)
@@ -106,8 +121,10 @@ def _sharded_worker() -> dict:
     lowered = grad.lower(variables['params'], x_split).as_text()
   return {
       'largest': max(float(np.abs(np.asarray(a)).max()) for a in jax.tree.leaves(single)),
-      'difference': max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-                        for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single))),
+      'difference': max(
+          float(np.abs(np.asarray(a) - np.asarray(b)).max())
+          for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(single))
+      ),
       'manual': lowered.count('manual_computation'),
   }
 
@@ -115,8 +132,14 @@ def _sharded_worker() -> dict:
 def test_a_mesh_of_four_devices_normalises_as_one_device_does():
   """Rows split over 'data', the scale and bias gradients summed over it: the same values."""
   process = subprocess.run(
-      [sys.executable, __file__], capture_output=True, text=True, timeout=600,
-      cwd=train_testlib.REPO, env=train_testlib.subprocess_env(devices=4), check=False)
+      [sys.executable, __file__],
+      capture_output=True,
+      text=True,
+      timeout=600,
+      cwd=train_testlib.REPO,
+      env=train_testlib.subprocess_env(devices=4),
+      check=False,
+  )
   assert process.returncode == 0, process.stderr[-3000:]
   report = json.loads(process.stdout.strip().splitlines()[-1])
   assert report['difference'] <= 1e-5 * report['largest'], report

@@ -36,10 +36,14 @@ pytestmark = pytest.mark.slow  # a Cloud Storage server; commands and training t
 REPO = train_testlib.REPO
 
 
-def _command(script: str, *flags: str, env: dict[str, str] | None = None,
-             timeout: int = 300) -> subprocess.CompletedProcess:
-  return train_testlib.run_command([sys.executable, os.path.join(REPO, script), *flags],
-                                   env=env or train_testlib.subprocess_env(), timeout=timeout)
+def _command(
+    script: str, *flags: str, env: dict[str, str] | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
+  return train_testlib.run_command(
+      [sys.executable, os.path.join(REPO, script), *flags],
+      env=env or train_testlib.subprocess_env(),
+      timeout=timeout,
+  )
 
 
 def _user_error(result: subprocess.CompletedProcess, *phrases: str) -> str:
@@ -76,7 +80,10 @@ def test_checks_and_atomic_writes_on_a_bucket(bucket):
 
   storage.write_files({f'{run}/test.hyp.txt': 'x\n', f'{run}/test.metrics.json': '{}\n'})
   assert sorted(p.name for p in epath.Path(run).iterdir()) == [
-      'a.txt', 'test.hyp.txt', 'test.metrics.json']
+      'a.txt',
+      'test.hyp.txt',
+      'test.metrics.json',
+  ]
 
 
 def test_a_commit_killed_half_way_on_a_bucket_is_finished_by_the_next_check(bucket):
@@ -88,13 +95,17 @@ def test_a_commit_killed_half_way_on_a_bucket_is_finished_by_the_next_check(buck
   epath.Path(f'{run}/test.hyp.txt').write_text('new hypotheses\n')  # Renamed already.
   epath.Path(f'{run}/test.metrics.json').write_text('{"bleu": 1}\n')  # The old one.
   epath.Path(temp('test.metrics.json')).write_text('{"bleu": 2}\n')
-  epath.Path(f'{run}/.test.hyp.txt.commit-{dead}-0123abcd-{host}').write_text(json.dumps({
-      os.path.basename(temp('test.hyp.txt')): 'test.hyp.txt',
-      os.path.basename(temp('test.metrics.json')): 'test.metrics.json'}))
+  epath.Path(f'{run}/.test.hyp.txt.commit-{dead}-0123abcd-{host}').write_text(
+      json.dumps(
+          {
+              os.path.basename(temp('test.hyp.txt')): 'test.hyp.txt',
+              os.path.basename(temp('test.metrics.json')): 'test.metrics.json',
+          }
+      )
+  )
   epath.Path(temp('stray.txt')).write_text('left by a killed upload')
   paths.check_output_directory(run, '--output_dir')
-  assert sorted(p.name for p in epath.Path(run).iterdir()) == ['test.hyp.txt',
-                                                               'test.metrics.json']
+  assert sorted(p.name for p in epath.Path(run).iterdir()) == ['test.hyp.txt', 'test.metrics.json']
   assert epath.Path(f'{run}/test.metrics.json').read_text() == '{"bleu": 2}\n'
 
 
@@ -108,16 +119,27 @@ def test_commands_read_a_run_and_write_their_results_on_a_bucket(run_dir, bucket
     fs.put(os.path.join(root, name), f'{bucket}/data/{name}')
   run, cache = f'{bucket}/run', os.path.join(root, 'jax_cache')
 
-  result = _command('translate.py', f'--workdir={run}', f'--input={bucket}/data/test.en',
-                    f'--output={bucket}/out/test.txt', f'--compilation_cache_dir={cache}')
+  result = _command(
+      'translate.py',
+      f'--workdir={run}',
+      f'--input={bucket}/data/test.en',
+      f'--output={bucket}/out/test.txt',
+      f'--compilation_cache_dir={cache}',
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   lines = epath.Path(f'{bucket}/out/test.txt').read_text().splitlines()
   assert len(lines) == len(open(os.path.join(root, 'test.en'), encoding='utf-8').readlines())
 
-  result = _command('evaluate.py', f'--workdir={run}', f'--source_file={bucket}/data/test.en',
-                    f'--reference_file={bucket}/data/test.de', '--average_last=2',
-                    f'--compare_to={bucket}/out/test.txt', '--bootstrap_samples=10',
-                    f'--compilation_cache_dir={cache}')
+  result = _command(
+      'evaluate.py',
+      f'--workdir={run}',
+      f'--source_file={bucket}/data/test.en',
+      f'--reference_file={bucket}/data/test.de',
+      '--average_last=2',
+      f'--compare_to={bucket}/out/test.txt',
+      '--bootstrap_samples=10',
+      f'--compilation_cache_dir={cache}',
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   results = f'{run}/eval/avg2_step_{TRAIN_STEPS[-2]}-{TRAIN_STEPS[-1]}'
   # Named after the source file (test.en), not the test split.
@@ -129,10 +151,15 @@ def test_commands_read_a_run_and_write_their_results_on_a_bucket(run_dir, bucket
   # only by chance, so check the pairing instead.
   assert metrics['compared_to'] == f'{bucket}/out/test.txt'
 
-  result = _command('average_checkpoints.py', f'--workdir={run}',
-                    f'--output_workdir={bucket}/avg', '--num_checkpoints=2')
+  result = _command(
+      'average_checkpoints.py',
+      f'--workdir={run}',
+      f'--output_workdir={bucket}/avg',
+      '--num_checkpoints=2',
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   from transformer_jax import checkpointing
+
   meta, step = checkpointing.read_meta(f'{bucket}/avg')
   assert step == TRAIN_STEPS[-1] and meta['averaged_steps'] == list(TRAIN_STEPS[-2:])
   assert meta['averaged_from'] == run
@@ -140,43 +167,76 @@ def test_commands_read_a_run_and_write_their_results_on_a_bucket(run_dir, bucket
 
 def test_bad_cloud_paths_get_one_paragraph_each(run_dir, gcs_server, tmp_path):
   missing = 'gs://no-such-bucket-here'
-  _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
-                       f'--output={missing}/out.txt'),
-              'the bucket gs://no-such-bucket-here does not exist',
-              'gcloud storage buckets create gs://no-such-bucket-here')
-  _user_error(_command('translate.py', f'--workdir={missing}/run', '--text=hi'),
-              f'--workdir={missing}/run does not exist')
-  _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
-                       '--output=s3://bucket/out.txt'),
-              's3:// paths are not supported', 'gs://BUCKET')
+  _user_error(
+      _command('translate.py', f'--workdir={run_dir}', '--text=hi', f'--output={missing}/out.txt'),
+      'the bucket gs://no-such-bucket-here does not exist',
+      'gcloud storage buckets create gs://no-such-bucket-here',
+  )
+  _user_error(
+      _command('translate.py', f'--workdir={missing}/run', '--text=hi'),
+      f'--workdir={missing}/run does not exist',
+  )
+  _user_error(
+      _command('translate.py', f'--workdir={run_dir}', '--text=hi', '--output=s3://bucket/out.txt'),
+      's3:// paths are not supported',
+      'gs://BUCKET',
+  )
   bucket = gcs_server.create_bucket()
   files = train_testlib.write_parallel_text(str(tmp_path))
   config = train_testlib.write_config_file(str(tmp_path / 'config.py'), files)
-  _user_error(_command('train.py', f'--config={config}', f'--workdir={missing}/run'),
-              f'--workdir={missing}/run', 'the bucket gs://no-such-bucket-here does not exist')
-  _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
-                       f'--compilation_cache_dir={bucket}/cache'),
-              f'--compilation_cache_dir={bucket}/cache', 'give a local path')
+  _user_error(
+      _command('train.py', f'--config={config}', f'--workdir={missing}/run'),
+      f'--workdir={missing}/run',
+      'the bucket gs://no-such-bucket-here does not exist',
+  )
+  _user_error(
+      _command(
+          'translate.py',
+          f'--workdir={run_dir}',
+          '--text=hi',
+          f'--compilation_cache_dir={bucket}/cache',
+      ),
+      f'--compilation_cache_dir={bucket}/cache',
+      'give a local path',
+  )
   assert not os.path.exists(os.path.join(REPO, 'gs:'))  # No local folder named gs:.
   # Nothing listens at the endpoint: gcsfs retries, then the command says so.
   env = train_testlib.subprocess_env()
   env.update(gcs_testlib.environment(f'http://127.0.0.1:{gcs_testlib.free_port()}'))
-  _user_error(_command('translate.py', f'--workdir={run_dir}', '--text=hi',
-                       f'--output={bucket}/out.txt', env=env),
-              f'cannot reach Cloud Storage for {bucket}', 'STORAGE_EMULATOR_HOST')
+  _user_error(
+      _command(
+          'translate.py', f'--workdir={run_dir}', '--text=hi', f'--output={bucket}/out.txt', env=env
+      ),
+      f'cannot reach Cloud Storage for {bucket}',
+      'STORAGE_EMULATOR_HOST',
+  )
 
 
 # --- Data and vocabularies on a bucket. ---
 
 
-def _run(config_path: str, workdir: str, cache: str, *flags: str, script: str = 'train.py',
-         timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(
+    config_path: str,
+    workdir: str,
+    cache: str,
+    *flags: str,
+    script: str = 'train.py',
+    timeout: int = 300,
+) -> subprocess.CompletedProcess:
   """A command run to its end as if on a host whose local cache is `cache`."""
   env = train_testlib.subprocess_env()
   env['TRANSFORMER_JAX_CACHE'] = cache
-  return train_testlib.run_command([sys.executable, os.path.join(REPO, script),
-                                    f'--config={config_path}', f'--workdir={workdir}', *flags],
-                                   env=env, timeout=timeout)
+  return train_testlib.run_command(
+      [
+          sys.executable,
+          os.path.join(REPO, script),
+          f'--config={config_path}',
+          f'--workdir={workdir}',
+          *flags,
+      ],
+      env=env,
+      timeout=timeout,
+  )
 
 
 def test_text_files_a_vocabulary_and_init_from_on_a_bucket(bucket, tmp_path):
@@ -193,8 +253,9 @@ def test_text_files_a_vocabulary_and_init_from_on_a_bucket(bucket, tmp_path):
       remote.append(f'{bucket}/data/{os.path.basename(path)}')
     files[split] = ','.join(remote)
   vocab = f'{bucket}/vocab/shared.model'
-  config = train_testlib.write_config_file(str(tmp_path / 'config.py'), files,
-                                           vocab_path=vocab, num_train_steps=4)
+  config = train_testlib.write_config_file(
+      str(tmp_path / 'config.py'), files, vocab_path=vocab, num_train_steps=4
+  )
 
   first = _run(config, f'{bucket}/run', str(tmp_path / 'host_a'))
   assert first.returncode == 0, first.stderr[-3000:]
@@ -202,23 +263,42 @@ def test_text_files_a_vocabulary_and_init_from_on_a_bucket(bucket, tmp_path):
   assert epath.Path(vocab).exists()
   assert not os.path.exists(os.path.join(REPO, 'gs:'))
 
-  tuned = _run(config, str(tmp_path / 'tuned'), str(tmp_path / 'host_b'),
-               f'--config.init_from={bucket}/run', '--config.num_train_steps=6')
+  tuned = _run(
+      config,
+      str(tmp_path / 'tuned'),
+      str(tmp_path / 'host_b'),
+      f'--config.init_from={bucket}/run',
+      '--config.num_train_steps=6',
+  )
   assert tuned.returncode == 0, tuned.stderr[-3000:]
   assert 'Trained a' not in tuned.stderr
   from transformer_jax import checkpointing
+
   meta, step = checkpointing.read_meta(str(tmp_path / 'tuned'))
   first_meta, _ = checkpointing.read_meta(f'{bucket}/run')
   assert step == 6 and meta['tokenizer']['sha256'] == first_meta['tokenizer']['sha256']
 
-  prepared = _run(config, f'{bucket}/prep', str(tmp_path / 'host_c'),
-                  '--config.vocab_path=', script='prepare_data.py')
+  prepared = _run(
+      config,
+      f'{bucket}/prep',
+      str(tmp_path / 'host_c'),
+      '--config.vocab_path=',
+      script='prepare_data.py',
+  )
   assert prepared.returncode == 0, prepared.stderr[-3000:]
   assert f'published to {bucket}/prep' in prepared.stdout
   markers = [p for p in fs.find(f'{bucket}/prep') if p.endswith('.PUBLISHED.json')]
   assert len(markers) == 4, markers  # The vocabulary and three splits' token ids.
-  _user_error(_run(config, f'{bucket}/prep', str(tmp_path / 'host_c'), '--num_hosts=2',
-                   script='prepare_data.py'), 'run the command once, on one host')
+  _user_error(
+      _run(
+          config,
+          f'{bucket}/prep',
+          str(tmp_path / 'host_c'),
+          '--num_hosts=2',
+          script='prepare_data.py',
+      ),
+      'run the command once, on one host',
+  )
 
 
 @test_bible_corpus.needs_modules
@@ -228,6 +308,7 @@ def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeyp
   through array_record; another host reads it there without building it."""
   from transformer_jax import data_sources
   from transformer_jax.config import base_config
+
   config = base_config()
   config.dataset, config.source_lang, config.target_lang = 'bible_en_es', 'en', 'es'
   config.tfds_data_dir = f'{bucket}/tfds'
@@ -251,7 +332,8 @@ def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeyp
 
 def _lock_object(bucket: str, **record) -> Any:
   from google.cloud import storage as gcs
-  blob = gcs.Client().bucket(bucket[len('gs://'):]).blob(f'run/{workdir_lock.LOCK_NAME}')
+
+  blob = gcs.Client().bucket(bucket[len('gs://') :]).blob(f'run/{workdir_lock.LOCK_NAME}')
   blob.upload_from_string(json.dumps(record))
   return blob
 
@@ -264,8 +346,13 @@ def test_the_lock_on_a_bucket_names_a_live_holder_and_takes_over_a_dead_one(buck
     assert f'process {os.getpid()} on host {socket.gethostname()}' in str(error.value)
   assert not epath.Path(f'{run}/{workdir_lock.LOCK_NAME}').exists()  # Released.
 
-  _lock_object(bucket, host=socket.gethostname(), pid=train_testlib.dead_pid(),
-               started=time.time(), token='old')
+  _lock_object(
+      bucket,
+      host=socket.gethostname(),
+      pid=train_testlib.dead_pid(),
+      started=time.time(),
+      token='old',
+  )
   with workdir_lock.WorkdirLock(run):
     assert 'is gone' in caplog.text
   caplog.clear()
@@ -274,8 +361,7 @@ def test_the_lock_on_a_bucket_names_a_live_holder_and_takes_over_a_dead_one(buck
     assert 'empty or cannot be parsed' in caplog.text
 
 
-def test_another_hosts_lock_on_a_bucket_is_stale_when_its_generation_stops_changing(bucket,
-                                                                                  caplog):
+def test_another_hosts_lock_on_a_bucket_is_stale_when_its_generation_stops_changing(bucket, caplog):
   """Staleness by this process's clock: a lock whose generation changes (a heartbeat) is
   busy, one whose generation has not changed for stale_after_s is taken over."""
   record = dict(host='elsewhere', pid=1, started=time.time(), token='theirs')
@@ -308,6 +394,7 @@ def test_metrics_on_a_bucket_keep_every_row_through_a_restart(bucket):
   """No append on Cloud Storage: each row rewrites the object with all rows so far. A
   restart at step 20 keeps the rows up to 20 and drops the later ones (trained again)."""
   from transformer_jax import metrics_writer
+
   run = f'{bucket}/run'
   row = lambda loss: {'loss': loss, 'perplexity': 2.0, 'accuracy': 0.5}
   writer = metrics_writer.MetricsWriter(run, total_steps=40, start_step=0, enabled=True)
@@ -318,8 +405,10 @@ def test_metrics_on_a_bucket_keep_every_row_through_a_restart(bucket):
   for step in (30, 40):
     writer.write(step, 'eval', row(step))
   writer.close()
-  rows = [json.loads(line) for line in
-          epath.Path(f'{run}/{metrics_writer.METRICS_FILE}').read_text().splitlines()]
+  rows = [
+      json.loads(line)
+      for line in epath.Path(f'{run}/{metrics_writer.METRICS_FILE}').read_text().splitlines()
+  ]
   assert [(r['step'], r['loss']) for r in rows] == [(10, 1.0), (20, 2.0), (30, 30), (40, 40)]
   events = list(epath.Path(f'{run}/{metrics_writer.TENSORBOARD_DIR}').iterdir())
   assert len(events) == 2 and all(e.stat().length > 0 for e in events)  # One a writer.
@@ -333,13 +422,19 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
   import orbax.checkpoint as ocp
 
   from transformer_jax import checkpointing
+
   checkpointer = checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2)
-  manager = ocp.CheckpointManager(checkpointer.directory, options=ocp.CheckpointManagerOptions(
-      enable_async_checkpointing=False))
+  manager = ocp.CheckpointManager(
+      checkpointer.directory, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+  )
   for step in (1, 2):
-    manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave({'w': np.full(4, step, np.float32)}),
-        meta=ocp.args.JsonSave({'step': step})))
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardSave({'w': np.full(4, step, np.float32)}),
+            meta=ocp.args.JsonSave({'step': step}),
+        ),
+    )
   manager.wait_until_finished()
   checkpointer = checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2)
   assert checkpointer.steps() == [1, 2]
@@ -349,9 +444,13 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
   names = sorted(p.name for p in epath.Path(f'{bucket}/run/checkpoints').iterdir())
   assert names == ['1', '2.damaged']
   assert sorted(p.name for p in epath.Path(path).iterdir()) == [
-      '_CHECKPOINT_METADATA', 'meta', 'params']
+      '_CHECKPOINT_METADATA',
+      'meta',
+      'params',
+  ]
   restored = ocp.CheckpointManager(f'{bucket}/run/checkpoints').restore(
-      1, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      1, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
+  )
   assert restored['meta'] == {'step': 1}
   checkpointer.close()
 
@@ -364,13 +463,17 @@ STEPS = 30  # More than the first run reaches: it is stopped at its third checkp
 def _train(config_path: str, workdir: str, cache: str, *flags: str) -> subprocess.Popen:
   env = train_testlib.subprocess_env()
   env['TRANSFORMER_JAX_CACHE'] = cache  # This "host's" local copies of vocabulary and ids.
-  return subprocess.Popen(train_testlib.train_command(config_path, workdir, *flags),
-                          cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True)
+  return subprocess.Popen(
+      train_testlib.train_command(config_path, workdir, *flags),
+      cwd=REPO,
+      env=env,
+      stdout=subprocess.DEVNULL,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
 
 
-def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bucket,
-                                                                               tmp_path):
+def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bucket, tmp_path):
   """train.py --workdir=gs://...: frozen (SIGSTOP) as it saves its third checkpoint, killed
   with SIGKILL once a second job has been refused, then rerun as if on another host (an empty
   local cache): it takes over the dead job's lock, downloads the vocabulary and token ids
@@ -381,8 +484,10 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bu
   import numpy as np
 
   from transformer_jax import checkpointing
+
   config, reference = train_testlib.config_and_reference(
-      tmp_path, num_train_steps=STEPS, checkpoint_every_steps=5, keep_checkpoints=2)
+      tmp_path, num_train_steps=STEPS, checkpoint_every_steps=5, keep_checkpoints=2
+  )
 
   run = f'{bucket}/run'
   # Long enough to be killed (num_train_steps may change on resume; nothing else depends
@@ -416,34 +521,43 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bu
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(ours), jax.device_get(theirs))
 
   def losses(text: str) -> dict[int, float]:
-    return {m['step']: m['loss'] for m in map(json.loads, text.splitlines())
-            if m['split'] == 'train'}
+    return {
+        m['step']: m['loss'] for m in map(json.loads, text.splitlines()) if m['split'] == 'train'
+    }
+
   with open(os.path.join(reference, 'metrics.jsonl'), encoding='utf-8') as f:
     expected = losses(f.read())
   assert losses(epath.Path(f'{run}/metrics.jsonl').read_text()) == expected
   assert sorted(expected) == list(range(1, STEPS + 1))
 
 
-def test_two_processes_train_on_one_bucket_as_one_process_does(bucket, multihost_config,
-                                                               multihost_reference, tmp_path):
+def test_two_processes_train_on_one_bucket_as_one_process_does(
+    bucket, multihost_config, multihost_reference, tmp_path
+):
   """The 2-process x 4-device job (no shared disk: each process has its own local cache) on
   one gs:// work directory: process 0 makes and publishes the vocabulary and token ids,
   process 1 downloads them, and the losses are those of one 8-device process."""
   import numpy as np
 
   import test_multihost
+
   config, reference = multihost_config, multihost_reference
   run = f'{bucket}/pair'
-  pair = test_multihost.start_pair(config, run, log_dir=str(tmp_path),
-                                   caches=[str(tmp_path / 'host0'), str(tmp_path / 'host1')])
+  pair = test_multihost.start_pair(
+      config, run, log_dir=str(tmp_path), caches=[str(tmp_path / 'host0'), str(tmp_path / 'host1')]
+  )
   test_multihost.finish(pair)
   first, second = (test_multihost.read_log(p) for p in pair)
   assert 'Trained a' in first and 'Tokeniz' in first, first[-3000:]
   assert 'Trained a' not in second and 'Tokeniz' not in second, second[-3000:]
   with open(os.path.join(reference, 'metrics.jsonl'), encoding='utf-8') as f:
     theirs = {m['step']: m['loss'] for m in map(json.loads, f) if m['split'] == 'train'}
-  ours = {m['step']: m['loss'] for m in map(json.loads, epath.Path(
-      f'{run}/metrics.jsonl').read_text().splitlines()) if m['split'] == 'train'}
+  ours = {
+      m['step']: m['loss']
+      for m in map(json.loads, epath.Path(f'{run}/metrics.jsonl').read_text().splitlines())
+      if m['split'] == 'train'
+  }
   assert sorted(ours) == sorted(theirs) == list(range(1, test_multihost.STEPS + 1))
-  np.testing.assert_allclose([ours[s] for s in sorted(ours)],
-                             [theirs[s] for s in sorted(theirs)], rtol=2e-5)
+  np.testing.assert_allclose(
+      [ours[s] for s in sorted(ours)], [theirs[s] for s in sorted(theirs)], rtol=2e-5
+  )

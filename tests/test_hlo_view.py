@@ -79,8 +79,7 @@ def test_kernels_of_a_hand_written_module():
   kernels = {k.name: k for k in hlo_view.kernels(MODULE, 64 * 1000, 1000)}
   # Names, views, tuples, the -done halves and scalar arithmetic (the loop's condition)
   # launch nothing; the loop's body and the costlier branch (two operations to one) do.
-  assert list(kernels) == ['logits', 'sum', 'picked', 'gemm', 'fwd', 'bwd', 'ar', 'e', 'l',
-                           'out']
+  assert list(kernels) == ['logits', 'sum', 'picked', 'gemm', 'fwd', 'bwd', 'ar', 'e', 'l', 'out']
   logits = kernels['logits']
   assert (logits.category, logits.kind) == ('matmul', 'matmul')
   assert logits.flops == 2 * 64 * 1000 * 32
@@ -122,8 +121,9 @@ def test_roofline_takes_the_longer_of_compute_and_memory_for_each_kernel():
 
 def test_a_cpu_compiled_matmul_is_found_with_its_flops():
   """On XLA's own output, not only on hand-written text: a jitted [96,64] @ [64,200]."""
-  compiled = jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(
-      jnp.ones((96, 64)), jnp.ones((64, 200))).compile()
+  compiled = (
+      jax.jit(lambda a, b: jnp.tanh(a @ b)).lower(jnp.ones((96, 64)), jnp.ones((64, 200))).compile()
+  )
   kernels = hlo_view.kernels(compiled.as_text(), 96 * 200, 200)
   matmuls = [k for k in kernels if k.category == 'matmul']
   assert sum(k.flops * k.count for k in matmuls) == 2 * 96 * 64 * 200, kernels
@@ -132,6 +132,9 @@ def test_a_cpu_compiled_matmul_is_found_with_its_flops():
 
 def test_tuple_shapes_and_their_bytes():
   shape = '(f32[4,8]{1,0}, (bf16[16]{0}, s32[]), /*index=2*/u8[0]{0})'
-  assert hlo_view.top_level(shape) == ['f32[4,8]{1,0}', ' (bf16[16]{0}, s32[])',
-                                       ' /*index=2*/u8[0]{0}']
+  assert hlo_view.top_level(shape) == [
+      'f32[4,8]{1,0}',
+      ' (bf16[16]{0}, s32[])',
+      ' /*index=2*/u8[0]{0}',
+  ]
   assert hlo_view.shape_bytes(shape) == 4 * 32 + 2 * 16 + 4

@@ -15,7 +15,7 @@ from transformer_jax import host_memory
 
 # A step-like program: a 96 MB temporary buffer (XLA's temp allocation) a call, written in
 # full, then reduced; the page faults of each call are counted after a warm-up.
-PROGRAM = r'''
+PROGRAM = r"""
 import json, resource, sys
 sys.path.insert(0, sys.argv[1])
 from transformer_jax import host_memory
@@ -37,22 +37,29 @@ for _ in range(12):
   jax.block_until_ready(step(x))
   faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(json.dumps({'applied': applied, 'faults': faults, 'temp_pages': temp / 4096}))
-'''
+"""
 
 
 def _run(malloc: str) -> dict:
   env = train_testlib.subprocess_env()
   env[host_memory.ENV_VAR] = malloc
-  result = subprocess.run([sys.executable, '-c', PROGRAM, str(train_testlib.REPO)], env=env,
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+      [sys.executable, '-c', PROGRAM, str(train_testlib.REPO)],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith('linux'),
-                    reason="retain_freed_memory sets glibc's malloc, which only Linux has; "
-                    'elsewhere it changes nothing')
+@pytest.mark.skipif(
+    not sys.platform.startswith('linux'),
+    reason="retain_freed_memory sets glibc's malloc, which only Linux has; "
+    'elsewhere it changes nothing',
+)
 def test_the_scratch_buffer_is_reused_instead_of_faulted_in_every_call():
   retained, system = _run(''), _run('system')
   assert retained['applied'] and not system['applied']
@@ -84,8 +91,9 @@ def test_a_bad_setting_is_a_clear_error_before_any_work(tmp_path):
   """A command refuses an unknown TRANSFORMER_JAX_MALLOC in one paragraph, exit 2."""
   env = train_testlib.subprocess_env()
   env[host_memory.ENV_VAR] = 'jemalloc'
-  result = train_testlib.run_command([sys.executable, 'translate.py', f'--workdir={tmp_path}'],
-                                     env=env, timeout=300)
+  result = train_testlib.run_command(
+      [sys.executable, 'translate.py', f'--workdir={tmp_path}'], env=env, timeout=300
+  )
   assert result.returncode == 2, result.stderr[-2000:]
   assert "TRANSFORMER_JAX_MALLOC='jemalloc' is not one of retain" in result.stderr
   assert 'Traceback' not in result.stderr

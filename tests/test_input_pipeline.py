@@ -21,8 +21,10 @@ from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.models import BATCH_KEYS
 
-WORDS = ('the a house river bird green old new town field red blue small long water '
-         'light stone tree day night').split()
+WORDS = (
+    'the a house river bird green old new town field red blue small long water '
+    'light stone tree day night'
+).split()
 NUM_PAIRS = 300
 
 
@@ -91,8 +93,7 @@ def _examples(batches):
   found = collections.Counter()
   for batch in batches:
     assert set(batch) == set(BATCH_KEYS)
-    assert all(v.dtype == np.int32 and v.shape == batch['inputs'].shape
-               for v in batch.values())
+    assert all(v.dtype == np.int32 and v.shape == batch['inputs'].shape for v in batch.values())
     sources, targets = _segments(batch, 'inputs'), _segments(batch, 'targets')
     assert sources.keys() == targets.keys()
     found.update((tuple(sources[k]), tuple(targets[k])) for k in sources)
@@ -153,10 +154,9 @@ def test_vectorized_batches_equal_one_example_at_a_time(corpus):
   for r, i in enumerate(indices):
     for name, text in (('inputs', pairs[i][0]), ('targets', pairs[i][1])):
       ids = tok.encode(text)
-      np.testing.assert_array_equal(batch[name][r, :len(ids)], ids)
-      assert (batch[name][r, len(ids):] == PAD_ID).all()
-      np.testing.assert_array_equal(batch[f'{name}_positions'][r, :len(ids)],
-                                    np.arange(len(ids)))
+      np.testing.assert_array_equal(batch[name][r, : len(ids)], ids)
+      assert (batch[name][r, len(ids) :] == PAD_ID).all()
+      np.testing.assert_array_equal(batch[f'{name}_positions'][r, : len(ids)], np.arange(len(ids)))
   assert (batch['inputs'][6:] == PAD_ID).all() and (batch['targets_segmentation'][6:] == 0).all()
   rows = np.array([1, 0, 1, 2, 1, 0])
   packed = store.packed_batch(indices, rows, rows=3, length=90)
@@ -165,14 +165,13 @@ def test_vectorized_batches_equal_one_example_at_a_time(corpus):
     for name, side in (('inputs', 0), ('targets', 1)):
       expect = [t for i in mine for t in tok.encode(pairs[i][side])]
       got = packed[name][row]
-      np.testing.assert_array_equal(got[:len(expect)], expect)
-      assert (got[len(expect):] == PAD_ID).all()
+      np.testing.assert_array_equal(got[: len(expect)], expect)
+      assert (got[len(expect) :] == PAD_ID).all()
       segments = packed[f'{name}_segmentation'][row]
-      assert segments[:len(expect)].max() == len(mine)
+      assert segments[: len(expect)].max() == len(mine)
 
 
-def test_token_store_is_reused_and_rebuilt_when_data_or_vocabulary_change(corpus, tmp_path,
-                                                                        caplog):
+def test_token_store_is_reused_and_rebuilt_when_data_or_vocabulary_change(corpus, tmp_path, caplog):
   pairs, tok, config, _, _ = corpus
   directory = str(tmp_path / 'store')
   first = token_store.open_or_prepare(pairs, tok, directory, data_fingerprint='a')
@@ -193,17 +192,22 @@ def test_token_ids_stay_out_of_another_runs_work_directory(tmp_path):
 
   def directory(vocabulary):
     os.makedirs(os.path.dirname(vocabulary), exist_ok=True)
-    return vocab_cache.store_directory(config_lib.base_config(), run,
-                              types.SimpleNamespace(model_path=vocabulary), pairs)
+    return vocab_cache.store_directory(
+        config_lib.base_config(), run, types.SimpleNamespace(model_path=vocabulary), pairs
+    )
+
   assert directory(str(tmp_path / 'vocab' / 'spm.model')) == str(
-      tmp_path / 'vocab' / 'spm.tokens' / 'text_train_en-to-de')
+      tmp_path / 'vocab' / 'spm.tokens' / 'text_train_en-to-de'
+  )
   imported = tmp_path / 'imported'
   (imported / 'checkpoints').mkdir(parents=True)
   assert directory(str(imported / 'marian_vocab.json')) == os.path.join(
-      run, 'tokens', 'marian_vocab', 'text_train_en-to-de')
+      run, 'tokens', 'marian_vocab', 'text_train_en-to-de'
+  )
   (tmp_path / 'run' / 'checkpoints').mkdir(parents=True)  # This run's own vocabulary.
   assert directory(os.path.join(run, 'spm.model')) == os.path.join(
-      run, 'spm.tokens', 'text_train_en-to-de')
+      run, 'spm.tokens', 'text_train_en-to-de'
+  )
 
 
 def test_preparation_on_two_hosts_and_two_processes_equals_one(corpus, tmp_path, monkeypatch):
@@ -213,10 +217,13 @@ def test_preparation_on_two_hosts_and_two_processes_equals_one(corpus, tmp_path,
   monkeypatch.setattr(token_store, 'PART_SIZE', 40)  # 8 parts of the 300 pairs.
   directory = str(tmp_path / 'shared')
   prepare = token_store.prepare
-  assert prepare(pairs, tok, directory, data_fingerprint='x', workers=2, host_index=0,
-                 host_count=2) is None  # Host 1's parts are missing.
-  merged = prepare(pairs, tok, directory, data_fingerprint='x', workers=2, host_index=1,
-                   host_count=2)
+  assert (
+      prepare(pairs, tok, directory, data_fingerprint='x', workers=2, host_index=0, host_count=2)
+      is None
+  )  # Host 1's parts are missing.
+  merged = prepare(
+      pairs, tok, directory, data_fingerprint='x', workers=2, host_index=1, host_count=2
+  )
   np.testing.assert_array_equal(merged.lengths, store.lengths)
   np.testing.assert_array_equal(merged.source, store.source)
   np.testing.assert_array_equal(merged.target, store.target)
@@ -244,8 +251,10 @@ def test_same_seed_same_batches_and_resume_mid_epoch(corpus, packing):
 
   config.data_seed = 1
   other = _take(iter(batching.train_dataset(store, config).dataset), 12)
-  assert any((a['inputs'].shape != b['inputs'].shape) or (a['inputs'] != b['inputs']).any()
-             for a, b in zip(first, other))
+  assert any(
+      (a['inputs'].shape != b['inputs'].shape) or (a['inputs'] != b['inputs']).any()
+      for a, b in zip(first, other)
+  )
 
 
 @pytest.mark.parametrize('packing', [False, True])
@@ -270,10 +279,12 @@ def test_epochs_are_reshuffled(corpus):
   pairs, tok, config, _, store = corpus
   data = batching.train_dataset(store, config)
   two = _take(iter(data.dataset), 2 * data.steps_per_epoch)
-  epoch0, epoch1 = two[:data.steps_per_epoch], two[data.steps_per_epoch:]
+  epoch0, epoch1 = two[: data.steps_per_epoch], two[data.steps_per_epoch :]
   assert _examples(epoch1) == _examples(epoch0)
-  assert any(a['inputs'].shape != b['inputs'].shape or (a['inputs'] != b['inputs']).any()
-             for a, b in zip(epoch0, epoch1))
+  assert any(
+      a['inputs'].shape != b['inputs'].shape or (a['inputs'] != b['inputs']).any()
+      for a, b in zip(epoch0, epoch1)
+  )
 
 
 @pytest.mark.parametrize('packing', [False, True])
@@ -281,8 +292,9 @@ def test_two_hosts_read_disjoint_shards_that_cover_the_data(corpus, packing):
   pairs, tok, config, _, store = corpus
   config = config.copy_and_resolve_references()
   config.packing = packing
-  hosts = [batching.train_dataset(store, config, process_index=i, process_count=2)
-           for i in range(2)]
+  hosts = [
+      batching.train_dataset(store, config, process_index=i, process_count=2) for i in range(2)
+  ]
   if packing:  # Each host packs every other example; 80 batches are > 1 pass over a shard.
     seen = []
     for host in hosts:
@@ -307,8 +319,9 @@ def test_eval_batches_never_drop_or_truncate(corpus):
   assert _examples(batches) == _expected(pairs, tok)  # The two long pairs too.
   assert max(b['inputs'].shape[1] for b in batches) > config.max_source_length
   assert all(b['inputs'].shape[0] % 2 == 0 for b in batches)
-  hosts = [list(batching.eval_batches(store, config, process_index=i, process_count=2))
-           for i in range(2)]
+  hosts = [
+      list(batching.eval_batches(store, config, process_index=i, process_count=2)) for i in range(2)
+  ]
   assert [b['inputs'].shape for b in hosts[0]] == [b['inputs'].shape for b in hosts[1]]
   assert _examples(hosts[0]) + _examples(hosts[1]) == _expected(pairs, tok)
 
@@ -321,8 +334,10 @@ def test_get_datasets_on_text_files(corpus):
   test_pairs = data_sources.nonblank_pairs(data_sources.open_split(config, 'test'))
   assert len(test_pairs) == NUM_PAIRS - 3
   assert all(s.strip() and t.strip() for s, t in test_pairs)
-  assert sum(int((b['inputs_segmentation'] == 1).any(axis=1).sum())
-             for b in data.eval_batches()) == NUM_PAIRS - 3
+  assert (
+      sum(int((b['inputs_segmentation'] == 1).any(axis=1).sum()) for b in data.eval_batches())
+      == NUM_PAIRS - 3
+  )
 
 
 def test_text_files_with_different_line_counts_fail_clearly(tmp_path):
@@ -343,14 +358,24 @@ def test_missing_tfds_dataset_names_dataset_directory_and_fix(tmp_path):
   with pytest.raises(data_sources.DatasetNotFoundError) as error:
     data_sources.open_split(config, 'train')
   message = str(error.value)
-  for needle in ('wmt14_translate/de-en', str(tmp_path), 'tfds build',
-                 '--file_format=array_record', '--config.tfds_data_dir'):
+  for needle in (
+      'wmt14_translate/de-en',
+      str(tmp_path),
+      'tfds build',
+      '--file_format=array_record',
+      '--config.tfds_data_dir',
+  ):
     assert needle in message
 
 
-@pytest.mark.parametrize('name,source,target', [('wmt14_translate/de-en', 'en', 'de'),
-                                                ('wmt17_translate/de-en', 'de', 'en'),
-                                                ('wmt14_translate/fr-en', 'en', 'fr')])
+@pytest.mark.parametrize(
+    'name,source,target',
+    [
+        ('wmt14_translate/de-en', 'en', 'de'),
+        ('wmt17_translate/de-en', 'de', 'en'),
+        ('wmt14_translate/fr-en', 'en', 'fr'),
+    ],
+)
 def test_mock_wmt(tmp_path, name, source, target):
   config = config_lib.base_config()
   config.dataset, config.source_lang, config.target_lang = name, source, target

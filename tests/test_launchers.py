@@ -35,17 +35,30 @@ STEPS = train_testlib.MULTIHOST_STEPS
 HEARTBEAT = 5
 # The states a job ends in. A job may pass through others than PENDING and RUNNING on the way
 # (CONFIGURING, COMPLETING, and SIGNALING while the time limit's --signal is delivered).
-ENDED = frozenset({'COMPLETED', 'FAILED', 'CANCELLED', 'TIMEOUT', 'NODE_FAIL', 'OUT_OF_MEMORY',
-                   'PREEMPTED', 'BOOT_FAIL', 'DEADLINE'})
+ENDED = frozenset(
+    {
+        'COMPLETED',
+        'FAILED',
+        'CANCELLED',
+        'TIMEOUT',
+        'NODE_FAIL',
+        'OUT_OF_MEMORY',
+        'PREEMPTED',
+        'BOOT_FAIL',
+        'DEADLINE',
+    }
+)
 
 
 @pytest.fixture(scope='module')
 def cluster():
-  started = subprocess.run(['bash', LOCAL_SLURM, 'start'], capture_output=True, text=True,
-                           timeout=600)
+  started = subprocess.run(
+      ['bash', LOCAL_SLURM, 'start'], capture_output=True, text=True, timeout=600
+  )
   assert started.returncode == 0, (
       f'scripts/local_slurm.sh could not start the local SLURM cluster:\n{started.stdout}'
-      f'{started.stderr}')
+      f'{started.stderr}'
+  )
   yield
   if 'is up (node' in started.stdout:  # Started here, not found running: stop it again.
     subprocess.run(['bash', LOCAL_SLURM, 'stop'], capture_output=True, timeout=120)
@@ -53,17 +66,27 @@ def cluster():
 
 def job_env(**extra: str) -> dict[str, str]:
   """4 simulated CPU devices a process; no launcher variables of an enclosing job."""
-  env = {k: v for k, v in train_testlib.subprocess_env(devices=4).items()
-         if not k.startswith(('SLURM_', 'OMPI_', 'PMIX_'))}
+  env = {
+      k: v
+      for k, v in train_testlib.subprocess_env(devices=4).items()
+      if not k.startswith(('SLURM_', 'OMPI_', 'PMIX_'))
+  }
   env.update(extra)
   return env
 
 
-def in_cluster(*command: str, env: dict[str, str] | None = None, timeout: float = 300,
-               cwd: str = REPO) -> subprocess.CompletedProcess:
+def in_cluster(
+    *command: str, env: dict[str, str] | None = None, timeout: float = 300, cwd: str = REPO
+) -> subprocess.CompletedProcess:
   """`command` inside the cluster's network namespace, with SLURM_CONF set."""
-  return subprocess.run(['bash', LOCAL_SLURM, 'run', *command], cwd=cwd,
-                        env=env or job_env(), capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+      ['bash', LOCAL_SLURM, 'run', *command],
+      cwd=cwd,
+      env=env or job_env(),
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
 
 
 def recipe(config_path: str, workdir: str, *flags: str, **sbatch: str) -> str:
@@ -73,17 +96,26 @@ def recipe(config_path: str, workdir: str, *flags: str, **sbatch: str) -> str:
   with open(os.path.join(REPO, 'docs', 'distributed.md')) as f:
     text = f.read()
   start = text.index('    #!/bin/bash\n')
-  script = '\n'.join(line[4:] for line in text[start:text.index('\n\n', start)].split('\n'))
-  changes = [('--nodes=4', '--nodes=1'), ('--ntasks-per-node=1', '--ntasks-per-node=2'),
-             ('#SBATCH --gpus-per-node=8\n', ''),
-             ('export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7   # else JAX gives each process '
-              'one GPU\n', ''),
-             ('--config=configs/wmt14_ende_big.py', f'--config={config_path}'),
-             ('--workdir=/shared/runs/ende_big', f'--workdir={workdir}'),
-             ('--config.mesh.fsdp=8 --config.mesh.data=-1',
-              ' '.join(['--config.mesh.fsdp=4 --config.mesh.data=-1', *flags]))]
-  changes += [(re.search(rf'--{key}=\S+', script)[0], f'--{key}={value}')
-              for key, value in sbatch.items()]
+  script = '\n'.join(line[4:] for line in text[start : text.index('\n\n', start)].split('\n'))
+  changes = [
+      ('--nodes=4', '--nodes=1'),
+      ('--ntasks-per-node=1', '--ntasks-per-node=2'),
+      ('#SBATCH --gpus-per-node=8\n', ''),
+      (
+          'export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7   # else JAX gives each process '
+          'one GPU\n',
+          '',
+      ),
+      ('--config=configs/wmt14_ende_big.py', f'--config={config_path}'),
+      ('--workdir=/shared/runs/ende_big', f'--workdir={workdir}'),
+      (
+          '--config.mesh.fsdp=8 --config.mesh.data=-1',
+          ' '.join(['--config.mesh.fsdp=4 --config.mesh.data=-1', *flags]),
+      ),
+  ]
+  changes += [
+      (re.search(rf'--{key}=\S+', script)[0], f'--{key}={value}') for key, value in sbatch.items()
+  ]
   for old, new in changes:
     assert old in script, f'docs/distributed.md: the sbatch recipe has no {old!r}'
     script = script.replace(old, new)
@@ -129,8 +161,9 @@ class Job:
     while (state := self.state())[0] not in ENDED:
       if time.time() > deadline:
         in_cluster('scancel', '--signal=KILL', self.id)
-        raise AssertionError(f'job {self.id} still {state} after {timeout}s:\n'
-                             + self.log()[-4000:])
+        raise AssertionError(
+            f'job {self.id} still {state} after {timeout}s:\n' + self.log()[-4000:]
+        )
       time.sleep(0.5)
     return state
 
@@ -146,15 +179,18 @@ class Job:
 
 def stop_steps(log: str) -> dict[int, int]:
   """{process: the step it saved on a stop request}."""
-  return {int(p): int(s) for s, p in re.findall(
-      r'Stop requested: saving step (\d+) on process (\d+)', log)}
+  return {
+      int(p): int(s)
+      for s, p in re.findall(r'Stop requested: saving step (\d+) on process (\d+)', log)
+  }
 
 
 def assert_same_losses(workdir: str, reference: str) -> None:
   ours, theirs = test_multihost.train_losses(workdir), test_multihost.train_losses(reference)
   assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
-  np.testing.assert_allclose([ours[s] for s in sorted(ours)],
-                             [theirs[s] for s in sorted(theirs)], rtol=2e-5)
+  np.testing.assert_allclose(
+      [ours[s] for s in sorted(ours)], [theirs[s] for s in sorted(theirs)], rtol=2e-5
+  )
 
 
 @pytest.fixture(scope='module')
@@ -181,13 +217,17 @@ def uninterrupted(cluster, config_path, tmp_path_factory):
 def test_the_sbatch_recipe_trains_as_one_process_does(uninterrupted, reference):
   workdir, log = uninterrupted
   for process in (0, 1):
-    assert re.search(rf'Process {process} of 2 joined the job \(slurm, coordinator '
-                     r'localhost:\d+\); 4 local / 8 global devices', log), log[-3000:]
+    assert re.search(
+        rf'Process {process} of 2 joined the job \(slurm, coordinator '
+        r'localhost:\d+\); 4 local / 8 global devices',
+        log,
+    ), log[-3000:]
   assert_same_losses(workdir, reference)
 
 
 def test_scancel_term_stops_every_task_at_one_step_and_resubmitting_ends_bitwise_equal(
-    uninterrupted, config_path, tmp_path):
+    uninterrupted, config_path, tmp_path
+):
   workdir = str(tmp_path / 'run')
   job = Job(recipe(config_path, workdir), str(tmp_path), 'stopped')
   job.wait_for(r'step 2/')
@@ -207,8 +247,9 @@ def test_scancel_term_stops_every_task_at_one_step_and_resubmitting_ends_bitwise
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(ours), jax.device_get(theirs))
 
 
-def lose_task_1(script: str, directory: str, name: str, signum: int,
-                resumed_from: int | None = None) -> str:
+def lose_task_1(
+    script: str, directory: str, name: str, signum: int, resumed_from: int | None = None
+) -> str:
   """Submits `script`, sends task 1 `signum` once it trains, and asserts that the job fails
   within the heartbeat timeout (and some seconds to spare); returns the job's output."""
   job = Job(script, directory, name)
@@ -222,7 +263,8 @@ def lose_task_1(script: str, directory: str, name: str, signum: int,
 
 
 def test_the_time_limit_signal_stops_every_task_and_a_lost_task_ends_the_job(
-    cluster, config_path, tmp_path):
+    cluster, config_path, tmp_path
+):
   workdir = str(tmp_path / 'run')
   long_run = ('--config.num_train_steps=100000', f'--heartbeat_timeout_seconds={HEARTBEAT}')
   # A 1-minute limit, SIGTERM 10 s before it: SLURM looks every 30 s, so it comes 20-50 s in.
@@ -234,18 +276,23 @@ def test_the_time_limit_signal_stops_every_task_and_a_lost_task_ends_the_job(
 
   # A killed task (the OOM killer, a lost host): the other stops within the heartbeat
   # timeout (on CPU gloo sees the broken connection at once), srun names the task it lost.
-  killed = lose_task_1(recipe(config_path, workdir, *long_run), str(tmp_path), 'killed',
-                       signal.SIGKILL, resumed_from=stops[0])
+  killed = lose_task_1(
+      recipe(config_path, workdir, *long_run),
+      str(tmp_path),
+      'killed',
+      signal.SIGKILL,
+      resumed_from=stops[0],
+  )
   assert re.search(r'srun: error: localhost: task 1: Killed', killed), killed[-3000:]
   # A hung task (a frozen host): JAX's heartbeats name it, and the job ends.
-  hung = lose_task_1(recipe(config_path, workdir, *long_run), str(tmp_path), 'hung',
-                     signal.SIGSTOP)
+  hung = lose_task_1(recipe(config_path, workdir, *long_run), str(tmp_path), 'hung', signal.SIGSTOP)
   assert re.search(r'unhealthy \(stopped sending heartbeats\):\s*1\b', hung), hung[-3000:]
 
   # The rerun resumes from the last complete checkpoint and finishes.
   last = max(int(n) for n in os.listdir(os.path.join(workdir, 'checkpoints')) if n.isdigit())
-  final = Job(recipe(config_path, workdir, f'--config.num_train_steps={last + 2}'),
-              str(tmp_path), 'final')
+  final = Job(
+      recipe(config_path, workdir, f'--config.num_train_steps={last + 2}'), str(tmp_path), 'final'
+  )
   assert final.finish() == ('COMPLETED', '0:0'), final.log()[-4000:]
   assert f'Resumed from the checkpoint at step {last}' in final.log()
   assert f'step {last + 2}/{last + 2}' in final.log()
@@ -253,13 +300,25 @@ def test_the_time_limit_signal_stops_every_task_and_a_lost_task_ends_the_job(
 
 def test_mpirun_trains_as_one_process_does(cluster, config_path, reference, tmp_path):
   workdir = str(tmp_path / 'run')
-  done = in_cluster('mpirun', '--allow-run-as-root', '-np', '2', sys.executable, 'train.py',
-                    '--distributed', f'--config={config_path}', f'--workdir={workdir}',
-                    '--config.mesh.fsdp=4', '--config.mesh.data=-1')
+  done = in_cluster(
+      'mpirun',
+      '--allow-run-as-root',
+      '-np',
+      '2',
+      sys.executable,
+      'train.py',
+      '--distributed',
+      f'--config={config_path}',
+      f'--workdir={workdir}',
+      '--config.mesh.fsdp=4',
+      '--config.mesh.data=-1',
+  )
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   for process in (0, 1):
-    assert re.search(rf'Process {process} of 2 joined the job \(ompi, coordinator '
-                     r'127\.0\.0\.1:\d+\)', done.stderr), done.stderr[-3000:]
+    assert re.search(
+        rf'Process {process} of 2 joined the job \(ompi, coordinator ' r'127\.0\.0\.1:\d+\)',
+        done.stderr,
+    ), done.stderr[-3000:]
   assert_same_losses(workdir, reference)
 
 
@@ -268,7 +327,8 @@ SHOW_DEVICES = (
     'from transformer_jax import multihost\n'
     'multihost.initialize(heartbeat_timeout_seconds=60)\n'
     'print(json.dumps([jax.process_index(), jax.local_device_count(),\n'
-    '                  jax.config.values["jax_cuda_visible_devices"]]))\n')
+    '                  jax.config.values["jax_cuda_visible_devices"]]))\n'
+)
 
 
 def test_one_process_per_gpu_and_one_per_host_get_their_devices(cluster):
@@ -278,16 +338,29 @@ def test_one_process_per_gpu_and_one_per_host_get_their_devices(cluster):
   seen = sorted(json.loads(line) for line in per_device.stdout.splitlines())
   assert seen == [[0, 4, '0'], [1, 4, '1']]
   # One process per host with JAX_LOCAL_DEVICE_IDS: it sees all of them.
-  per_host = in_cluster('srun', '--ntasks-per-node=1', sys.executable, '-c', SHOW_DEVICES,
-                        env=job_env(JAX_LOCAL_DEVICE_IDS='0,1,2,3'))
+  per_host = in_cluster(
+      'srun',
+      '--ntasks-per-node=1',
+      sys.executable,
+      '-c',
+      SHOW_DEVICES,
+      env=job_env(JAX_LOCAL_DEVICE_IDS='0,1,2,3'),
+  )
   assert per_host.returncode == 0, per_host.stderr[-3000:]
   assert [json.loads(line) for line in per_host.stdout.splitlines()] == [[0, 4, '0,1,2,3']]
 
 
 def srun_train(config_path, workdir, *flags, tasks=2, shell_line=None, env=None):
   """srun of train.py with --distributed: (seconds it took, the result)."""
-  command = [sys.executable, 'train.py', '--distributed', f'--config={config_path}',
-             f'--workdir={workdir}', f'--heartbeat_timeout_seconds={HEARTBEAT}', *flags]
+  command = [
+      sys.executable,
+      'train.py',
+      '--distributed',
+      f'--config={config_path}',
+      f'--workdir={workdir}',
+      f'--heartbeat_timeout_seconds={HEARTBEAT}',
+      *flags,
+  ]
   if shell_line:
     command = ['bash', '-c', ' '.join(command) + ' ' + shell_line]
   began = time.time()
@@ -301,9 +374,14 @@ def paragraphs(stderr: str, start: str) -> list[str]:
 
 def test_bad_launches_get_one_paragraph_on_every_process(cluster, config_path, tmp_path):
   # --distributed outside any launcher, without the coordinator flags.
-  alone = subprocess.run(train_testlib.train_command(config_path, str(tmp_path / 'alone'),
-                                                     '--distributed'),
-                         cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=120)
+  alone = subprocess.run(
+      train_testlib.train_command(config_path, str(tmp_path / 'alone'), '--distributed'),
+      cwd=REPO,
+      env=job_env(),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert alone.returncode == 2, alone.stderr[-3000:]
   assert len(paragraphs(alone.stderr, '--distributed found no launcher')) == 1
 
@@ -313,24 +391,36 @@ def test_bad_launches_get_one_paragraph_on_every_process(cluster, config_path, t
   assert len(paragraphs(mesh.stderr, 'config.mesh=')) == 3, mesh.stderr[-3000:]
 
   # Two tasks with different configs.
-  _, differ = srun_train(config_path, str(tmp_path / 'differ'),
-                         shell_line='--config.dropout_rate=0.$SLURM_PROCID')
+  _, differ = srun_train(
+      config_path, str(tmp_path / 'differ'), shell_line='--config.dropout_rate=0.$SLURM_PROCID'
+  )
   assert differ.returncode == 2, differ.stderr[-3000:]
   found = paragraphs(differ.stderr, 'The processes of this job were not started with the same')
   assert len(found) == 2 and all(
-      'process 1 has --config.dropout_rate=0.1 where process 0 has 0.0' in p for p in found)
+      'process 1 has --config.dropout_rate=0.1 where process 0 has 0.0' in p for p in found
+  )
 
   # The coordinator's port already in use (held inside the cluster's network).
   holder = subprocess.Popen(
-      ['bash', LOCAL_SLURM, 'run', sys.executable, '-c',
-       'import socket, sys, time\n'
-       's = socket.socket(socket.AF_INET6)\n'
-       's.bind(("::", 0)); s.listen(); print(s.getsockname()[1], flush=True)\n'
-       'time.sleep(300)'], stdout=subprocess.PIPE, text=True)
+      [
+          'bash',
+          LOCAL_SLURM,
+          'run',
+          sys.executable,
+          '-c',
+          'import socket, sys, time\n'
+          's = socket.socket(socket.AF_INET6)\n'
+          's.bind(("::", 0)); s.listen(); print(s.getsockname()[1], flush=True)\n'
+          'time.sleep(300)',
+      ],
+      stdout=subprocess.PIPE,
+      text=True,
+  )
   try:
     port = holder.stdout.readline().strip()
-    took, busy = srun_train(config_path, str(tmp_path / 'busy'),
-                            env=job_env(JAX_COORDINATOR_PORT=port))
+    took, busy = srun_train(
+        config_path, str(tmp_path / 'busy'), env=job_env(JAX_COORDINATOR_PORT=port)
+    )
   finally:
     holder.kill()
   assert busy.returncode == 2, busy.stderr[-3000:]
@@ -356,8 +446,9 @@ def test_a_cluster_whose_daemons_were_killed_mid_job_starts_again_idle(cluster, 
         os.kill(int(f.read()), signal.SIGKILL)
 
   def local_slurm(command):
-    return subprocess.run(['bash', LOCAL_SLURM, command], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        ['bash', LOCAL_SLURM, command], capture_output=True, text=True, timeout=120
+    )
 
   def sleeps():
     return subprocess.run(['pgrep', '-f', 'sleep 600'], capture_output=True).returncode == 0

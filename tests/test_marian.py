@@ -21,10 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip('torch', reason='PyTorch (CPU build) is a test-only dependency: '
-                            "pip install -c requirements.txt -e '.[test]'")
-transformers = pytest.importorskip('transformers', reason='transformers is a test-only '
-                                   "dependency: pip install -c requirements.txt -e '.[test]'")
+torch = pytest.importorskip(
+    'torch',
+    reason='PyTorch (CPU build) is a test-only dependency: '
+    "pip install -c requirements.txt -e '.[test]'",
+)
+transformers = pytest.importorskip(
+    'transformers',
+    reason='transformers is a test-only '
+    "dependency: pip install -c requirements.txt -e '.[test]'",
+)
 
 import train_testlib  # noqa: E402
 from transformer_jax import checkpointing  # noqa: E402
@@ -49,22 +55,37 @@ def random_marian(activation: str = 'swish', eos_bias: float = 0.0, seed: int = 
   decoder from pad) and non-trivial norms and logits bias."""
   torch.manual_seed(seed)
   config = transformers.MarianConfig(
-      vocab_size=VOCAB, d_model=D, encoder_layers=2, decoder_layers=2,
-      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-      decoder_ffn_dim=128, activation_function=activation, max_position_embeddings=MAX_LEN,
-      scale_embedding=True, pad_token_id=PAD_ID, eos_token_id=EOS_ID,
-      decoder_start_token_id=PAD_ID, forced_eos_token_id=None, bos_token_id=None,
-      dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+      vocab_size=VOCAB,
+      d_model=D,
+      encoder_layers=2,
+      decoder_layers=2,
+      encoder_attention_heads=4,
+      decoder_attention_heads=4,
+      encoder_ffn_dim=128,
+      decoder_ffn_dim=128,
+      activation_function=activation,
+      max_position_embeddings=MAX_LEN,
+      scale_embedding=True,
+      pad_token_id=PAD_ID,
+      eos_token_id=EOS_ID,
+      decoder_start_token_id=PAD_ID,
+      forced_eos_token_id=None,
+      bos_token_id=None,
+      dropout=0.0,
+      attention_dropout=0.0,
+      activation_dropout=0.0,
       init_std=0.3,  # Logits that depend on the input, not on the bias alone.
-      **kwargs)
+      **kwargs,
+  )
   model = transformers.MarianMTModel(config).eval()
   generator = torch.Generator().manual_seed(seed + 1)
   with torch.no_grad():
     for name, tensor in model.named_parameters():
       if 'layer_norm' in name or name.endswith('.bias'):
         tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator))
-    model.final_logits_bias.copy_(0.1 * torch.randn(model.final_logits_bias.shape,
-                                                    generator=generator))
+    model.final_logits_bias.copy_(
+        0.1 * torch.randn(model.final_logits_bias.shape, generator=generator)
+    )
     model.final_logits_bias[0, EOS_ID] += eos_bias
   return model
 
@@ -90,21 +111,35 @@ def test_concatenated_sinusoids_are_marians_position_table():
   ours = sinusoidal_positions(jnp.arange(MAX_LEN)[None], D, 'concatenated')[0]
   np.testing.assert_allclose(ours, table, atol=2e-5)
   interleaved = sinusoidal_positions(jnp.arange(MAX_LEN)[None], D)[0]
-  np.testing.assert_array_equal(interleaved[:, 0::2], ours[:, :D // 2])
+  np.testing.assert_array_equal(interleaved[:, 0::2], ours[:, : D // 2])
 
 
 @pytest.mark.parametrize('activation', ['swish', 'gelu', 'relu'])
 def test_imported_marian_gives_marians_logits(activation):
   model = random_marian(activation)
   config, params = imported(model)
-  assert (config.activation, config.sinusoid_layout, config.decoder_start, config.logits_bias,
-          config.layer_norm_epsilon) == ({'swish': 'swish', 'gelu': 'gelu', 'relu': 'relu'}[
-              activation], 'concatenated', 'pad', True, 1e-5)
+  assert (
+      config.activation,
+      config.sinusoid_layout,
+      config.decoder_start,
+      config.logits_bias,
+      config.layer_norm_epsilon,
+  ) == (
+      {'swish': 'swish', 'gelu': 'gelu', 'relu': 'relu'}[activation],
+      'concatenated',
+      'pad',
+      True,
+      1e-5,
+  )
   # Every parameter of the model is mapped, with its shape, and nothing else.
-  expected = jax.eval_shape(lambda: nn.unbox(Transformer(config).init(
-      jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32))['params']))
-  assert (jax.tree.map(lambda x: x.shape, params)
-          == jax.tree.map(lambda x: x.shape, expected))
+  expected = jax.eval_shape(
+      lambda: nn.unbox(
+          Transformer(config).init(
+              jax.random.key(0), jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32)
+          )['params']
+      )
+  )
+  assert jax.tree.map(lambda x: x.shape, params) == jax.tree.map(lambda x: x.shape, expected)
 
   inputs = sources()
   targets = np.random.default_rng(1).integers(4, VOCAB, (3, 7))
@@ -112,18 +147,25 @@ def test_imported_marian_gives_marians_logits(activation):
   logits = np.asarray(Transformer(config).apply({'params': params}, inputs, targets))
   decoder_inputs = np.concatenate([np.full((3, 1), PAD_ID), targets[:, :-1]], axis=1)
   with torch.no_grad():
-    expected = model(input_ids=torch.from_numpy(inputs),
-                     attention_mask=torch.from_numpy((inputs != PAD_ID).astype(np.int64)),
-                     decoder_input_ids=torch.from_numpy(decoder_inputs)).logits.numpy()
+    expected = model(
+        input_ids=torch.from_numpy(inputs),
+        attention_mask=torch.from_numpy((inputs != PAD_ID).astype(np.int64)),
+        decoder_input_ids=torch.from_numpy(decoder_inputs),
+    ).logits.numpy()
   relative_error = np.abs(logits - expected).max() / np.abs(expected).max()
   assert relative_error < 1e-5, relative_error
 
 
 def _ours(config, params, inputs, beam_size, max_len, alpha=0.0, form='power'):
-  options = translator.DecodeOptions(beam_size=beam_size, length_penalty=alpha,
-                                     length_penalty_form=form, max_decode_extra_length=max_len)
-  search = jax.jit(functools.partial(translator.search, config, options=options,
-                                     max_decode_len=max_len))
+  options = translator.DecodeOptions(
+      beam_size=beam_size,
+      length_penalty=alpha,
+      length_penalty_form=form,
+      max_decode_extra_length=max_len,
+  )
+  search = jax.jit(
+      functools.partial(translator.search, config, options=options, max_decode_len=max_len)
+  )
   sequences, scores, _ = search(params, jnp.asarray(inputs))
   return np.asarray(sequences[:, 0]), np.asarray(scores[:, 0])
 
@@ -133,8 +175,9 @@ def _generate(model, **kwargs) -> np.ndarray:
   two tokens closer than 1e-3 in logit: the fixtures' outputs then do not depend on the last
   bits of a CPU's floats, which differ from machine to machine."""
   with torch.no_grad():
-    out = model.generate(do_sample=False, output_scores=True, return_dict_in_generate=True,
-                         **kwargs)
+    out = model.generate(
+        do_sample=False, output_scores=True, return_dict_in_generate=True, **kwargs
+    )
   if kwargs.get('num_beams', 1) == 1:
     eos = model.generation_config.eos_token_id
     for row, sequence in enumerate(out.sequences[:, 1:].tolist()):
@@ -147,15 +190,21 @@ def _generate(model, **kwargs) -> np.ndarray:
 
 def _theirs(model, inputs, max_len, **kwargs):
   out = _generate(
-      model, input_ids=torch.from_numpy(inputs),
+      model,
+      input_ids=torch.from_numpy(inputs),
       attention_mask=torch.from_numpy((inputs != PAD_ID).astype(np.int64)),
-      max_new_tokens=max_len, bad_words_ids=[[PAD_ID]], **kwargs)[:, 1:]  # No start.
+      max_new_tokens=max_len,
+      bad_words_ids=[[PAD_ID]],
+      **kwargs,
+  )[
+      :, 1:
+  ]  # No start.
   return np.pad(out, ((0, 0), (0, max_len - out.shape[1])), constant_values=PAD_ID)
 
 
 def _strip(row) -> list[int]:
   row = list(row)
-  return row[:row.index(EOS_ID) + 1] if EOS_ID in row else [t for t in row if t != PAD_ID]
+  return row[: row.index(EOS_ID) + 1] if EOS_ID in row else [t for t in row if t != PAD_ID]
 
 
 @pytest.mark.parametrize('eos_bias', [0.0, 3.0])
@@ -182,8 +231,7 @@ def test_imported_marian_beam_search_gives_generates_best_hypothesis():
   config, params = imported(model)
   inputs = sources(seed=5, rows=4)
   ours, _ = _ours(config, params, inputs, beam_size=4, max_len=16, alpha=0.6)
-  theirs = _theirs(model, inputs, 16, num_beams=4, length_penalty=0.6,
-                   early_stopping='never')
+  theirs = _theirs(model, inputs, 16, num_beams=4, length_penalty=0.6, early_stopping='never')
   ours, theirs = [_strip(r) for r in ours], [_strip(r) for r in theirs]
   assert all(r[-1] == EOS_ID for r in ours)
   agree = [t[-1] == EOS_ID for t in theirs]
@@ -194,16 +242,25 @@ def test_imported_marian_beam_search_gives_generates_best_hypothesis():
 
 def test_marian_config_that_cannot_be_imported_is_refused_with_the_reason():
   config = random_marian().config.to_dict()
-  for change, words in ((dict(activation_function='gelu_new'), 'activation_function'),
-                        (dict(scale_embedding=False), 'scale_embedding'),
-                        (dict(decoder_ffn_dim=256), 'decoder_ffn_dim'),
-                        (dict(model_type='bart'), 'model_type')):
+  for change, words in (
+      (dict(activation_function='gelu_new'), 'activation_function'),
+      (dict(scale_embedding=False), 'scale_embedding'),
+      (dict(decoder_ffn_dim=256), 'decoder_ffn_dim'),
+      (dict(model_type='bart'), 'model_type'),
+  ):
     with pytest.raises(ConfigError, match=words):
       marian.config_fields({**config, **change})
 
 
-@pytest.mark.parametrize('field,value', [('activation', 'tanh'), ('sinusoid_layout', 'split'),
-                                         ('decoder_start', 'eos'), ('logits_bias', 'yes')])
+@pytest.mark.parametrize(
+    'field,value',
+    [
+        ('activation', 'tanh'),
+        ('sinusoid_layout', 'split'),
+        ('decoder_start', 'eos'),
+        ('logits_bias', 'yes'),
+    ],
+)
 def test_model_option_fields_refuse_unknown_values(field, value):
   with pytest.raises(ConfigError, match=field):
     TransformerConfig(vocab_size=VOCAB, **{field: value})
@@ -211,18 +268,35 @@ def test_model_option_fields_refuse_unknown_values(field, value):
 
 # --- A whole model directory, as OPUS-MT publishes them (built here, offline). ---
 
-SOURCE_TEXT = ['the cat sat on the mat', 'a dog ran in the park', 'the bird sings at dawn',
-               'my friend reads a book', 'we walk to the river', 'the sun is warm today']
-TARGET_TEXT = ['le chat est assis sur le tapis', 'un chien court dans le parc',
-               "l'oiseau chante a l'aube", 'mon ami lit un livre',
-               'nous marchons vers la riviere', "le soleil est chaud aujourd'hui"]
+SOURCE_TEXT = [
+    'the cat sat on the mat',
+    'a dog ran in the park',
+    'the bird sings at dawn',
+    'my friend reads a book',
+    'we walk to the river',
+    'the sun is warm today',
+]
+TARGET_TEXT = [
+    'le chat est assis sur le tapis',
+    'un chien court dans le parc',
+    "l'oiseau chante a l'aube",
+    'mon ami lit un livre',
+    'nous marchons vers la riviere',
+    "le soleil est chaud aujourd'hui",
+]
 
 
 def _train_spm(path_prefix: str, lines: list[str]) -> str:
   import sentencepiece as spm
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(lines * 20), model_prefix=path_prefix,
-                                 vocab_size=40, model_type='unigram', minloglevel=2,
-                                 hard_vocab_limit=False)
+
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(lines * 20),
+      model_prefix=path_prefix,
+      vocab_size=40,
+      model_type='unigram',
+      minloglevel=2,
+      hard_vocab_limit=False,
+  )
   return path_prefix + '.model'
 
 
@@ -231,30 +305,53 @@ def opus_mt_dir(tmp_path_factory):
   """A random Marian model saved as Hugging Face saves OPUS-MT models: eos 0, unk 1, pad
   last and the decoder starting from it, swish, its own source and target SentencePiece."""
   root = tmp_path_factory.mktemp('opus')
-  models = {side: _train_spm(str(root / side), text)
-            for side, text in (('source', SOURCE_TEXT), ('target', TARGET_TEXT))}
+  models = {
+      side: _train_spm(str(root / side), text)
+      for side, text in (('source', SOURCE_TEXT), ('target', TARGET_TEXT))
+  }
   import sentencepiece as spm
+
   pieces = []
   for path in models.values():
     processor = spm.SentencePieceProcessor(model_file=path)
-    pieces += [processor.id_to_piece(i) for i in range(processor.get_piece_size())
-               if not processor.is_control(i) and not processor.is_unknown(i)]
+    pieces += [
+        processor.id_to_piece(i)
+        for i in range(processor.get_piece_size())
+        if not processor.is_control(i) and not processor.is_unknown(i)
+    ]
   vocab = {'</s>': 0, '<unk>': 1}
   for piece in pieces:
     vocab.setdefault(piece, len(vocab))
   vocab['<pad>'] = len(vocab)
   (root / 'vocab.json').write_text(json.dumps(vocab))
   tokenizer = transformers.MarianTokenizer(
-      source_spm=models['source'], target_spm=models['target'], vocab=str(root / 'vocab.json'),
-      source_lang='en', target_lang='fr')
+      source_spm=models['source'],
+      target_spm=models['target'],
+      vocab=str(root / 'vocab.json'),
+      source_lang='en',
+      target_lang='fr',
+  )
   size, pad = len(vocab), vocab['<pad>']
   torch.manual_seed(7)
   config = transformers.MarianConfig(
-      vocab_size=size, d_model=D, encoder_layers=2, decoder_layers=2,
-      encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
-      decoder_ffn_dim=128, activation_function='swish', max_position_embeddings=128,
-      scale_embedding=True, pad_token_id=pad, eos_token_id=0, decoder_start_token_id=pad,
-      forced_eos_token_id=None, bos_token_id=None, init_std=0.3)
+      vocab_size=size,
+      d_model=D,
+      encoder_layers=2,
+      decoder_layers=2,
+      encoder_attention_heads=4,
+      decoder_attention_heads=4,
+      encoder_ffn_dim=128,
+      decoder_ffn_dim=128,
+      activation_function='swish',
+      max_position_embeddings=128,
+      scale_embedding=True,
+      pad_token_id=pad,
+      eos_token_id=0,
+      decoder_start_token_id=pad,
+      forced_eos_token_id=None,
+      bos_token_id=None,
+      init_std=0.3,
+  )
   model = transformers.MarianMTModel(config).eval()
   with torch.no_grad():
     model.final_logits_bias[0, 0] += 1.0  # Some outputs end before the limit.
@@ -267,8 +364,7 @@ def opus_mt_dir(tmp_path_factory):
 
 
 EXTRA = 10
-OPUS_SENTENCES = SOURCE_TEXT + ['the dog sings', 'a word it has never seen: zyx',
-                                '>>fr<< the cat']
+OPUS_SENTENCES = SOURCE_TEXT + ['the dog sings', 'a word it has never seen: zyx', '>>fr<< the cat']
 
 
 @pytest.mark.slow
@@ -277,7 +373,8 @@ def test_imported_opus_mt_directory_translates_as_hugging_face_does(opus_mt_dir,
   workdir = tmp_path / 'imported'
   marian.import_model(str(directory), str(workdir))
   translator, checkpoint = translator_lib.load_translator(
-      str(workdir), beam_size=1, max_decode_extra_length=EXTRA)
+      str(workdir), beam_size=1, max_decode_extra_length=EXTRA
+  )
   # OPUS-MT's <pad> row is zero: Marian starts from a zero vector, and so does the import.
   assert checkpoint.model_config.decoder_start == 'zero'
   assert checkpoint.tokenizer.vocab_size == model.config.vocab_size
@@ -294,8 +391,9 @@ def test_imported_opus_mt_directory_translates_as_hugging_face_does(opus_mt_dir,
   theirs = []
   for text in sentences:  # Each with this project's limit: source length + EXTRA.
     batch = tokenizer([text], return_tensors='pt')
-    generated = _generate(model, **batch, num_beams=1,
-                          max_new_tokens=batch.input_ids.shape[1] + EXTRA)
+    generated = _generate(
+        model, **batch, num_beams=1, max_new_tokens=batch.input_ids.shape[1] + EXTRA
+    )
     theirs += tokenizer.batch_decode(generated, skip_special_tokens=True)
   assert ours == theirs
   assert len(set(ours)) > len(ours) // 2  # Translations that follow their sources.
@@ -327,8 +425,7 @@ def test_import_into_an_empty_directory_and_a_retry_after_a_failure(opus_mt_dir,
     marian.import_model(str(broken), str(workdir))
   assert os.listdir(workdir) == [] and sorted(os.listdir(tmp_path)) == ['W', 'broken']
   marian.import_model(str(directory), str(workdir))
-  assert sorted(os.listdir(workdir)) == ['checkpoints', 'finetune_config.py',
-                                         'marian_vocab.json']
+  assert sorted(os.listdir(workdir)) == ['checkpoints', 'finetune_config.py', 'marian_vocab.json']
   meta, _ = checkpointing.read_meta(str(workdir))
   assert meta['tokenizer']['path'] == str(workdir / 'marian_vocab.json')  # Not the staging.
   assert loading.load(str(workdir)).tokenizer.vocab_size == meta['vocab_size']
@@ -350,23 +447,39 @@ def test_imported_model_fine_tunes_from_its_config_file(opus_mt_dir, tmp_path):
       (tmp_path / f'{split}.{side}').write_text('\n'.join(lines) + '\n')
     files[split] = f'{tmp_path}/{split}.src,{tmp_path}/{split}.tgt'
   spec = importlib.util.spec_from_file_location(
-      'finetune', imported_dir / marian.FINETUNE_CONFIG_FILE)
+      'finetune', imported_dir / marian.FINETUNE_CONFIG_FILE
+  )
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
   for split, value in files.items():
     config.text_files[split] = value
-  config.update(dict(num_train_steps=2, warmup_steps=1, tokens_per_batch=128,
-                     bucket_boundaries=(), max_source_length=32, max_target_length=32,
-                     eval_every_steps=0, log_every_steps=1, checkpoint_every_steps=2,
-                     eval_bleu_sentences=0, best_checkpoint_metric=''))
+  config.update(
+      dict(
+          num_train_steps=2,
+          warmup_steps=1,
+          tokens_per_batch=128,
+          bucket_boundaries=(),
+          max_source_length=32,
+          max_target_length=32,
+          eval_every_steps=0,
+          log_every_steps=1,
+          checkpoint_every_steps=2,
+          eval_bleu_sentences=0,
+          best_checkpoint_metric='',
+      )
+  )
   from transformer_jax import train_loop
+
   result = train_loop.train_and_evaluate(config, str(tmp_path / 'tuned'))
   assert int(result.state.step) == 2
   # It started from the imported parameters and moved from them.
   start, _ = checkpointing.restore_params(str(imported_dir), 0)
-  moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
-                       jax.device_get(result.state.params), jax.device_get(start))
+  moved = jax.tree.map(
+      lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+      jax.device_get(result.state.params),
+      jax.device_get(start),
+  )
   assert 0 < max(jax.tree.leaves(moved)) < 1.0
   translator, checkpoint = translator_lib.load_translator(str(tmp_path / 'tuned'))
   assert checkpoint.tokenizer.vocab_size == model.config.vocab_size
@@ -376,9 +489,15 @@ def test_imported_model_fine_tunes_from_its_config_file(opus_mt_dir, tmp_path):
 @pytest.mark.slow
 def test_import_command_reports_a_bad_directory_in_one_paragraph(tmp_path):
   result = train_testlib.run_command(
-      [sys.executable, os.path.join(train_testlib.REPO, 'import_marian.py'),
-       f'--model_dir={tmp_path}', f'--workdir={tmp_path / "out"}'],
-      timeout=300, env=train_testlib.subprocess_env())
+      [
+          sys.executable,
+          os.path.join(train_testlib.REPO, 'import_marian.py'),
+          f'--model_dir={tmp_path}',
+          f'--workdir={tmp_path / "out"}',
+      ],
+      timeout=300,
+      env=train_testlib.subprocess_env(),
+  )
   assert result.returncode == 2, result.stderr
   assert 'config.json does not exist' in result.stderr
   assert 'Traceback' not in result.stderr
@@ -391,29 +510,42 @@ def _own_checkpoint(root, **fields) -> str:
   """A random post-norm model of this project with its own SentencePiece vocabulary,
   written as a checkpoint (what a training run leaves)."""
   from configs import tiny
-  tokenizer = train_tokenizer(SOURCE_TEXT * 10 + TARGET_TEXT * 10, str(root / 'vocab.model'),
-                              vocab_size=48)
+
+  tokenizer = train_tokenizer(
+      SOURCE_TEXT * 10 + TARGET_TEXT * 10, str(root / 'vocab.model'), vocab_size=48
+  )
   config = tiny.get_config()
-  config.update(dict(dataset='text', vocab_path=tokenizer.model_path, source_lang='en',
-                     target_lang='fr', max_len=64, **fields))
+  config.update(
+      dict(
+          dataset='text',
+          vocab_path=tokenizer.model_path,
+          source_lang='en',
+          target_lang='fr',
+          max_len=64,
+          **fields,
+      )
+  )
   model_config = TransformerConfig.from_config(config, tokenizer.vocab_size)
   tokens = jnp.ones((1, 4), jnp.int32)
 
   @jax.jit  # One program, not hundreds of eager operations to compile.
   def make_params():
-    params = nn.unbox(Transformer(model_config).init(jax.random.key(3), tokens, tokens)[
-        'params'])
+    params = nn.unbox(Transformer(model_config).init(jax.random.key(3), tokens, tokens)['params'])
     # Larger, non-trivial weights: outputs that depend on the input.
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: x * 3 + 0.1 * jax.random.normal(jax.random.key(len(str(path))),
-                                                        x.shape), params)
+        lambda path, x: x * 3 + 0.1 * jax.random.normal(jax.random.key(len(str(path))), x.shape),
+        params,
+    )
+
   params = make_params()
   if model_config.decoder_start == 'zero':  # As training keeps it (`models.Embed`).
     params['shared_embedding']['embedding'] = (
-        params['shared_embedding']['embedding'].at[PAD_ID].set(0))
+        params['shared_embedding']['embedding'].at[PAD_ID].set(0)
+    )
   workdir = str(root / 'run')
-  checkpointing.write_params_checkpoint(workdir, 7, params,
-                                        checkpointing.make_meta(config, tokenizer))
+  checkpointing.write_params_checkpoint(
+      workdir, 7, params, checkpointing.make_meta(config, tokenizer)
+  )
   return workdir
 
 
@@ -421,8 +553,9 @@ def _own_checkpoint(root, **fields) -> str:
 def exported(tmp_path_factory):
   root = tmp_path_factory.mktemp('export')
   # Decoding options of its own (none of them the default): the round trip keeps them.
-  workdir = _own_checkpoint(root, beam_size=2, length_penalty=0.8, length_penalty_form='power',
-                            max_decode_extra_length=7)
+  workdir = _own_checkpoint(
+      root, beam_size=2, length_penalty=0.8, length_penalty_form='power', max_decode_extra_length=7
+  )
   return workdir, marian.export_model(workdir, str(root / 'marian'))
 
 
@@ -430,8 +563,9 @@ def _hf_greedy(model, tokenizer, sentences):
   outputs = []
   for text in sentences:  # Each with this project's limit: source length + EXTRA.
     batch = tokenizer([text], return_tensors='pt')
-    generated = _generate(model, **batch, num_beams=1,
-                          max_new_tokens=batch.input_ids.shape[1] + EXTRA)
+    generated = _generate(
+        model, **batch, num_beams=1, max_new_tokens=batch.input_ids.shape[1] + EXTRA
+    )
     outputs.append(generated[0].tolist())
   return outputs
 
@@ -440,7 +574,8 @@ def _hf_greedy(model, tokenizer, sentences):
 def test_exported_model_translates_in_hugging_face_as_here(exported):
   workdir, directory = exported
   translator, checkpoint = translator_lib.load_translator(
-      workdir, beam_size=1, max_decode_extra_length=EXTRA)
+      workdir, beam_size=1, max_decode_extra_length=EXTRA
+  )
   model = transformers.MarianMTModel.from_pretrained(directory).eval()
   tokenizer = transformers.MarianTokenizer.from_pretrained(directory)
   sentences = SOURCE_TEXT + ['the dog sings at the river']
@@ -448,6 +583,7 @@ def test_exported_model_translates_in_hugging_face_as_here(exported):
 
   def ours(marian_ids):  # The export puts <pad> last and the others one lower.
     return [0 if i == size - 1 else i + 1 for i in marian_ids]
+
   for text in sentences:
     assert ours(tokenizer(text).input_ids) == checkpoint.tokenizer.encode(text)
   hyps, _ = translator.translate_n_best(sentences)
@@ -460,19 +596,23 @@ def test_exported_model_translates_in_hugging_face_as_here(exported):
 
 def _ct2_translates_as_here(workdir, exported_dir, tmp_path, sentences):
   import ctranslate2  # The test extra's.
+
   converted = ctranslate2.converters.TransformersConverter(exported_dir).convert(
-      str(tmp_path / 'ct2'))
+      str(tmp_path / 'ct2')
+  )
   ct2 = ctranslate2.Translator(converted, device='cpu')
   translator, checkpoint = translator_lib.load_translator(
-      workdir, beam_size=1, max_decode_extra_length=EXTRA)
+      workdir, beam_size=1, max_decode_extra_length=EXTRA
+  )
   pieces = checkpoint.tokenizer.pieces()
   hyps, _ = translator.translate_n_best(sentences)
   for text, (hyp,) in zip(sentences, hyps):
     source = [pieces[i] for i in checkpoint.tokenizer.encode(text)]
     # min_decoding_length=0: CTranslate2 otherwise never gives an empty output (its default
     # is 1); this project and Hugging Face end at an EOS chosen first.
-    result = ct2.translate_batch([source], beam_size=1, min_decoding_length=0,
-                                 max_decoding_length=len(source) + EXTRA)[0]
+    result = ct2.translate_batch(
+        [source], beam_size=1, min_decoding_length=0, max_decoding_length=len(source) + EXTRA
+    )[0]
     assert result.hypotheses[0] == [pieces[i] for i in _strip(hyp.tokens) if i != EOS_ID]
   assert len({tuple(_strip(h.tokens)) for (h,) in hyps}) > len(hyps) // 2
 
@@ -514,17 +654,30 @@ def test_export_then_import_gives_the_same_parameters_bit_for_bit(exported, tmp_
   # Every file of the export has the mode a new file gets here (safetensors' own is 0600).
   umask = os.umask(0)
   os.umask(umask)
-  modes = {name: os.stat(os.path.join(directory, name)).st_mode & 0o777
-           for name in os.listdir(directory)}
+  modes = {
+      name: os.stat(os.path.join(directory, name)).st_mode & 0o777 for name in os.listdir(directory)
+  }
   assert set(modes.values()) == {0o666 & ~umask}, modes
   marian.import_model(directory, str(tmp_path / 'back'))
   original = loading.load(workdir)
   back = loading.load(str(tmp_path / 'back'))
-  for field in ('d_model', 'num_heads', 'd_ff', 'activation', 'sinusoid_layout',
-                'logits_bias', 'decoder_start', 'share_embeddings', 'tie_output_embedding'):
+  for field in (
+      'd_model',
+      'num_heads',
+      'd_ff',
+      'activation',
+      'sinusoid_layout',
+      'logits_bias',
+      'decoder_start',
+      'share_embeddings',
+      'tie_output_embedding',
+  ):
     assert getattr(back.model_config, field) == getattr(original.model_config, field), field
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               back.params, original.params)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+      back.params,
+      original.params,
+  )
   assert back.tokenizer.pieces() == original.tokenizer.pieces()
   assert back.tokenizer.encode('the cat sat') == original.tokenizer.encode('the cat sat')
   # What Marian has no field for comes back too: layer norm's epsilon and the decoding.
@@ -539,22 +692,27 @@ def test_export_then_import_gives_the_same_parameters_bit_for_bit(exported, tmp_
   assert (generation['num_beams'], generation['length_penalty']) == (2, 0.8)
 
 
-def test_export_says_when_hugging_face_uses_another_layer_norm_epsilon(exported, tmp_path,
-                                                                        caplog):
+def test_export_says_when_hugging_face_uses_another_layer_norm_epsilon(exported, tmp_path, caplog):
   workdir, _ = exported
   with caplog.at_level(logging.WARNING):
     marian.export_model(workdir, str(tmp_path / 'again'))
-  assert "layer_norm_epsilon=1e-06 to the variance; Hugging Face's MarianMTModel and " \
-         'CTranslate2 add 1e-05' in caplog.text, caplog.text
+  assert (
+      "layer_norm_epsilon=1e-06 to the variance; Hugging Face's MarianMTModel and "
+      'CTranslate2 add 1e-05' in caplog.text
+  ), caplog.text
 
 
 def test_a_foreign_model_directory_gives_its_stated_beam_and_length_penalty(tmp_path):
   config = {'model_type': 'marian', 'num_beams': 6}
   assert marian.imported_decoding(str(tmp_path), config) == {'beam_size': 6}
   (tmp_path / 'generation_config.json').write_text(
-      json.dumps({'num_beams': 5, 'length_penalty': 1.2}))
+      json.dumps({'num_beams': 5, 'length_penalty': 1.2})
+  )
   assert marian.imported_decoding(str(tmp_path), config) == {
-      'beam_size': 5, 'length_penalty': 1.2, 'length_penalty_form': 'power'}
+      'beam_size': 5,
+      'length_penalty': 1.2,
+      'length_penalty_form': 'power',
+  }
   assert marian.imported_decoding(str(tmp_path / 'none'), {'model_type': 'marian'}) == {}
 
 
@@ -567,8 +725,7 @@ def test_import_then_export_gives_the_marian_weights_back(opus_mt_dir, tmp_path)
   original_ids = json.loads((directory / 'vocab.json').read_text())
   exported_ids = json.loads((tmp_path / 'again' / 'vocab.json').read_text())
   assert sorted(original_ids) == sorted(exported_ids)
-  rows = np.argsort([original_ids[piece] for piece in sorted(exported_ids,
-                                                             key=exported_ids.get)])
+  rows = np.argsort([original_ids[piece] for piece in sorted(exported_ids, key=exported_ids.get)])
   for name, tensor in model.state_dict().items():
     expected, got = tensor.numpy(), again[name].numpy()
     if 'embed_positions' in name:
@@ -588,6 +745,7 @@ def test_import_and_export_on_a_bucket_match_the_local_ones(opus_mt_dir, bucket,
   local export, config.json uploaded last; what a killed export left is replaced by the
   retry, and anything else in the output directory refuses the export."""
   import gcsfs
+
   directory, _, _ = opus_mt_dir
   fs = gcsfs.GCSFileSystem()
   fs.put(str(directory), f'{bucket}/opus', recursive=True)
@@ -595,8 +753,11 @@ def test_import_and_export_on_a_bucket_match_the_local_ones(opus_mt_dir, bucket,
   assert marian.import_model(f'{bucket}/opus', workdir) == f'{workdir}/checkpoints/0'
   marian.import_model(str(directory), str(tmp_path / 'imported'))
   ours, theirs = loading.load(workdir), loading.load(str(tmp_path / 'imported'))
-  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
-               ours.params, theirs.params)
+  jax.tree.map(
+      lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+      ours.params,
+      theirs.params,
+  )
   meta, _ = checkpointing.read_meta(workdir)
   assert meta['imported_from'] == f'{bucket}/opus'
   assert meta['tokenizer']['path'] == f'{workdir}/marian_vocab.json'

@@ -38,6 +38,7 @@ def test_remat_policies_give_the_same_gradients():
     def loss(p):
       logits = Transformer(cfg).apply({'params': p}, inputs, targets)
       return losses.compute_metrics(logits, targets, targets > 0)['loss']
+
     return jax.jit(jax.grad(loss))(params)
 
   reference = grads(ONE_LAYER)
@@ -45,9 +46,11 @@ def test_remat_policies_give_the_same_gradients():
   # float32 rounding (2.4e-6 relative at most, measured), where a wrong recomputation is off
   # by O(1).
   for policy in ('full', 'dots'):
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-                           grads(dataclasses.replace(ONE_LAYER, remat_policy=policy)),
-                           reference)
+    jax.tree_util.tree_map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+        grads(dataclasses.replace(ONE_LAYER, remat_policy=policy)),
+        reference,
+    )
 
 
 @pytest.mark.parametrize('attention_dropout', [0.0, 0.3])
@@ -59,27 +62,31 @@ def test_attention_fed_lengths_equals_the_dense_mask(attention_dropout):
   inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)
   inputs = inputs.at[0, 5:].set(PAD_ID).at[2, 8:].set(PAD_ID)
   targets = targets.at[1, 3:].set(PAD_ID).at[2, 6:].set(PAD_ID)
-  dense = dataclasses.replace(ONE_LAYER, attention_dropout_rate=attention_dropout,
-                              deterministic=attention_dropout == 0.0)
+  dense = dataclasses.replace(
+      ONE_LAYER, attention_dropout_rate=attention_dropout, deterministic=attention_dropout == 0.0
+  )
   params = init(dense)
   weights = targets > 0
 
   def loss_and_grads(cfg):
     def loss(p):
-      logits = Transformer(cfg).apply({'params': p}, inputs, targets,
-                                      rngs={'dropout': jax.random.PRNGKey(3)})
+      logits = Transformer(cfg).apply(
+          {'params': p}, inputs, targets, rngs={'dropout': jax.random.PRNGKey(3)}
+      )
       return losses.compute_metrics(logits, targets, weights)['loss'], logits
+
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
   (loss, logits), grads = loss_and_grads(dense)
-  (loss_l, logits_l), grads_l = loss_and_grads(
-      dataclasses.replace(dense, attention_lengths=True))
+  (loss_l, logits_l), grads_l = loss_and_grads(dataclasses.replace(dense, attention_lengths=True))
   real = np.asarray(weights)
-  np.testing.assert_allclose(np.asarray(logits_l)[real], np.asarray(logits)[real],
-                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(
+      np.asarray(logits_l)[real], np.asarray(logits)[real], atol=1e-5, rtol=1e-5
+  )
   np.testing.assert_allclose(loss_l, loss, rtol=1e-6)
-  jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4),
-                         grads_l, grads)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grads_l, grads
+  )
 
 
 @pytest.mark.parametrize('norm_position', ['post', 'pre'])
@@ -97,14 +104,17 @@ def test_one_pass_layer_norm_statistics_equal_two_pass_ones(norm_position):
     logits = Transformer(cfg).apply({'params': p}, inputs, targets)
     return losses.compute_metrics(logits, targets, targets > 0)['loss'], logits
 
-  (loss_one, logits_one), grads_one = jax.jit(jax.value_and_grad(
-      lambda p: loss(one, p), has_aux=True))(params)
-  (loss_two, logits_two), grads_two = jax.jit(jax.value_and_grad(
-      lambda p: loss(two, p), has_aux=True))(params)
+  (loss_one, logits_one), grads_one = jax.jit(
+      jax.value_and_grad(lambda p: loss(one, p), has_aux=True)
+  )(params)
+  (loss_two, logits_two), grads_two = jax.jit(
+      jax.value_and_grad(lambda p: loss(two, p), has_aux=True)
+  )(params)
   np.testing.assert_allclose(logits_one, logits_two, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(loss_one, loss_two, rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads_one), jax.tree.leaves(grads_two)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
   # The field reaches every layer norm (the two results differ by rounding at most, so
   # comparing them could not show it).
   def variances(cfg):
@@ -114,22 +124,31 @@ def test_one_pass_layer_norm_statistics_equal_two_pass_ones(norm_position):
       if isinstance(context.module, nn.LayerNorm):
         seen.append(context.module.use_fast_variance)
       return next_fun(*args, **kwargs)
+
     with nn.intercept_methods(record):  # Traced only: nothing to compile.
       jax.eval_shape(lambda: Transformer(cfg).apply({'params': params}, inputs, targets))
     return seen
+
   norms = 2 * ONE_LAYER.num_encoder_layers + 3 * ONE_LAYER.num_decoder_layers
   assert len(variances(one)) >= norms and all(variances(one))
   assert len(variances(two)) >= norms and not any(variances(two))
 
 
-@pytest.mark.parametrize('variant', [
-    {}, {'tie_output_embedding': False}, {'logits_bias': True, 'decoder_start': 'zero'},
-    {'dtype': jnp.bfloat16}])
+@pytest.mark.parametrize(
+    'variant',
+    [
+        {},
+        {'tie_output_embedding': False},
+        {'logits_bias': True, 'decoder_start': 'zero'},
+        {'dtype': jnp.bfloat16},
+    ],
+)
 def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
   """`logits_sum='linear'` (GPUs' default: each token's sum of logits is the decoder output
   times the projection's column sums) gives the reduction's metrics and gradients to
   rounding: tied and untied projections, a bias and a zeroed pad logit, bfloat16."""
   from transformer_jax import train_steps
+
   rng = np.random.default_rng(13)
   inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)
   reduce = dataclasses.replace(ONE_LAYER, **variant)
@@ -138,9 +157,14 @@ def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
   params = init(linear)
   if linear.logits_bias:  # Not zeros, so that its sum counts.
     params['decoder']['logits_bias'] = jnp.asarray(rng.normal(size=VOCAB), jnp.float32)
-  batch = {'inputs': inputs, 'targets': targets,
-           'inputs_positions': None, 'targets_positions': None,
-           'inputs_segmentation': None, 'targets_segmentation': None}
+  batch = {
+      'inputs': inputs,
+      'targets': targets,
+      'inputs_positions': None,
+      'targets_positions': None,
+      'inputs_segmentation': None,
+      'targets_segmentation': None,
+  }
 
   def metrics(cfg, p):
     sums = train_steps.batch_metrics(Transformer(cfg), p, batch, 0.1)
@@ -149,10 +173,12 @@ def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
   # bfloat16 gradients differ by up to 0.6% of the largest here (f32: 2e-7): 5% leaves room
   # for another CPU's rounding; a wrong sum is caught by the float32 cases and below.
   tolerance = 5e-2 if variant.get('dtype') == jnp.bfloat16 else 1e-5
-  (loss_l, sums_l), grads_l = jax.jit(jax.value_and_grad(lambda p: metrics(linear, p),
-                                                         has_aux=True))(params)
-  (loss_r, sums_r), grads_r = jax.jit(jax.value_and_grad(lambda p: metrics(reduce, p),
-                                                         has_aux=True))(params)
+  (loss_l, sums_l), grads_l = jax.jit(
+      jax.value_and_grad(lambda p: metrics(linear, p), has_aux=True)
+  )(params)
+  (loss_r, sums_r), grads_r = jax.jit(
+      jax.value_and_grad(lambda p: metrics(reduce, p), has_aux=True)
+  )(params)
   for name in ('loss', 'nll', 'correct', 'tokens'):
     np.testing.assert_allclose(sums_l[name], sums_r[name], rtol=tolerance)
   scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(grads_r))
@@ -160,18 +186,25 @@ def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
     np.testing.assert_allclose(a, b, rtol=tolerance, atol=tolerance * scale)
   # The loss depends on the sums through the smoothing term: a wrong sum would show.
   wrong = losses.compute_metrics(
-      apply(reduce, {'params': params}, inputs, targets), targets, targets > 0,
-      0.1, logit_sums=jnp.zeros(targets.shape))['loss']
+      apply(reduce, {'params': params}, inputs, targets),
+      targets,
+      targets > 0,
+      0.1,
+      logit_sums=jnp.zeros(targets.shape),
+  )['loss']
   gap = abs(float(loss_l) - float(loss_r))
   assert abs(float(wrong) - float(loss_r)) > 10 * gap + 1e-4 * abs(float(loss_r)), gap
 
 
 def _loss_logits_and_grads(cfg, params, inputs, targets, seed=0):
   """The loss, logits and parameter gradients of one jitted step (dropout from `seed`)."""
+
   def loss(p):
-    logits = Transformer(cfg).apply({'params': p}, inputs, targets,
-                                    rngs={'dropout': jax.random.key(seed)})
+    logits = Transformer(cfg).apply(
+        {'params': p}, inputs, targets, rngs={'dropout': jax.random.key(seed)}
+    )
     return losses.compute_metrics(logits, targets, targets > 0)['loss'], logits
+
   return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
 
@@ -179,8 +212,7 @@ def _assert_same_step(got, want, tolerance):
   """Logits and gradients within `tolerance` of the largest, the loss within it relatively."""
   (loss, logits), grads = got
   (want_loss, want_logits), want_grads = want
-  np.testing.assert_allclose(logits, want_logits,
-                             atol=tolerance * float(np.abs(want_logits).max()))
+  np.testing.assert_allclose(logits, want_logits, atol=tolerance * float(np.abs(want_logits).max()))
   np.testing.assert_allclose(loss, want_loss, rtol=tolerance)
   largest = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
@@ -215,5 +247,8 @@ def test_stacked_qkv_projection_equals_separate_ones(name):
   stacked = dataclasses.replace(separate, qkv_projection='stacked')
   params = init(separate)
   jax.tree.map(np.testing.assert_array_equal, init(stacked), params)
-  _assert_same_step(_loss_logits_and_grads(stacked, params, inputs, targets),
-                    _loss_logits_and_grads(separate, params, inputs, targets), 1e-5)
+  _assert_same_step(
+      _loss_logits_and_grads(stacked, params, inputs, targets),
+      _loss_logits_and_grads(separate, params, inputs, targets),
+      1e-5,
+  )

@@ -34,12 +34,12 @@ def test_alibi_slopes_and_bias_are_press_et_als():
   """The geometric slopes 2^(-8i/n), and for a head count that is not a power of two the
   closest power's slopes plus every other slope of twice as many (Press et al. 2021, 3.1)."""
   np.testing.assert_allclose(attention.alibi_slopes(8), 2.0 ** -np.arange(1, 9))
-  np.testing.assert_allclose(attention.alibi_slopes(6),
-                             [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
+  np.testing.assert_allclose(attention.alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
   positions = jnp.arange(4)[None]
   bias = attention.alibi_bias(2, positions, positions)  # [1, heads, q, kv]
-  np.testing.assert_allclose(bias[0, 1], -(2.0**-8) * np.abs(np.subtract.outer(
-      np.arange(4), np.arange(4))), rtol=1e-6)
+  np.testing.assert_allclose(
+      bias[0, 1], -(2.0**-8) * np.abs(np.subtract.outer(np.arange(4), np.arange(4))), rtol=1e-6
+  )
 
 
 def test_changing_a_target_token_changes_no_earlier_logit(variant):
@@ -51,8 +51,8 @@ def test_changing_a_target_token_changes_no_earlier_logit(variant):
   changed = targets.at[:, t].set((targets[:, t] + 1 - 4) % (VOCAB - 4) + 4)
   new_logits = apply(variant, {'params': params}, inputs, changed)
   # Target t is the decoder input at t+1: logits up to t depend only on targets < t.
-  np.testing.assert_allclose(new_logits[:, :t + 1], logits[:, :t + 1], atol=1e-6)
-  assert not np.allclose(new_logits[:, t + 1:], logits[:, t + 1:], atol=1e-4)
+  np.testing.assert_allclose(new_logits[:, : t + 1], logits[:, : t + 1], atol=1e-6)
+  assert not np.allclose(new_logits[:, t + 1 :], logits[:, t + 1 :], atol=1e-4)
 
 
 def test_extra_padding_changes_no_real_logit(variant):
@@ -63,7 +63,7 @@ def test_extra_padding_changes_no_real_logit(variant):
   padded_inputs = jnp.pad(inputs, ((0, 0), (0, 5)), constant_values=PAD_ID)
   padded_targets = jnp.pad(targets, ((0, 0), (0, 3)), constant_values=PAD_ID)
   padded_logits = apply(variant, {'params': params}, padded_inputs, padded_targets)
-  np.testing.assert_allclose(padded_logits[:, :TARGET[1]], logits, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(padded_logits[:, : TARGET[1]], logits, atol=2e-5, rtol=2e-5)
 
 
 def _pack(rows):
@@ -82,17 +82,25 @@ def test_packed_rows_equal_one_example_per_row(variant):
   packed_targets, targets_pos, targets_seg = _pack(targets)
   params = init(variant)
   packed_logits = apply(
-      variant, {'params': params}, packed_inputs, packed_targets, inputs_positions=inputs_pos,
-      targets_positions=targets_pos, inputs_segmentation=inputs_seg,
-      targets_segmentation=targets_seg)[0]
+      variant,
+      {'params': params},
+      packed_inputs,
+      packed_targets,
+      inputs_positions=inputs_pos,
+      targets_positions=targets_pos,
+      inputs_segmentation=inputs_seg,
+      targets_segmentation=targets_seg,
+  )[0]
   # One example a row, right-padded to the shapes the other tests compile for.
-  pad = lambda rows, shape: jnp.asarray([np.pad(r, (0, shape[1] - len(r))) for r in rows],
-                                        jnp.int32)
+  pad = lambda rows, shape: jnp.asarray(
+      [np.pad(r, (0, shape[1] - len(r))) for r in rows], jnp.int32
+  )
   singles = apply(variant, {'params': params}, pad(sources, SOURCE), pad(targets, TARGET))
   offset = 0
   for single, target in zip(singles, targets):
-    np.testing.assert_allclose(packed_logits[offset:offset + len(target)],
-                               single[:len(target)], atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(
+        packed_logits[offset : offset + len(target)], single[: len(target)], atol=2e-5, rtol=2e-5
+    )
     offset += len(target)
 
 
@@ -101,16 +109,29 @@ def _decode_step_by_step(cfg, params, inputs, targets):
   cfg = dataclasses.replace(cfg, decode=True)
   model = Transformer(cfg)
   encoded = apply(cfg, {'params': params}, inputs, method=Transformer.encode)
-  _, variables = model.apply({'params': params}, encoded, inputs, targets.shape[1],
-                             method=Transformer.init_cache, mutable=['cache', 'encoder_cache'])
+  _, variables = model.apply(
+      {'params': params},
+      encoded,
+      inputs,
+      targets.shape[1],
+      method=Transformer.init_cache,
+      mutable=['cache', 'encoder_cache'],
+  )
   cache, encoder_cache = variables['cache'], variables['encoder_cache']
   decoder_inputs = jnp.concatenate(
-      [jnp.full((targets.shape[0], 1), BOS_ID, jnp.int32), targets[:, :-1]], axis=1)
+      [jnp.full((targets.shape[0], 1), BOS_ID, jnp.int32), targets[:, :-1]], axis=1
+  )
   logits = []
   for t in range(targets.shape[1]):
     out, variables = apply(
-        cfg, {'params': params, 'encoder_cache': encoder_cache, 'cache': cache}, None, None,
-        decoder_inputs[:, t:t + 1], method=Transformer.decode, mutable=['cache'])
+        cfg,
+        {'params': params, 'encoder_cache': encoder_cache, 'cache': cache},
+        None,
+        None,
+        decoder_inputs[:, t : t + 1],
+        method=Transformer.decode,
+        mutable=['cache'],
+    )
     cache = variables['cache']
     logits.append(out[:, 0])
   return jnp.stack(logits, axis=1)
@@ -136,18 +157,28 @@ def test_encoder_decoder_keys_and_values_are_kept_apart_from_the_step_cache():
   params = init(TINY)
   model = Transformer(dataclasses.replace(TINY, decode=True))
   encoded = apply(model.config, {'params': params}, inputs, method=Transformer.encode)
-  _, variables = model.apply({'params': params}, encoded, inputs, 5,
-                             method=Transformer.init_cache, mutable=['cache', 'encoder_cache'])
+  _, variables = model.apply(
+      {'params': params},
+      encoded,
+      inputs,
+      5,
+      method=Transformer.init_cache,
+      mutable=['cache', 'encoder_cache'],
+  )
   assert set(variables) == {'cache', 'encoder_cache'}
   layers = range(TINY.num_decoder_layers)
   # 'cache', which beam search reorders every step: self-attention and the index only.
   assert _leaf_paths(variables['cache']) == {"['decoder']['cache_index']"} | {
       f"['decoder']['layer_{i}']['self_attention']['cached_{name}']"
-      for i in layers for name in ('key', 'value')}
+      for i in layers
+      for name in ('key', 'value')
+  }
   # 'encoder_cache': the source's keys, values and mask, for every layer.
   assert _leaf_paths(variables['encoder_cache']) == {
       f"['decoder']['layer_{i}']['encoder_decoder_attention']['cached_{name}']"
-      for i in layers for name in ('key', 'value', 'mask')}
+      for i in layers
+      for name in ('key', 'value', 'mask')
+  }
   self_cache = variables['cache']['decoder']['layer_0']['self_attention']
   cross = variables['encoder_cache']['decoder']['layer_0']['encoder_decoder_attention']
   # Heads-major, [batch, heads, positions, head_dim], as decode-step attention reads them.
@@ -158,18 +189,29 @@ def test_encoder_decoder_keys_and_values_are_kept_apart_from_the_step_cache():
   # A step gets no encoder output at all, so it can only be using the cached projection:
   # changing the cached keys must change its logits. It writes 'cache' only.
   def step(encoder_cache):
-    return apply(model.config, {'params': params, 'encoder_cache': encoder_cache,
-                                 'cache': variables['cache']}, None, None,
-                  jnp.full((2, 1), BOS_ID), method=Transformer.decode, mutable=['cache'])
+    return apply(
+        model.config,
+        {'params': params, 'encoder_cache': encoder_cache, 'cache': variables['cache']},
+        None,
+        None,
+        jnp.full((2, 1), BOS_ID),
+        method=Transformer.decode,
+        mutable=['cache'],
+    )
+
   logits, new_variables = step(variables['encoder_cache'])
   assert set(new_variables) == {'cache'}
   assert int(new_variables['cache']['decoder']['cache_index']) == 1
   # A different shift for every source position and feature: one shift for all of them would
   # add the same q . shift to each of a query's scores, which softmax cancels.
   changed = jax.tree_util.tree_map_with_path(
-      lambda path, x: (x + jnp.asarray(rng.normal(size=x.shape), x.dtype)
-                       if 'cached_key' in jax.tree_util.keystr(path) else x),
-      variables['encoder_cache'])
+      lambda path, x: (
+          x + jnp.asarray(rng.normal(size=x.shape), x.dtype)
+          if 'cached_key' in jax.tree_util.keystr(path)
+          else x
+      ),
+      variables['encoder_cache'],
+  )
   assert np.abs(logits - step(changed)[0]).max() > 1e-3
 
 
@@ -182,13 +224,15 @@ def test_attention_weights_are_returned_on_request_and_sum_to_one():
   logits, state = apply(TINY, {'params': params}, inputs, targets, mutable=['intermediates'])
   np.testing.assert_allclose(logits, plain, atol=1e-5)
   weights = state['intermediates']['decoder']['layer_1']['encoder_decoder_attention'][
-      'attention_weights'][0]
+      'attention_weights'
+  ][0]
   assert weights.shape == (2, 4, 4, 6)  # [batch, heads, target, source]
   np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
   np.testing.assert_allclose(weights[0, :, :, 4:], 0.0, atol=1e-7)  # Padding gets nothing.
   # The normal path neither computes nor stores them.
-  assert 'intermediates' not in apply(TINY, {'params': params}, inputs, targets,
-                                       mutable=['cache'])[1]
+  assert (
+      'intermediates' not in apply(TINY, {'params': params}, inputs, targets, mutable=['cache'])[1]
+  )
 
 
 def test_dropout_is_active_in_training_including_attention_dropout():
@@ -196,15 +240,20 @@ def test_dropout_is_active_in_training_including_attention_dropout():
   rng = np.random.default_rng(6)
   inputs, targets = tokens(rng, 2, 6), tokens(rng, 2, 5)
   params = init(TINY)
-  run = lambda seed: apply(cfg, {'params': params}, inputs, targets,
-                            rngs={'dropout': jax.random.PRNGKey(seed)})
+  run = lambda seed: apply(
+      cfg, {'params': params}, inputs, targets, rngs={'dropout': jax.random.PRNGKey(seed)}
+  )
   assert not np.allclose(run(0), run(1))
   np.testing.assert_array_equal(run(2), run(2))
   # Attention dropout alone (no other dropout) also changes the output.
   only_attention = dataclasses.replace(cfg, dropout_rate=0.0)
   run_attention = lambda seed: apply(
-      only_attention, {'params': params}, inputs, targets,
-      rngs={'dropout': jax.random.PRNGKey(seed)})
+      only_attention,
+      {'params': params},
+      inputs,
+      targets,
+      rngs={'dropout': jax.random.PRNGKey(seed)},
+  )
   assert not np.allclose(run_attention(0), run_attention(1))
 
 
@@ -227,8 +276,7 @@ def test_bfloat16_computation_keeps_float32_params_and_loss():
 def test_every_parameter_has_logical_axis_names():
   for cfg in VARIANTS.values():
     boxed = cached_params(cfg)  # What Transformer(cfg).init gives.
-    leaves = jax.tree_util.tree_leaves(boxed, is_leaf=lambda x: isinstance(
-        x, nn.Partitioned))
+    leaves = jax.tree_util.tree_leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     assert leaves and all(isinstance(x, nn.Partitioned) for x in leaves)
     vocabulary = {'batch', 'length', 'embed', 'mlp', 'heads', 'kv', 'vocab', None}
     for leaf in leaves:
@@ -239,8 +287,9 @@ def test_every_parameter_has_logical_axis_names():
 def test_zero_decoder_start_holds_the_pad_row_at_zero(shared):
   """decoder_start='zero': <pad>'s embedding row starts at zero and gets no gradient, so it
   stays zero through training, and what is stored in it never changes an output."""
-  cfg = dataclasses.replace(TINY, decoder_start='zero', share_embeddings=shared,
-                            tie_output_embedding=shared)
+  cfg = dataclasses.replace(
+      TINY, decoder_start='zero', share_embeddings=shared, tie_output_embedding=shared
+  )
   rng = np.random.default_rng(11)
   inputs, targets = tokens(rng, 2, 6), tokens(rng, 2, 5)
   inputs, targets = inputs.at[0, 4:].set(PAD_ID), targets.at[1, 3:].set(PAD_ID)
@@ -259,13 +308,18 @@ def test_zero_decoder_start_holds_the_pad_row_at_zero(shared):
     assert not np.asarray(grads[name]['embedding'][PAD_ID]).any(), name
   # Starting from <pad>'s own embedding ('pad', Hugging Face's way) trains that row.
   grads = jax.jit(jax.grad(loss), static_argnums=1)(
-      params, dataclasses.replace(cfg, decoder_start='pad'))
+      params, dataclasses.replace(cfg, decoder_start='pad')
+  )
   assert np.asarray(grads[names[-1]]['embedding'][PAD_ID]).any()
 
-  filled = {**params, **{name: {'embedding': params[name]['embedding'].at[PAD_ID].set(5.0)}
-                         for name in names}}
-  np.testing.assert_array_equal(apply(cfg, {'params': filled}, inputs, targets),
-                                apply(cfg, {'params': params}, inputs, targets))
+  filled = {
+      **params,
+      **{name: {'embedding': params[name]['embedding'].at[PAD_ID].set(5.0)} for name in names},
+  }
+  np.testing.assert_array_equal(
+      apply(cfg, {'params': filled}, inputs, targets),
+      apply(cfg, {'params': params}, inputs, targets),
+  )
 
 
 def test_loss_sums_aggregate_and_label_smoothing_matches_definition():
@@ -292,8 +346,10 @@ def test_loss_sums_aggregate_and_label_smoothing_matches_definition():
     correct = losses.compute_metrics(tied, jnp.array([[target]]), jnp.ones((1, 1)))['correct']
     assert correct == (target != 4)
   # Sums over two halves add up to the sum over the whole.
-  halves = [losses.compute_metrics(logits[i:i + 1], targets[i:i + 1], weights[i:i + 1])
-            for i in range(2)]
+  halves = [
+      losses.compute_metrics(logits[i : i + 1], targets[i : i + 1], weights[i : i + 1])
+      for i in range(2)
+  ]
   np.testing.assert_allclose(halves[0]['loss'] + halves[1]['loss'], m['loss'], rtol=1e-6)
 
 
@@ -323,8 +379,12 @@ def test_fused_loss_and_its_gradient_equal_the_plain_ones(dtype, rtol, eps):
     want = jax.grad(lambda x: _plain_metrics(x, targets, weights, eps)[index])(logits)
     assert got.dtype == dtype
     # float32: rounding only. bfloat16: both are rounded to 8 bits at the end.
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                               rtol=rtol, atol=rtol * float(jnp.abs(want).max()))
+    np.testing.assert_allclose(
+        np.asarray(got, np.float32),
+        np.asarray(want, np.float32),
+        rtol=rtol,
+        atol=rtol * float(jnp.abs(want).max()),
+    )
 
 
 def test_fused_loss_keeps_no_float32_copy_of_the_logits():
@@ -336,4 +396,5 @@ def test_fused_loss_keeps_no_float32_copy_of_the_logits():
   kept = [leaf for leaf in jax.tree.leaves(residuals) if hasattr(leaf, 'shape')]
   large = [leaf for leaf in kept if leaf.size >= logits.size]
   assert large and all(leaf.dtype == jnp.bfloat16 for leaf in large), [
-      (leaf.shape, leaf.dtype) for leaf in kept]
+      (leaf.shape, leaf.dtype) for leaf in kept
+  ]

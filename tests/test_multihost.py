@@ -33,17 +33,29 @@ def start_pair(config_path, workdir, *flags, heartbeat=100, log_dir=None, caches
   port = free_port()
   processes = []
   for index in range(2):
-    log = open(os.path.join(log_dir or os.path.dirname(workdir),
-                            f'{os.path.basename(workdir)}.{index}.{time.time_ns()}.log'), 'w')
+    log = open(
+        os.path.join(
+            log_dir or os.path.dirname(workdir),
+            f'{os.path.basename(workdir)}.{index}.{time.time_ns()}.log',
+        ),
+        'w',
+    )
     command = train_testlib.train_command(
-        config_path, workdir, '--distributed', f'--coordinator_address=localhost:{port}',
-        '--num_processes=2', f'--process_id={index}',
-        f'--heartbeat_timeout_seconds={heartbeat}', *flags)
+        config_path,
+        workdir,
+        '--distributed',
+        f'--coordinator_address=localhost:{port}',
+        '--num_processes=2',
+        f'--process_id={index}',
+        f'--heartbeat_timeout_seconds={heartbeat}',
+        *flags,
+    )
     env = train_testlib.subprocess_env(devices=4)
     if caches:
       env['TRANSFORMER_JAX_CACHE'] = caches[index]
-    process = subprocess.Popen(command, cwd=train_testlib.REPO, env=env,
-                               stdout=subprocess.DEVNULL, stderr=log)
+    process = subprocess.Popen(
+        command, cwd=train_testlib.REPO, env=env, stdout=subprocess.DEVNULL, stderr=log
+    )
     process.log_path = log.name
     processes.append(process)
   return processes
@@ -60,8 +72,9 @@ def wait_for_log(process, text, timeout=180):
     if text in read_log(process):
       return
     if process.poll() is not None:
-      raise AssertionError(f'exited {process.returncode} before {text!r}:\n'
-                           + read_log(process)[-3000:])
+      raise AssertionError(
+          f'exited {process.returncode} before {text!r}:\n' + read_log(process)[-3000:]
+      )
     time.sleep(0.2)
   raise AssertionError(f'no {text!r} within {timeout}s:\n' + read_log(process)[-3000:])
 
@@ -84,7 +97,8 @@ def config_path(multihost_config):
 
 
 def test_sigterm_to_one_process_stops_both_at_one_step_and_they_resume_to_the_same_losses(
-    config_path, multihost_reference, tmp_path):
+    config_path, multihost_reference, tmp_path
+):
   reference = multihost_reference
   workdir = str(tmp_path / 'two_processes')
   pair = start_pair(config_path, workdir)
@@ -93,17 +107,22 @@ def test_sigterm_to_one_process_stops_both_at_one_step_and_they_resume_to_the_sa
   finish(pair)
   stops = []
   for p in pair:
-    stops += [int(line.split('saving step ')[1].split()[0])
-              for line in read_log(p).splitlines() if 'Stop requested: saving step' in line]
+    stops += [
+        int(line.split('saving step ')[1].split()[0])
+        for line in read_log(p).splitlines()
+        if 'Stop requested: saving step' in line
+    ]
   assert len(stops) == 2 and stops[0] == stops[1] and stops[0] < STEPS, stops
   step_dir = os.path.join(workdir, 'checkpoints', str(stops[0]))
   assert {'process_0-of-2.json', 'process_1-of-2.json'} <= set(
-      os.listdir(os.path.join(step_dir, 'data')))  # Each host's iterator position.
+      os.listdir(os.path.join(step_dir, 'data'))
+  )  # Each host's iterator position.
 
   pair = start_pair(config_path, workdir)
   finish(pair)
   assert f'Resumed from the checkpoint at step {stops[0]}' in read_log(pair[1])
   ours, theirs = train_losses(workdir), train_losses(reference)
   assert sorted(ours) == sorted(theirs) == list(range(1, STEPS + 1))
-  np.testing.assert_allclose([ours[s] for s in sorted(ours)],
-                             [theirs[s] for s in sorted(theirs)], rtol=2e-5)
+  np.testing.assert_allclose(
+      [ours[s] for s in sorted(ours)], [theirs[s] for s in sorted(theirs)], rtol=2e-5
+  )

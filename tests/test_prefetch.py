@@ -12,8 +12,11 @@ from transformer_jax.prefetch import DevicePrefetcher
 
 
 def _source():
-  return (grain.MapDataset.range(1000).map(lambda i: {'x': np.full((2, 3), i, np.int32)})
-          .to_iter_dataset())
+  return (
+      grain.MapDataset.range(1000)
+      .map(lambda i: {'x': np.full((2, 3), i, np.int32)})
+      .to_iter_dataset()
+  )
 
 
 @pytest.mark.parametrize('size', [0, 1, 3])

@@ -20,13 +20,17 @@ def _prepare(config_path, workdir, *flags, part_size=None):
   code = None
   if part_size:  # Small parts, so that two hosts each get some.
     argv = [PREPARE, f'--config={config_path}', f'--workdir={workdir}', *flags]
-    code = (f'import sys; sys.argv = {argv!r}; '
-            'from transformer_jax import token_store; '
-            f'token_store.PART_SIZE = {part_size}; '
-            f'import runpy; runpy.run_path({PREPARE!r}, run_name="__main__")')
-  command = ([sys.executable, '-c', code] if code else
-             [sys.executable, PREPARE, f'--config={config_path}', f'--workdir={workdir}',
-              *flags])
+    code = (
+        f'import sys; sys.argv = {argv!r}; '
+        'from transformer_jax import token_store; '
+        f'token_store.PART_SIZE = {part_size}; '
+        f'import runpy; runpy.run_path({PREPARE!r}, run_name="__main__")'
+    )
+  command = (
+      [sys.executable, '-c', code]
+      if code
+      else [sys.executable, PREPARE, f'--config={config_path}', f'--workdir={workdir}', *flags]
+  )
   return train_testlib.run_command(command, env=env, timeout=300)
 
 
@@ -37,12 +41,26 @@ def test_two_hosts_prepare_and_training_reuses_the_stores(tmp_path):
   workdir = str(tmp_path / 'work')
   vocab = _prepare(config_path, workdir, '--splits=validation')  # Trains the vocabulary.
   assert vocab.returncode == 0, vocab.stderr[-3000:]
-  first = _prepare(config_path, workdir, '--splits=train', '--num_hosts=2', '--host_index=0',
-                   '--workers=2', part_size=100)
+  first = _prepare(
+      config_path,
+      workdir,
+      '--splits=train',
+      '--num_hosts=2',
+      '--host_index=0',
+      '--workers=2',
+      part_size=100,
+  )
   assert first.returncode == 0, first.stderr[-3000:]
   assert 'waits for the other hosts' in first.stdout
-  second = _prepare(config_path, workdir, '--splits=train', '--num_hosts=2',
-                    '--host_index=1', '--workers=2', part_size=100)
+  second = _prepare(
+      config_path,
+      workdir,
+      '--splits=train',
+      '--num_hosts=2',
+      '--host_index=1',
+      '--workers=2',
+      part_size=100,
+  )
   assert second.returncode == 0, second.stderr[-3000:]
   assert 'train: 400 pairs' in second.stdout, second.stdout
 
@@ -68,11 +86,14 @@ def test_two_hosts_prepare_and_training_reuses_the_stores(tmp_path):
   assert len(token_store.TokenStore.open(directory)) == 401
 
 
-@pytest.mark.parametrize('flags,message', [
-    (['--num_hosts=2', '--host_index=2'], 'must be in 0..1'),
-    (['--workers=-1'], 'must be >= 0'),
-    (['--config.prepare_workers=-2'], 'prepare_workers'),
-])
+@pytest.mark.parametrize(
+    'flags,message',
+    [
+        (['--num_hosts=2', '--host_index=2'], 'must be in 0..1'),
+        (['--workers=-1'], 'must be >= 0'),
+        (['--config.prepare_workers=-2'], 'prepare_workers'),
+    ],
+)
 @pytest.mark.slow
 def test_bad_flags_fail_clearly(tmp_path, flags, message):
   files = train_testlib.write_parallel_text(str(tmp_path))

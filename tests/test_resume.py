@@ -42,9 +42,13 @@ class Training:
 
   def __init__(self, config_path, workdir):
     self.process = subprocess.Popen(
-        train_testlib.train_command(config_path, workdir), cwd=train_testlib.REPO,
-        env=train_testlib.subprocess_env(), stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE, text=True)
+        train_testlib.train_command(config_path, workdir),
+        cwd=train_testlib.REPO,
+        env=train_testlib.subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     self.lines = queue.Queue()
     self.log = []
     threading.Thread(target=self._read, daemon=True).start()
@@ -77,7 +81,8 @@ class Training:
 
 def test_kill9_repeatedly_then_finish_equals_the_uninterrupted_run(tmp_path):
   config_path, reference_dir = train_testlib.config_and_reference(
-      tmp_path, num_train_steps=STEPS, checkpoint_every_steps=1, keep_checkpoints=2)
+      tmp_path, num_train_steps=STEPS, checkpoint_every_steps=1, keep_checkpoints=2
+  )
 
   workdir = str(tmp_path / 'interrupted')
   rng = random.Random(1234)
@@ -118,6 +123,7 @@ def test_kill9_repeatedly_then_finish_equals_the_uninterrupted_run(tmp_path):
   def losses(directory):
     with open(os.path.join(directory, 'metrics.jsonl')) as f:
       return {m['step']: m['loss'] for m in map(json.loads, f) if m['split'] == 'train'}
+
   assert losses(workdir) == losses(reference_dir)
   assert sorted(losses(workdir)) == list(range(1, STEPS + 1))
   print(f'resumed from {resumed_from}; a kill interrupted a save: {hit_a_save}')

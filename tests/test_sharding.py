@@ -46,11 +46,11 @@ def _worker(checkpoint_dir: str) -> dict:
   config = tiny.get_config()
   # Adam's eps=1e-9 turns rounding noise in near-zero gradients into +-lr steps; a larger
   # eps keeps the update linear in the gradient, so parameters can be compared tightly.
-  config.update(dict(num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.1,
-                     adam_eps=1e-3))
+  config.update(dict(num_encoder_layers=1, num_decoder_layers=1, dropout_rate=0.1, adam_eps=1e-3))
   model_config = TransformerConfig.from_config(config, vocab_size=VOCAB)
   tx, schedule = optimizer.create_optimizer(
-      optimizer.OptimizerConfig.from_config(config, model_config.d_model))
+      optimizer.OptimizerConfig.from_config(config, model_config.d_model)
+  )
   rng = np.random.default_rng(0)
   batches = []
   for _ in range(STEPS):
@@ -70,7 +70,11 @@ def _worker(checkpoint_dir: str) -> dict:
     _, shardings = train_steps.abstract_state(model_config, tx, partitioner)
     step = train_steps.jit_train_step(
         train_steps.StepConfig(model_config, seed=0, grad_accum_steps=grad_accum_steps),
-        tx, schedule, partitioner, shardings)
+        tx,
+        schedule,
+        partitioner,
+        shardings,
+    )
     return partitioner, shardings, step
 
   def train(partitioner, shardings, step, state):
@@ -89,27 +93,36 @@ def _worker(checkpoint_dir: str) -> dict:
   reference = jax.device_get(reference.params)
 
   for name, mesh in MESHES.items():
-    partitioner, shardings, step = setup(mesh, jax.devices(),
-                                         )
+    partitioner, shardings, step = setup(
+        mesh,
+        jax.devices(),
+    )
     if name == 'fsdp':  # Initialized straight into its shardings.
       state = train_steps.create_train_state(0, model_config, tx, partitioner, shardings)
     else:
       state = jax.device_put(initial, shardings)
     state, report['losses'][name] = train(partitioner, shardings, step, state)
-    diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - b))),
-                         state.params, reference)
+    diffs = jax.tree.map(
+        lambda a, b: float(np.max(np.abs(np.asarray(a) - b))), state.params, reference
+    )
     report['max_param_diff'][name] = max(jax.tree.leaves(diffs))
     params = state.params
     mu = state.opt_state[0].mu
     report['shards'][name] = {
-        'embedding': list(params['shared_embedding']['embedding'].addressable_shards[0]
-                          .data.shape),
-        'wi': list(params['encoder']['layer_0']['feed_forward']['wi']['kernel']
-                   .addressable_shards[0].data.shape),
-        'mu_wi': list(mu['encoder']['layer_0']['feed_forward']['wi']['kernel']
-                      .addressable_shards[0].data.shape),
-        'batch': list(partitioner.shard_batch(batches[0])['inputs']
-                      .addressable_shards[0].data.shape),
+        'embedding': list(params['shared_embedding']['embedding'].addressable_shards[0].data.shape),
+        'wi': list(
+            params['encoder']['layer_0']['feed_forward']['wi']['kernel']
+            .addressable_shards[0]
+            .data.shape
+        ),
+        'mu_wi': list(
+            mu['encoder']['layer_0']['feed_forward']['wi']['kernel']
+            .addressable_shards[0]
+            .data.shape
+        ),
+        'batch': list(
+            partitioner.shard_batch(batches[0])['inputs'].addressable_shards[0].data.shape
+        ),
     }
     report['specs'][name] = str(params['shared_embedding']['embedding'].sharding.spec)
     if name == 'mixed':
@@ -122,11 +135,15 @@ def _worker(checkpoint_dir: str) -> dict:
   checkpointer.wait()
   partitioner, _, _ = setup(MESHES['fsdp'], jax.devices())
   abstract, _ = train_steps.abstract_state(model_config, tx, partitioner)
-  restored = checkpointer.restore(STEPS, abstract, iter(grain.MapDataset.range(4)
-                                                         .to_iter_dataset()))
+  restored = checkpointer.restore(
+      STEPS, abstract, iter(grain.MapDataset.range(4).to_iter_dataset())
+  )
   checkpointer.close()
-  same = jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)),
-                      jax.device_get(restored), jax.device_get(saved_state))
+  same = jax.tree.map(
+      lambda a, b: bool(jnp.array_equal(a, b)),
+      jax.device_get(restored),
+      jax.device_get(saved_state),
+  )
   report['restore_equal'] = all(jax.tree.leaves(same))
   emb = restored.params['shared_embedding']['embedding']
   report['restore_spec'] = str(emb.sharding.spec)
@@ -141,11 +158,20 @@ def report(tmp_path_factory):
   for attempt in range(2):
     shutil.rmtree(out / 'checkpoints', ignore_errors=True)
     process = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), str(out / 'checkpoints'),
-         str(out / 'report.json')],
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            str(out / 'checkpoints'),
+            str(out / 'report.json'),
+        ],
         # 8 simulated devices on 2 cores: over 400 s on a slow AVX2 EPYC (2026-11-25).
-        cwd=train_testlib.REPO, env=train_testlib.subprocess_env(devices=8),
-        capture_output=True, text=True, timeout=1200, check=False)
+        cwd=train_testlib.REPO,
+        env=train_testlib.subprocess_env(devices=8),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
     # XLA:CPU's in-process collectives over 8 simulated devices can starve for threads and
     # deadlock (an all-reduce whose second participant never gets a thread; XLA aborts the
     # process after the timeout). `subprocess_env` gives them threads enough (PJRT_NPROC);
@@ -168,14 +194,25 @@ def test_parameters_are_split_as_the_rules_say(report):
   # Rules: vocab->tensor, embed->fsdp, mlp->tensor, batch->(data, fsdp). Tiny: d_model 32,
   # d_ff 64, vocab 64; batches of 8 rows of 16.
   shards = report['shards']
-  assert shards['data'] == {'embedding': [64, 32], 'wi': [32, 64], 'mu_wi': [32, 64],
-                            'batch': [1, 16]}
-  assert shards['fsdp'] == {'embedding': [64, 4], 'wi': [4, 64], 'mu_wi': [4, 64],
-                            'batch': [1, 16]}
-  assert shards['tensor'] == {'embedding': [16, 32], 'wi': [32, 16], 'mu_wi': [32, 16],
-                              'batch': [4, 16]}
-  assert shards['mixed'] == {'embedding': [32, 16], 'wi': [16, 32], 'mu_wi': [16, 32],
-                             'batch': [2, 16]}
+  assert shards['data'] == {
+      'embedding': [64, 32],
+      'wi': [32, 64],
+      'mu_wi': [32, 64],
+      'batch': [1, 16],
+  }
+  assert shards['fsdp'] == {'embedding': [64, 4], 'wi': [4, 64], 'mu_wi': [4, 64], 'batch': [1, 16]}
+  assert shards['tensor'] == {
+      'embedding': [16, 32],
+      'wi': [32, 16],
+      'mu_wi': [32, 16],
+      'batch': [4, 16],
+  }
+  assert shards['mixed'] == {
+      'embedding': [32, 16],
+      'wi': [16, 32],
+      'mu_wi': [16, 32],
+      'batch': [2, 16],
+  }
   assert report['specs']['mixed'] == "P('tensor', 'fsdp')"
 
 
@@ -188,6 +225,7 @@ def test_checkpoint_restores_onto_a_different_mesh(report):
 
 if __name__ == '__main__':
   import time
+
   start = time.time()
   result = _worker(sys.argv[1])
   result['seconds'] = time.time() - start

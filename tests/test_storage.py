@@ -28,11 +28,15 @@ from transformer_jax.errors import PathError
 REPO = train_testlib.REPO
 
 
-def _leftover(directory, name: str, kind: str = 'tmp', pid: int | None = None,
-              host: str | None = None) -> str:
+def _leftover(
+    directory, name: str, kind: str = 'tmp', pid: int | None = None, host: str | None = None
+) -> str:
   """A temporary file named as `storage.temporary_path` names them, of process `pid`."""
-  path = os.path.join(directory, f'.{name}.{kind}-{pid or train_testlib.dead_pid()}-0123abcd-'
-                                 f'{host or socket.gethostname()}')
+  path = os.path.join(
+      directory,
+      f'.{name}.{kind}-{pid or train_testlib.dead_pid()}-0123abcd-'
+      f'{host or socket.gethostname()}',
+  )
   with open(path, 'w', encoding='utf-8') as f:
     f.write('left behind')
   return path
@@ -46,8 +50,12 @@ def test_an_output_that_is_an_input_is_refused_by_path_symlink_and_hard_link(tmp
   text.write_text('precious\n')
   os.symlink(text, tmp_path / 'alias.txt')
   os.link(text, tmp_path / 'hard.txt')
-  for output in (text, tmp_path / 'alias.txt', tmp_path / 'hard.txt',
-                 tmp_path / 'sub' / '..' / 'text.txt'):
+  for output in (
+      text,
+      tmp_path / 'alias.txt',
+      tmp_path / 'hard.txt',
+      tmp_path / 'sub' / '..' / 'text.txt',
+  ):
     (tmp_path / 'sub').mkdir(exist_ok=True)
     with pytest.raises(PathError, match='is also --input=.*destroy the input'):
       paths.check_output_file(str(output), '--output', {'--input': str(text)})
@@ -70,8 +78,9 @@ def test_output_kinds_and_missing_directories_are_named(tmp_path):
   with pytest.raises(PathError, match='is a directory; give a file'):
     paths.check_input_file(str(tmp_path), '--input')
   with pytest.raises(PathError, match="is a file; give a training run's"):
-    paths.check_input_directory(str(tmp_path / 'a_file'), '--workdir',
-                                  "a training run's work directory")
+    paths.check_input_directory(
+        str(tmp_path / 'a_file'), '--workdir', "a training run's work directory"
+    )
   with pytest.raises(PathError, match='does not exist'):
     paths.check_input_file(str(tmp_path / 'missing'), '--input')
   deep = tmp_path / 'new' / 'deeper' / 'run'
@@ -81,8 +90,12 @@ def test_output_kinds_and_missing_directories_are_named(tmp_path):
 
 def _mount_tmpfs(path, options: str) -> None:
   path.mkdir()
-  mounted = subprocess.run(['mount', '-t', 'tmpfs', '-o', options, 'tmpfs', str(path)],
-                           capture_output=True, text=True, check=False)
+  mounted = subprocess.run(
+      ['mount', '-t', 'tmpfs', '-o', options, 'tmpfs', str(path)],
+      capture_output=True,
+      text=True,
+      check=False,
+  )
   if mounted.returncode:
     pytest.skip(f'cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}')
 
@@ -116,7 +129,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
   assert path.read_text() == 'new\n' and os.listdir(tmp_path) == ['out.txt']
 
 
-_COMMIT_KILLED = textwrap.dedent('''
+_COMMIT_KILLED = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
     from transformer_jax import storage
@@ -129,24 +142,27 @@ _COMMIT_KILLED = textwrap.dedent('''
       real_replace(src, dst)
     os.replace = replace
     storage.write_files({{{hyp!r}: 'new hypotheses\\n', {metrics!r}: '{{"bleu": 2}}\\n'}})
-''')
+""")
 
 
-@pytest.mark.parametrize('kill_at,expected', [
-    (1, ('old hypotheses\n', '{"bleu": 1}\n')),  # At the journal's rename: nothing committed.
-    (2, ('new hypotheses\n', '{"bleu": 2}\n')),  # Committed, no file renamed yet.
-    (3, ('new hypotheses\n', '{"bleu": 2}\n')),  # Between the two files' renames.
-])
+@pytest.mark.parametrize(
+    'kill_at,expected',
+    [
+        (1, ('old hypotheses\n', '{"bleu": 1}\n')),  # At the journal's rename: nothing committed.
+        (2, ('new hypotheses\n', '{"bleu": 2}\n')),  # Committed, no file renamed yet.
+        (3, ('new hypotheses\n', '{"bleu": 2}\n')),  # Between the two files' renames.
+    ],
+)
 def test_a_pair_killed_mid_commit_is_whole_after_the_next_check(tmp_path, kill_at, expected):
   """A real SIGKILL at each rename of `write_files` committing hypotheses and metrics: the
   next command to check the directory finds both old or both new, and no temporary."""
   hyp, metrics = tmp_path / 'test.hyp.txt', tmp_path / 'test.metrics.json'
   hyp.write_text('old hypotheses\n')
   metrics.write_text('{"bleu": 1}\n')
-  script = _COMMIT_KILLED.format(repo=REPO, hyp=str(hyp), metrics=str(metrics),
-                                 kill_at=kill_at)
-  result = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True,
-                          timeout=120)
+  script = _COMMIT_KILLED.format(repo=REPO, hyp=str(hyp), metrics=str(metrics), kill_at=kill_at)
+  result = subprocess.run(
+      [sys.executable, '-c', script], capture_output=True, text=True, timeout=120
+  )
   assert result.returncode == -9, result.stderr
   assert len(os.listdir(tmp_path)) > 2  # The killed writer's leftovers.
   paths.check_output_directory(str(tmp_path), '--output_dir')
@@ -219,6 +235,7 @@ def test_the_lock_is_never_seen_without_its_contents_and_a_full_disk_leaves_none
     with pytest.raises(OSError) as error:
       workdir_lock.WorkdirLock(str(workdir)).acquire()
     from transformer_jax import errors
+
     assert isinstance(errors.find_user_error(error.value), DiskFullError)
     assert os.listdir(workdir) == []  # No lock, no temporary.
     os.remove(mount / 'filler')
@@ -231,14 +248,33 @@ def test_the_lock_is_never_seen_without_its_contents_and_a_full_disk_leaves_none
 # --- Configs that would train, but not as asked. ---
 
 
-@pytest.mark.parametrize('overrides,phrases', [
-    ({'max_len': 16, 'max_source_length': 32, 'max_target_length': 24},
-     ('max_len=16 is shorter than max_source_length=32/max_target_length=24',
-      'only the first max_len tokens', '--config.max_len=32')),
-    ({'tokens_per_batch': 8, 'max_len': 64, 'max_source_length': 64, 'max_target_length': 64},
-     ('tokens_per_batch=8 is less than one row', '(64 tokens', 'up to 8x the budget',
-      'at least 64')),
-])
+@pytest.mark.parametrize(
+    'overrides,phrases',
+    [
+        (
+            {'max_len': 16, 'max_source_length': 32, 'max_target_length': 24},
+            (
+                'max_len=16 is shorter than max_source_length=32/max_target_length=24',
+                'only the first max_len tokens',
+                '--config.max_len=32',
+            ),
+        ),
+        (
+            {
+                'tokens_per_batch': 8,
+                'max_len': 64,
+                'max_source_length': 64,
+                'max_target_length': 64,
+            },
+            (
+                'tokens_per_batch=8 is less than one row',
+                '(64 tokens',
+                'up to 8x the budget',
+                'at least 64',
+            ),
+        ),
+    ],
+)
 def test_configs_that_would_not_train_as_asked_are_refused(overrides, phrases):
   config = train_testlib.small_config({'train': 'a,b', 'validation': 'a,b'}, **overrides)
   config_lib.validate(config)  # A saved run's config still loads for translation.

@@ -10,8 +10,10 @@ from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.config import UNK_ID
 
-WORDS = ('the house is red and the river is long while a small bird sings over green '
-         'fields near old towns la casa es roja y el rio es largo').split()
+WORDS = (
+    'the house is red and the river is long while a small bird sings over green '
+    'fields near old towns la casa es roja y el rio es largo'
+).split()
 
 
 def _corpus(n=400, seed=0):
@@ -27,8 +29,7 @@ def tok(tmp_path_factory):
 
 def test_special_ids_are_fixed_and_pad_is_not_unk(tok):
   sp = spm.SentencePieceProcessor(model_file=tok.model_path)
-  assert (sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.unk_id()) == (PAD_ID, BOS_ID, EOS_ID,
-                                                                   UNK_ID)
+  assert (sp.pad_id(), sp.bos_id(), sp.eos_id(), sp.unk_id()) == (PAD_ID, BOS_ID, EOS_ID, UNK_ID)
   assert PAD_ID != UNK_ID
   assert [sp.id_to_piece(i) for i in range(4)] == ['<pad>', '<s>', '</s>', '<unk>']
 
@@ -55,25 +56,29 @@ def test_unknown_characters_map_to_unk(tok):
 def test_cached_model_is_reused_without_training(tok, tmp_path):
   def fail():
     raise AssertionError('must not retrain a cached vocabulary')
+
   again = tokenizer_lib.load_or_train_tokenizer(tok.model_path, fail, vocab_size=120)
   assert again.fingerprint == tok.fingerprint
   path = tmp_path / 'new.model'
-  fresh = tokenizer_lib.load_or_train_tokenizer(str(path), _corpus, vocab_size=120,
-                                                model_type='unigram')
+  fresh = tokenizer_lib.load_or_train_tokenizer(
+      str(path), _corpus, vocab_size=120, model_type='unigram'
+  )
   assert path.exists() and fresh.encode('the house')[-1] == EOS_ID
 
 
 def test_model_with_other_special_ids_is_rejected(tmp_path):
   prefix = str(tmp_path / 'default')
-  spm.SentencePieceTrainer.train(sentence_iterator=iter(_corpus()), model_prefix=prefix,
-                                 vocab_size=40, minloglevel=2)  # unk=0, pad=-1: Flax WMT's.
+  spm.SentencePieceTrainer.train(
+      sentence_iterator=iter(_corpus()), model_prefix=prefix, vocab_size=40, minloglevel=2
+  )  # unk=0, pad=-1: Flax WMT's.
   with pytest.raises(ValueError, match='special ids'):
     tokenizer_lib.Tokenizer(prefix + '.model')
 
 
 def test_bad_arguments_fail_clearly(tmp_path):
   with pytest.raises(ValueError, match='vocab_model_type'):
-    tokenizer_lib.train_tokenizer(_corpus(), str(tmp_path / 'x.model'), vocab_size=50,
-                                  model_type='word-ish')
+    tokenizer_lib.train_tokenizer(
+        _corpus(), str(tmp_path / 'x.model'), vocab_size=50, model_type='word-ish'
+    )
   with pytest.raises(ValueError, match='No non-empty sentence'):
     tokenizer_lib.train_tokenizer(['', '  '], str(tmp_path / 'y.model'), vocab_size=50)

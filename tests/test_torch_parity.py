@@ -14,8 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip('torch', reason='PyTorch (CPU build) is a test-only dependency: '
-                            "pip install -c requirements.txt -e '.[test]'")
+torch = pytest.importorskip(
+    'torch',
+    reason='PyTorch (CPU build) is a test-only dependency: '
+    "pip install -c requirements.txt -e '.[test]'",
+)
 
 from transformer_jax.config import BOS_ID  # noqa: E402
 from transformer_jax.config import PAD_ID  # noqa: E402
@@ -23,9 +26,15 @@ from transformer_jax.config import TransformerConfig  # noqa: E402
 from transformer_jax.models import Transformer  # noqa: E402
 
 D, HEADS, FF, LAYERS, VOCAB = 64, 4, 128, 2, 50
-CONFIG = TransformerConfig(vocab_size=VOCAB, d_model=D, num_heads=HEADS, d_ff=FF,
-                           num_encoder_layers=LAYERS, num_decoder_layers=LAYERS,
-                           deterministic=True)
+CONFIG = TransformerConfig(
+    vocab_size=VOCAB,
+    d_model=D,
+    num_heads=HEADS,
+    d_ff=FF,
+    num_encoder_layers=LAYERS,
+    num_decoder_layers=LAYERS,
+    deterministic=True,
+)
 
 
 def _paper_sinusoids(length: int, d: int) -> np.ndarray:
@@ -64,20 +73,32 @@ def _copy_feed_forward(torch_layer, params):
 
 def _reference_model(cfg: TransformerConfig, params) -> 'torch.nn.Transformer':
   pre = cfg.norm_position == 'pre'
-  layer_args = dict(d_model=D, nhead=HEADS, dim_feedforward=FF, dropout=0.0,
-                    activation='relu', layer_norm_eps=cfg.layer_norm_epsilon,
-                    batch_first=True, norm_first=pre)
+  layer_args = dict(
+      d_model=D,
+      nhead=HEADS,
+      dim_feedforward=FF,
+      dropout=0.0,
+      activation='relu',
+      layer_norm_eps=cfg.layer_norm_epsilon,
+      batch_first=True,
+      norm_first=pre,
+  )
   # The paper's post-norm stacks have no final norm; torch adds one unless told otherwise.
   encoder = torch.nn.TransformerEncoder(
-      torch.nn.TransformerEncoderLayer(**layer_args), LAYERS,
+      torch.nn.TransformerEncoderLayer(**layer_args),
+      LAYERS,
       norm=torch.nn.LayerNorm(D, eps=cfg.layer_norm_epsilon) if pre else None,
-      enable_nested_tensor=False)
+      enable_nested_tensor=False,
+  )
   decoder = torch.nn.TransformerDecoder(
-      torch.nn.TransformerDecoderLayer(**layer_args), LAYERS,
-      norm=torch.nn.LayerNorm(D, eps=cfg.layer_norm_epsilon) if pre else None)
+      torch.nn.TransformerDecoderLayer(**layer_args),
+      LAYERS,
+      norm=torch.nn.LayerNorm(D, eps=cfg.layer_norm_epsilon) if pre else None,
+  )
   # nn.Transformer re-initialises every matrix it is given: copy the weights in afterwards.
-  model = torch.nn.Transformer(d_model=D, nhead=HEADS, custom_encoder=encoder,
-                               custom_decoder=decoder, batch_first=True)
+  model = torch.nn.Transformer(
+      d_model=D, nhead=HEADS, custom_encoder=encoder, custom_decoder=decoder, batch_first=True
+  )
   for i in range(LAYERS):
     p = params['encoder'][f'layer_{i}']
     layer = encoder.layers[i]
@@ -106,31 +127,40 @@ def test_logits_match_torch_transformer(norm_position):
   inputs = rng.integers(4, VOCAB, (3, 9))
   inputs[1, 6:] = PAD_ID
   targets = rng.integers(4, VOCAB, (3, 7))
-  variables = Transformer(cfg).init(jax.random.PRNGKey(1), jnp.asarray(inputs),
-                                    jnp.asarray(targets))
+  variables = Transformer(cfg).init(
+      jax.random.PRNGKey(1), jnp.asarray(inputs), jnp.asarray(targets)
+  )
   params = nn.unbox(variables['params'])
   # Non-trivial norm parameters so that a swapped or missing norm cannot go unnoticed.
   params = jax.tree_util.tree_map_with_path(
-      lambda path, x: x + 0.1 * jax.random.normal(jax.random.PRNGKey(zlib.crc32(
-          jax.tree_util.keystr(path).encode()) % 2**31), x.shape)
-      if 'norm' in jax.tree_util.keystr(path) or 'bias' in jax.tree_util.keystr(path) else x,
-      params)
-  logits = np.asarray(Transformer(cfg).apply({'params': params}, jnp.asarray(inputs),
-                                             jnp.asarray(targets)))
+      lambda path, x: x
+      + 0.1
+      * jax.random.normal(
+          jax.random.PRNGKey(zlib.crc32(jax.tree_util.keystr(path).encode()) % 2**31), x.shape
+      )
+      if 'norm' in jax.tree_util.keystr(path) or 'bias' in jax.tree_util.keystr(path)
+      else x,
+      params,
+  )
+  logits = np.asarray(
+      Transformer(cfg).apply({'params': params}, jnp.asarray(inputs), jnp.asarray(targets))
+  )
 
   reference = _reference_model(cfg, params)
   embedding = np.asarray(params['shared_embedding']['embedding'])
   pe = _paper_sinusoids(16, D)
   decoder_inputs = np.concatenate([np.full((3, 1), BOS_ID), targets[:, :-1]], axis=1)
-  src = embedding[inputs] * np.sqrt(D) + pe[:inputs.shape[1]]
-  tgt = embedding[decoder_inputs] * np.sqrt(D) + pe[:targets.shape[1]]
+  src = embedding[inputs] * np.sqrt(D) + pe[: inputs.shape[1]]
+  tgt = embedding[decoder_inputs] * np.sqrt(D) + pe[: targets.shape[1]]
   with torch.no_grad():
     out = reference(
-        _t(src), _t(tgt),
+        _t(src),
+        _t(tgt),
         tgt_mask=torch.nn.Transformer.generate_square_subsequent_mask(targets.shape[1]),
         src_key_padding_mask=torch.from_numpy(inputs == PAD_ID),
         memory_key_padding_mask=torch.from_numpy(inputs == PAD_ID),
-        tgt_is_causal=True)
+        tgt_is_causal=True,
+    )
     expected = (out @ _t(embedding).T).numpy()
 
   relative_error = np.abs(logits - expected).max() / np.abs(expected).max()

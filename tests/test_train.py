@@ -62,10 +62,12 @@ class StepHarness:
     self.partitioner = Partitioner.from_config(self.config, devices=jax.devices()[:1])
     self.model_config = TransformerConfig.from_config(self.config, vocab_size=VOCAB)
     self.tx, self.schedule = optimizer.create_optimizer(
-        optimizer.OptimizerConfig.from_config(self.config, self.model_config.d_model))
+        optimizer.OptimizerConfig.from_config(self.config, self.model_config.d_model)
+    )
     _, self.shardings = train_steps.abstract_state(self.model_config, self.tx, self.partitioner)
-    self._state = train_steps.create_train_state(0, self.model_config, self.tx,
-                                               self.partitioner, self.shardings)
+    self._state = train_steps.create_train_state(
+        0, self.model_config, self.tx, self.partitioner, self.shardings
+    )
 
   def state(self, tx=None):
     """A copy of the initial state (the step donates its input), optionally for `tx`."""
@@ -80,13 +82,22 @@ class StepHarness:
     model_config = dataclasses.replace(self.model_config, dropout_rate=dropout_rate)
     _, shardings = train_steps.abstract_state(model_config, tx, self.partitioner)
     step = train_steps.jit_train_step(
-        train_steps.StepConfig(model_config, seed=0, grad_accum_steps=grad_accum_steps,
-                             dropout_rng_impl=dropout_rng_impl),
-        tx, schedule, self.partitioner, shardings)
+        train_steps.StepConfig(
+            model_config,
+            seed=0,
+            grad_accum_steps=grad_accum_steps,
+            dropout_rng_impl=dropout_rng_impl,
+        ),
+        tx,
+        schedule,
+        self.partitioner,
+        shardings,
+    )
 
     def run(state, batch):
       with self.partitioner.activate():
         return step(state, self.partitioner.shard_batch(batch))
+
     return run
 
 
@@ -107,8 +118,11 @@ def test_gradient_accumulation_matches_the_full_batch(harness):
     results[k] = grads, jax.device_get(metrics)
   for name in ('loss', 'nll', 'tokens', 'correct', 'grad_norm'):
     np.testing.assert_allclose(results[4][1][name], results[1][1][name], rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
-               results[4][0], results[1][0])
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7),
+      results[4][0],
+      results[1][0],
+  )
 
 
 def test_nonfinite_loss_skips_the_update_and_counts_it(harness):
@@ -125,8 +139,7 @@ def test_nonfinite_loss_skips_the_update_and_counts_it(harness):
   assert float(metrics['finite']) == 0.0
   assert int(after.step) == 1 and int(after.skipped_steps) == 1
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.params), before.params)
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.opt_state),
-               before.opt_state)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(after.opt_state), before.opt_state)
   assert not bool(train_steps.all_finite(after.params))
   # A healthy state takes the update.
   healthy, metrics = step(harness.state(), batch)
@@ -159,9 +172,15 @@ def finished_run(data_files, tmp_path_factory):
   """Six steps with validation (BLEU of 8 sentences) every 3 and checkpoints every 2 (keep 1,
   plus every 4th, plus the best by BLEU); steps 5 and 6 traced by jax.profiler."""
   workdir = str(tmp_path_factory.mktemp('run'))
-  config = train_testlib.small_config(data_files, eval_every_steps=3, keep_checkpoints=1,
-                                      keep_checkpoint_period=4, eval_bleu_sentences=8,
-                                      best_checkpoint_metric='bleu', profile_steps='4:6')
+  config = train_testlib.small_config(
+      data_files,
+      eval_every_steps=3,
+      keep_checkpoints=1,
+      keep_checkpoint_period=4,
+      eval_bleu_sentences=8,
+      best_checkpoint_metric='bleu',
+      profile_steps='4:6',
+  )
   result = train_loop.train_and_evaluate(config, workdir)
   return config, workdir, result
 
@@ -174,12 +193,27 @@ def read_metrics(workdir):
 def test_a_logging_interval_becomes_means_and_rates():
   """Step metrics arrive as sums over the interval's steps; the summary divides them by the
   tokens, the steps and the timed seconds (the first, compiling steps not timed)."""
-  step = {'loss': 6.0, 'nll': 4.0, 'correct': 1.0, 'tokens': 4.0, 'source_tokens': 6.0,
-          'slots': 16.0, 'grad_norm': 2.0}
+  step = {
+      'loss': 6.0,
+      'nll': 4.0,
+      'correct': 1.0,
+      'tokens': 4.0,
+      'source_tokens': 6.0,
+      'slots': 16.0,
+      'grad_norm': 2.0,
+  }
   sums = metrics_writer.sum_metrics([step, step])
   summary = metrics_writer.summarize_train(
-      sums, steps=2, last={'learning_rate': 0.5}, skipped_total=1, timed=step, seconds=2.0,
-      flops=1e9, peak_flops=1e10, data_wait_seconds=0.5)
+      sums,
+      steps=2,
+      last={'learning_rate': 0.5},
+      skipped_total=1,
+      timed=step,
+      seconds=2.0,
+      flops=1e9,
+      peak_flops=1e10,
+      data_wait_seconds=0.5,
+  )
   assert summary['loss'] == 1.5 and summary['accuracy'] == 0.25
   assert summary['perplexity'] == pytest.approx(np.e)
   assert summary['grad_norm'] == 2.0 and summary['learning_rate'] == 0.5
@@ -187,8 +221,9 @@ def test_a_logging_interval_becomes_means_and_rates():
   assert summary['tokens_per_second'] == 5.0 and summary['target_tokens_per_second'] == 2.0
   assert summary['mfu'] == pytest.approx(0.05) and summary['data_wait_share'] == 0.25
   assert summary['skipped_steps'] == 1.0
-  untimed = metrics_writer.summarize_train(sums, steps=2, last={'learning_rate': 0.5},
-                                           skipped_total=0)
+  untimed = metrics_writer.summarize_train(
+      sums, steps=2, last={'learning_rate': 0.5}, skipped_total=0
+  )
   assert 'tokens_per_second' not in untimed and 'mfu' not in untimed
 
 
@@ -200,6 +235,7 @@ def test_validation_sums_every_batch_up_to_the_limit(harness):
     seen.append(int(np.asarray(batch['tokens']).sum()))
     n = float(seen[-1])
     return {'loss': 2 * n, 'nll': 0.0, 'correct': n / 2, 'tokens': n}
+
   metrics = train_loop.evaluate(eval_step, None, batches, harness.partitioner, max_batches=3)
   assert seen == [1, 2, 4]
   assert metrics == {'loss': 2.0, 'perplexity': 1.0, 'accuracy': 0.5, 'tokens': 7.0}
@@ -209,17 +245,24 @@ def test_validation_sums_every_batch_up_to_the_limit(harness):
 def test_train_py_imports_neither_pytorch_nor_the_cloud_storage_client(tmp_path):
   """tensorboardX imports both where they are installed (2 s of every start); the metrics
   writer gives it neither, and they still import afterwards."""
-  code = ('import sys, importlib.util\n'
-          'from transformer_jax.commands import train\n'
-          'from transformer_jax import metrics_writer\n'
-          f'metrics_writer.MetricsWriter({str(tmp_path)!r}, total_steps=1, start_step=0,\n'
-          '                              enabled=True)\n'
-          'print(sorted(m for m in ("torch", "google.cloud.storage", "tensorboardX")\n'
-          '             if m in sys.modules))\n'
-          'import torch\n')
-  result = subprocess.run([sys.executable, '-c', code], cwd=train_testlib.REPO,
-                          env=train_testlib.subprocess_env(), capture_output=True, text=True,
-                          timeout=120)
+  code = (
+      'import sys, importlib.util\n'
+      'from transformer_jax.commands import train\n'
+      'from transformer_jax import metrics_writer\n'
+      f'metrics_writer.MetricsWriter({str(tmp_path)!r}, total_steps=1, start_step=0,\n'
+      '                              enabled=True)\n'
+      'print(sorted(m for m in ("torch", "google.cloud.storage", "tensorboardX")\n'
+      '             if m in sys.modules))\n'
+      'import torch\n'
+  )
+  result = subprocess.run(
+      [sys.executable, '-c', code],
+      cwd=train_testlib.REPO,
+      env=train_testlib.subprocess_env(),
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
   assert result.returncode == 0, result.stderr[-3000:]
   assert result.stdout.split('\n')[0] == "['tensorboardX']"
   assert glob.glob(str(tmp_path / 'tensorboard' / 'events.out.tfevents.*'))
@@ -233,8 +276,14 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(finished_run):
   train = [m for m in lines if m['split'] == 'train']
   assert [m['step'] for m in train] == [1, 2, 3, 4, 5, 6]
   for m in train:
-    keys = ('loss', 'perplexity', 'learning_rate', 'grad_norm', 'padding_share',
-            'skipped_steps') + (('tokens_per_second',) if m['step'] > 1 else ())
+    keys = (
+        'loss',
+        'perplexity',
+        'learning_rate',
+        'grad_norm',
+        'padding_share',
+        'skipped_steps',
+    ) + (('tokens_per_second',) if m['step'] > 1 else ())
     for key in keys:  # Step 1 compiles, so it reports no throughput.
       assert np.isfinite(m[key]), (key, m)
     assert 0.0 <= m['padding_share'] < 1.0 and m['skipped_steps'] == 0
@@ -262,7 +311,9 @@ def test_profile_steps_trace_the_train_step(finished_run):
   _, workdir, _ = finished_run
   traces = glob.glob(os.path.join(workdir, 'profile', 'plugins', 'profile', '*', '*'))
   assert {name.split('.', 1)[1] for name in map(os.path.basename, traces)} == {
-      'xplane.pb', 'trace.json.gz'}, traces
+      'xplane.pb',
+      'trace.json.gz',
+  }, traces
   with gzip.open(next(t for t in traces if t.endswith('.trace.json.gz'))) as f:
     events = json.load(f)['traceEvents']
   names = {e.get('name', '') for e in events if e.get('ph') == 'X'}
@@ -273,35 +324,47 @@ def test_profile_steps_trace_the_train_step(finished_run):
 def _tensorboard_tags(directory):
   """The summary tags in TensorBoard event files (TFRecords of `Event` protos)."""
   from tensorboardX.proto import event_pb2
+
   tags = set()
   for name in os.listdir(directory):
     with open(os.path.join(directory, name), 'rb') as f:
       data = f.read()
     offset = 0
     while offset < len(data):  # length (8 bytes), its CRC (4), the record, its CRC (4).
-      length = int.from_bytes(data[offset:offset + 8], 'little')
-      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      length = int.from_bytes(data[offset : offset + 8], 'little')
+      event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
       tags.update(value.tag for value in event.summary.value)
       offset += 16 + length
   return tags
 
 
 def _fake_state(step):
-  return train_steps.TrainState(step=jnp.int32(step),
-                                params={'w': jnp.full(3, step, jnp.float32)},
-                                opt_state={'m': jnp.zeros(3)}, skipped_steps=jnp.int32(0))
+  return train_steps.TrainState(
+      step=jnp.int32(step),
+      params={'w': jnp.full(3, step, jnp.float32)},
+      opt_state={'m': jnp.zeros(3)},
+      skipped_steps=jnp.int32(0),
+  )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize('metric,kept,best', [('bleu', [2, 4, 6], 2), ('loss', [2, 3, 6], 3)])
 def test_the_best_checkpoints_are_kept_besides_the_latest(tmp_path, metric, kept, best):
   import grain
+
   checkpointer = checkpointing.Checkpointer(
-      str(tmp_path), save_every=100, final_step=100, keep=1, best_metric=metric, keep_best=2)
+      str(tmp_path), save_every=100, final_step=100, keep=1, best_metric=metric, keep_best=2
+  )
   meta = {'config': {'best_checkpoint_metric': metric}, 'vocab_size': 8, 'tokenizer': {}}
   data = iter(grain.MapDataset.range(4).to_iter_dataset())
-  validation = {1: (5.0, 3.0), 2: (9.0, 2.0), 3: (1.0, 0.5), 4: (7.0, 2.5), 5: None,
-                6: (2.0, 9.0)}  # step: (bleu, loss); step 5 was saved without metrics.
+  validation = {
+      1: (5.0, 3.0),
+      2: (9.0, 2.0),
+      3: (1.0, 0.5),
+      4: (7.0, 2.5),
+      5: None,
+      6: (2.0, 9.0),
+  }  # step: (bleu, loss); step 5 was saved without metrics.
   for step, values in validation.items():
     metrics = None if values is None else {'bleu': values[0], 'loss': values[1]}
     checkpointer.save(_fake_state(step), data, meta, force=True, metrics=metrics)
@@ -321,8 +384,11 @@ def test_loading_for_inference_needs_only_the_workdir(finished_run, tmp_path):
   assert loaded.step == 6
   assert loaded.model_config.deterministic and loaded.model_config.num_encoder_layers == 1
   assert loaded.config.d_model == config.d_model
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded.params),
-               jax.device_get(result.state.params))
+  jax.tree.map(
+      np.testing.assert_array_equal,
+      jax.device_get(loaded.params),
+      jax.device_get(result.state.params),
+  )
   sentence = 'abc fed'
   # The vocabulary survives the loss of its original file (it is inside the checkpoint).
   original = loaded.tokenizer.model_path
@@ -335,8 +401,9 @@ def test_loading_for_inference_needs_only_the_workdir(finished_run, tmp_path):
     os.rename(original + '.moved', original)
   params, step = checkpointing.restore_params(workdir, 4)
   assert step == 4
-  assert not np.array_equal(params['shared_embedding']['embedding'],
-                            loaded.params['shared_embedding']['embedding'])
+  assert not np.array_equal(
+      params['shared_embedding']['embedding'], loaded.params['shared_embedding']['embedding']
+  )
   with pytest.raises(FileNotFoundError, match='no checkpoint for step 5'):
     checkpointing.restore_params(workdir, 5)
 
@@ -350,8 +417,10 @@ def test_rerunning_a_finished_run_says_so_and_trains_nothing(finished_run, tmp_p
   with caplog.at_level(logging.INFO):
     again = train_loop.train_and_evaluate(config, copy)
   assert int(again.state.step) == 6 and not again.stopped_early
-  assert ('the run is already finished (step 6 of num_train_steps=6): nothing to train; '
-          'raise --config.num_train_steps to train on') in caplog.text, caplog.text[-3000:]
+  assert (
+      'the run is already finished (step 6 of num_train_steps=6): nothing to train; '
+      'raise --config.num_train_steps to train on'
+  ) in caplog.text, caplog.text[-3000:]
   assert 'training steps' not in caplog.text
   assert [m['step'] for m in read_metrics(copy) if m['split'] == 'train'] == [1, 2, 3, 4, 5, 6]
 
@@ -360,8 +429,12 @@ def test_rerunning_a_finished_run_says_so_and_trains_nothing(finished_run, tmp_p
 def test_resuming_with_a_different_config_lists_the_fields(finished_run):
   config, workdir, _ = finished_run
   changed = train_testlib.small_config(
-      {k: config.text_files[k] for k in config.text_files}, eval_every_steps=3,
-      d_model=64, label_smoothing=0.2, num_train_steps=8)
+      {k: config.text_files[k] for k in config.text_files},
+      eval_every_steps=3,
+      d_model=64,
+      label_smoothing=0.2,
+      num_train_steps=8,
+  )
   with pytest.raises(checkpointing.ConfigMismatchError) as error:
     train_loop.train_and_evaluate(changed, workdir)
   message = str(error.value)
@@ -375,15 +448,23 @@ def test_a_refused_resume_builds_nothing_first(finished_run):
   """Another vocabulary size would need a new vocabulary and token store: the resume is
   refused before they are built, and the work directory is left as it was."""
   config, workdir, _ = finished_run
-  before = sorted(os.path.relpath(os.path.join(d, f), workdir)
-                  for d, _, files in os.walk(workdir) for f in files)
+  before = sorted(
+      os.path.relpath(os.path.join(d, f), workdir)
+      for d, _, files in os.walk(workdir)
+      for f in files
+  )
   changed = train_testlib.small_config(
-      {k: config.text_files[k] for k in config.text_files}, vocab_size_target=96)
-  with pytest.raises(checkpointing.ConfigMismatchError,
-                     match='vocab_size_target: checkpoint=128 now=96'):
+      {k: config.text_files[k] for k in config.text_files}, vocab_size_target=96
+  )
+  with pytest.raises(
+      checkpointing.ConfigMismatchError, match='vocab_size_target: checkpoint=128 now=96'
+  ):
     train_loop.train_and_evaluate(changed, workdir)
-  after = sorted(os.path.relpath(os.path.join(d, f), workdir)
-                 for d, _, files in os.walk(workdir) for f in files)
+  after = sorted(
+      os.path.relpath(os.path.join(d, f), workdir)
+      for d, _, files in os.walk(workdir)
+      for f in files
+  )
   assert after == before
 
 
@@ -393,39 +474,55 @@ def test_init_from_starts_a_new_run_from_the_checkpoint_parameters(finished_run,
   files = {k: config.text_files[k] for k in config.text_files}
   # A learning rate of ~0 keeps the parameters where they started, so the run ends with
   # those of step 4; its own step, optimizer and schedule start at 0.
-  tuned = train_testlib.small_config(files, init_from=workdir, init_from_step='4',
-                                     num_train_steps=2, learning_rate_scale=1e-30,
-                                     label_smoothing=0.0, dropout_rate=0.2)
+  tuned = train_testlib.small_config(
+      files,
+      init_from=workdir,
+      init_from_step='4',
+      num_train_steps=2,
+      learning_rate_scale=1e-30,
+      label_smoothing=0.0,
+      dropout_rate=0.2,
+  )
   tuned_dir = str(tmp_path / 'tuned')
   result = train_loop.train_and_evaluate(tuned, tuned_dir)
   assert int(result.state.step) == 2
   source, _ = checkpointing.restore_params(workdir, 4)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-12),
-               jax.device_get(result.state.params), jax.device_get(source))
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-12),
+      jax.device_get(result.state.params),
+      jax.device_get(source),
+  )
   # The checkpoint's vocabulary, not a new one trained in the new work directory.
   assert not os.path.exists(os.path.join(tuned_dir, 'vocab'))
   meta, _ = checkpointing.read_meta(tuned_dir)
-  assert meta['tokenizer']['sha256'] == checkpointing.read_meta(workdir, 4)[0][
-      'tokenizer']['sha256']
+  assert (
+      meta['tokenizer']['sha256'] == checkpointing.read_meta(workdir, 4)[0]['tokenizer']['sha256']
+  )
   assert loading.load(tuned_dir).config.init_from == workdir
   # Resuming it goes on from its own checkpoint, not from step 4 again.
-  longer = train_testlib.small_config(files, init_from=workdir, init_from_step='4',
-                                      num_train_steps=3, learning_rate_scale=1e-30,
-                                      label_smoothing=0.0, dropout_rate=0.2)
+  longer = train_testlib.small_config(
+      files,
+      init_from=workdir,
+      init_from_step='4',
+      num_train_steps=3,
+      learning_rate_scale=1e-30,
+      label_smoothing=0.0,
+      dropout_rate=0.2,
+  )
   assert int(train_loop.train_and_evaluate(longer, tuned_dir).state.step) == 3
   assert [m['step'] for m in read_metrics(tuned_dir) if m['split'] == 'train'] == [1, 2, 3]
 
 
 @pytest.mark.slow
-def test_init_from_refuses_other_shapes_and_vocabularies_before_compiling(finished_run,
-                                                                        tmp_path):
+def test_init_from_refuses_other_shapes_and_vocabularies_before_compiling(finished_run, tmp_path):
   config, workdir, _ = finished_run
   files = {k: config.text_files[k] for k in config.text_files}
 
   def start(**overrides):
     with pytest.raises((ConfigError, errors.CheckpointNotFoundError)) as error:
-      train_loop.train_and_evaluate(train_testlib.small_config(
-          files, init_from=workdir, **overrides), str(tmp_path / 'run'))
+      train_loop.train_and_evaluate(
+          train_testlib.small_config(files, init_from=workdir, **overrides), str(tmp_path / 'run')
+      )
     return str(error.value)
 
   message = start(d_ff=96, num_decoder_layers=2, dropout_rate=0.3)
@@ -433,20 +530,32 @@ def test_init_from_refuses_other_shapes_and_vocabularies_before_compiling(finish
   assert 'num_decoder_layers: checkpoint 1, this run 2' in message
   assert 'dropout' not in message  # It changes no shape.
   other = tokenizer_lib.load_or_train_tokenizer(
-      str(tmp_path / 'other.model'), lambda: iter(open(files['train'].split(',')[0])),
-      vocab_size=100, model_type='bpe')
+      str(tmp_path / 'other.model'),
+      lambda: iter(open(files['train'].split(',')[0])),
+      vocab_size=100,
+      model_type='bpe',
+  )
   assert 'init_from_map_vocab=True' in start(vocab_path=other.model_path)
   assert 'does not exist' in start(vocab_path=str(tmp_path / 'missing.model'))
   assert 'no checkpoint for step 5' in start(init_from_step='5')
   with pytest.raises(ConfigError, match='needs --config.init_from'):
-    train_loop.train_and_evaluate(train_testlib.small_config(files, init_from_step='4'),
-                                  str(tmp_path / 'run'))
+    train_loop.train_and_evaluate(
+        train_testlib.small_config(files, init_from_step='4'), str(tmp_path / 'run')
+    )
   assert not os.path.exists(tmp_path / 'run' / 'checkpoints')
 
   # Asked to, it maps the checkpoint's embeddings onto the other vocabulary by piece.
-  mapped = train_loop.train_and_evaluate(train_testlib.small_config(
-      files, init_from=workdir, vocab_path=other.model_path, init_from_map_vocab=True,
-      num_train_steps=1, learning_rate_scale=1e-30), str(tmp_path / 'mapped'))
+  mapped = train_loop.train_and_evaluate(
+      train_testlib.small_config(
+          files,
+          init_from=workdir,
+          vocab_path=other.model_path,
+          init_from_map_vocab=True,
+          num_train_steps=1,
+          learning_rate_scale=1e-30,
+      ),
+      str(tmp_path / 'mapped'),
+  )
   source, _ = checkpointing.restore_params(workdir)
   source = jax.device_get(source)
   params = jax.device_get(mapped.state.params)
@@ -457,13 +566,16 @@ def test_init_from_refuses_other_shapes_and_vocabularies_before_compiling(finish
   embedding = params['shared_embedding']['embedding']
   assert embedding.shape[0] == len(new_pieces)
   new_ids, old_ids = map(list, zip(*shared))
-  np.testing.assert_allclose(embedding[new_ids],
-                             source['shared_embedding']['embedding'][old_ids], atol=1e-12)
+  np.testing.assert_allclose(
+      embedding[new_ids], source['shared_embedding']['embedding'][old_ids], atol=1e-12
+  )
   unshared = [i for i in range(len(new_pieces)) if new_pieces[i] not in old_pieces]
   assert not np.allclose(embedding[unshared[0]], 0.0)  # Fresh random rows.
-  np.testing.assert_allclose(params['encoder']['layer_0']['feed_forward']['wi']['kernel'],
-                             source['encoder']['layer_0']['feed_forward']['wi']['kernel'],
-                             atol=1e-12)
+  np.testing.assert_allclose(
+      params['encoder']['layer_0']['feed_forward']['wi']['kernel'],
+      source['encoder']['layer_0']['feed_forward']['wi']['kernel'],
+      atol=1e-12,
+  )
 
 
 def test_a_checkpoint_older_than_a_field_counts_as_its_legacy_value():
@@ -472,7 +584,8 @@ def test_a_checkpoint_older_than_a_field_counts_as_its_legacy_value():
   # Written before they existed.
   del saved['dropout_rng_impl'], saved['lr_cooldown_steps'], saved['lr_schedule']
   assert checkpointing.config_differences(saved, config) == [
-      'dropout_rng_impl: checkpoint="threefry2x32" now="rbg"']
+      'dropout_rng_impl: checkpoint="threefry2x32" now="rbg"'
+  ]
   config.dropout_rng_impl = 'threefry2x32'
   assert checkpointing.config_differences(saved, config) == []
 
@@ -481,8 +594,13 @@ def test_a_checkpoint_older_than_a_field_counts_as_its_legacy_value():
 def test_a_run_that_skips_every_update_stops_with_an_error(data_files, tmp_path):
   # A learning rate of 1e9 sends the parameters to infinity after the first update; from
   # then on every update is skipped and the parameters stay as they were.
-  config = train_testlib.small_config(data_files, learning_rate_scale=1e9, num_train_steps=12,
-                                      checkpoint_every_steps=1, max_skipped_steps_in_a_row=3)
+  config = train_testlib.small_config(
+      data_files,
+      learning_rate_scale=1e9,
+      num_train_steps=12,
+      checkpoint_every_steps=1,
+      max_skipped_steps_in_a_row=3,
+  )
   with pytest.raises(train_loop.NonFiniteError, match='last 3 updates .* all skipped'):
     train_loop.train_and_evaluate(config, str(tmp_path))
   steps = checkpointing.list_steps(str(tmp_path))
@@ -529,17 +647,30 @@ def test_ctrl_c_saves_exits_130_and_stops_the_script_and_a_rerun_resumes(data_fi
   train.py: it saves that step and exits 130, so the script stops before its next command
   (with exit 0 bash would go on, as scripts/main_job.sh went on to evaluate); the same
   command then resumes from that step."""
-  config = train_testlib.write_config_file(str(tmp_path / 'config.py'), data_files,
-                                           num_train_steps=100_000,
-                                           checkpoint_every_steps=100_000)
+  config = train_testlib.write_config_file(
+      str(tmp_path / 'config.py'),
+      data_files,
+      num_train_steps=100_000,
+      checkpoint_every_steps=100_000,
+  )
   workdir = tmp_path / 'run'
-  train = [sys.executable, os.path.join(train_testlib.REPO, 'train.py'), f'--config={config}',
-           f'--workdir={workdir}']
+  train = [
+      sys.executable,
+      os.path.join(train_testlib.REPO, 'train.py'),
+      f'--config={config}',
+      f'--workdir={workdir}',
+  ]
   script = tmp_path / 'job.sh'
   script.write_text('set -euo pipefail\n"$@"\necho NEXT\n')
-  job = subprocess.Popen(['bash', str(script), *train], cwd=train_testlib.REPO,
-                         env=train_testlib.subprocess_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+  job = subprocess.Popen(
+      ['bash', str(script), *train],
+      cwd=train_testlib.REPO,
+      env=train_testlib.subprocess_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      start_new_session=True,
+  )
   try:
     metrics = workdir / 'metrics.jsonl'
     deadline = time.monotonic() + 300
@@ -561,9 +692,13 @@ def test_ctrl_c_saves_exits_130_and_stops_the_script_and_a_rerun_resumes(data_fi
   # it shuts down) leaves the documented exit 0, never 143.
   log = tmp_path / 'resumed.log'
   with open(log, 'w') as stderr:
-    resumed = subprocess.Popen([*train, f'--config.num_train_steps={saved[0] + 1}'],
-                               cwd=train_testlib.REPO, env=train_testlib.subprocess_env(),
-                               stdout=subprocess.DEVNULL, stderr=stderr)
+    resumed = subprocess.Popen(
+        [*train, f'--config.num_train_steps={saved[0] + 1}'],
+        cwd=train_testlib.REPO,
+        env=train_testlib.subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=stderr,
+    )
   try:
     deadline = time.monotonic() + 300
     while 'Finished at step' not in log.read_text():
@@ -613,10 +748,14 @@ def test_train_py_rejects_bad_setups_before_compiling(config_file, tmp_path):
       'unknown field': (['--config.no_such_field=1'], 'no_such_field is not a field'),
       'misspelt field': (['--config.mesh.dta=2'], 'did you mean --config.mesh.data?'),
       'mesh': (['--config.mesh.fsdp=3'], 'do not divide the 1 devices'),
-      'dropout prng': (['--config.dropout_rng_impl=philox'],
-                       "dropout_rng_impl='philox' must be one of"),
-      'dataset': (['--config.dataset=wmt14_translate/de-en',
-                   f'--config.tfds_data_dir={tmp_path}/none'], 'is not prepared'),
+      'dropout prng': (
+          ['--config.dropout_rng_impl=philox'],
+          "dropout_rng_impl='philox' must be one of",
+      ),
+      'dataset': (
+          ['--config.dataset=wmt14_translate/de-en', f'--config.tfds_data_dir={tmp_path}/none'],
+          'is not prepared',
+      ),
       'workdir': ([], 'a_file is a file, not a directory; choose another path'),
   }
   processes = {}
@@ -626,9 +765,13 @@ def test_train_py_rejects_bad_setups_before_compiling(config_file, tmp_path):
       (tmp_path / 'a_file').write_text('')
       workdir = str(tmp_path / 'a_file' / 'run')
     processes[name] = subprocess.Popen(
-        train_testlib.train_command(config_file, workdir, *flags), cwd=train_testlib.REPO,
-        env=train_testlib.subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+        train_testlib.train_command(config_file, workdir, *flags),
+        cwd=train_testlib.REPO,
+        env=train_testlib.subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
   for name, process in processes.items():
     _, stderr = process.communicate(timeout=120)
     expected = cases[name][1]

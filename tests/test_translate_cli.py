@@ -34,7 +34,6 @@ MIXED_LINES = [
 ]
 
 
-
 @pytest.fixture(scope='module')
 def loaded(run_dir):
   translator, checkpoint = translator_lib.load_translator(run_dir)
@@ -48,14 +47,24 @@ def mixed_file(tmp_path_factory) -> str:
   return str(path)
 
 
-def _translate(*flags: str, run_dir: str, stdin: bytes | None = None,
-               devices: int = 1) -> subprocess.CompletedProcess:
+def _translate(
+    *flags: str, run_dir: str, stdin: bytes | None = None, devices: int = 1
+) -> subprocess.CompletedProcess:
   env = train_testlib.subprocess_env(devices)
   cache = os.path.join(os.path.dirname(run_dir), 'jax_cache')
   return train_testlib.run_command(
-      [sys.executable, 'translate.py', f'--workdir={run_dir}',
-       f'--compilation_cache_dir={cache}', *flags],
-      env=env, input=stdin if stdin is not None else b'', text=False, timeout=300)
+      [
+          sys.executable,
+          'translate.py',
+          f'--workdir={run_dir}',
+          f'--compilation_cache_dir={cache}',
+          *flags,
+      ],
+      env=env,
+      input=stdin if stdin is not None else b'',
+      text=False,
+      timeout=300,
+  )
 
 
 @pytest.fixture(scope='module')
@@ -99,8 +108,13 @@ def test_stdin_on_two_devices_gives_the_same_lines(run_dir, mixed_file, file_run
 @pytest.mark.slow
 def test_attention_heatmap_of_one_sentence(run_dir, file_run, tmp_path):
   image = tmp_path / 'attention.png'
-  result = _translate('--text=the cat sees a dog', f'--attention_plot={image}',
-                      '--attention_heads=all', '--attention_layer=0', run_dir=run_dir)
+  result = _translate(
+      '--text=the cat sees a dog',
+      f'--attention_plot={image}',
+      '--attention_heads=all',
+      '--attention_layer=0',
+      run_dir=run_dir,
+  )
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   assert MIXED_LINES[0] == b'the cat sees a dog'
   assert result.stdout == file_run[0].split(b'\n')[0] + b'\n'
@@ -110,8 +124,9 @@ def test_attention_heatmap_of_one_sentence(run_dir, file_run, tmp_path):
 def test_a_heatmap_shows_each_head_or_their_mean_with_the_labels(tmp_path):
   weights = np.random.default_rng(0).dirichlet(np.ones(3), size=(2, 4))  # [heads, out, src]
   source, output = ['a', 'b', '</s>'], ['x', 'y', 'z', '</s>']
-  fig = attention_plot.plot(weights, source, output, str(tmp_path / 'all.png'), heads='all',
-                            title='layer 0')
+  fig = attention_plot.plot(
+      weights, source, output, str(tmp_path / 'all.png'), heads='all', title='layer 0'
+  )
   panels = [ax for ax in fig.axes if ax.images]
   assert len(panels) == 2 and (tmp_path / 'all.png').read_bytes()[:4] == b'\x89PNG'
   for head, ax in enumerate(panels):
@@ -130,58 +145,68 @@ def test_cross_attention_weights_and_labels(loaded, tmp_path):
   translator, checkpoint = loaded
   source = checkpoint.tokenizer.encode('the cat sees a dog')
   output = checkpoint.tokenizer.encode('die katze sieht ein hund')
-  weights = attention_plot.cross_attention(checkpoint.model_config, checkpoint.params,
-                                           source, output, layer=-1)
+  weights = attention_plot.cross_attention(
+      checkpoint.model_config, checkpoint.params, source, output, layer=-1
+  )
   assert weights.shape == (4, len(output), len(source))  # [heads, output, source]
   np.testing.assert_allclose(weights.sum(-1), 1.0, atol=1e-5)
   labels = attention_plot.pieces(checkpoint.tokenizer, source)
   assert labels[-1] == '</s>' and ''.join(labels[:-1]).replace('\u2581', ' ').strip() == (
-      'the cat sees a dog')
+      'the cat sees a dog'
+  )
   output_labels = attention_plot.pieces(checkpoint.tokenizer, output)
-  fig = attention_plot.plot(weights, labels, output_labels, str(tmp_path / 'a.png'),
-                            heads='mean')
+  fig = attention_plot.plot(weights, labels, output_labels, str(tmp_path / 'a.png'), heads='mean')
   ax = fig.axes[0]
   assert [t.get_text() for t in ax.get_xticklabels()] == labels
   assert [t.get_text() for t in ax.get_yticklabels()] == output_labels
   np.testing.assert_allclose(ax.images[0].get_array(), weights.mean(0), atol=1e-6)
   plt.close(fig)
   with pytest.raises(ValueError, match='layer=5 does not exist'):
-    attention_plot.cross_attention(checkpoint.model_config, checkpoint.params, source, output,
-                                   layer=5)
+    attention_plot.cross_attention(
+        checkpoint.model_config, checkpoint.params, source, output, layer=5
+    )
   with pytest.raises(ValueError, match='head 9 does not exist'):
     attention_plot.plot(weights, labels, output_labels, str(tmp_path / 'b.png'), heads=9)
   assert translator.max_source_length == MAX_LEN
 
 
-@pytest.mark.parametrize('flags,message', [
-    (['--workdir=/nonexistent/run'], 'does not exist'),
-    (['--attention_plot=x.png'], 'give it as --text'),
-    (['--no_such_flag=1'], 'invalid flags'),
-    (['--input=/nonexistent/input.txt'], 'does not exist'),
-    (['--temperature=0.5'], 'add --sampling'),
-    (['--n_best=3', '--beam_size=2'], 'raise --beam_size to at least 3'),
-    (['--n_best=5'], 'raise beam_size to at least 5'),  # The run's beam size: 2.
-    (['--step=latest'], "must be a step number or 'best'"),
-    (['--step=best'], 'saved with validation bleu'),  # The fixture has no metrics.
-])
+@pytest.mark.parametrize(
+    'flags,message',
+    [
+        (['--workdir=/nonexistent/run'], 'does not exist'),
+        (['--attention_plot=x.png'], 'give it as --text'),
+        (['--no_such_flag=1'], 'invalid flags'),
+        (['--input=/nonexistent/input.txt'], 'does not exist'),
+        (['--temperature=0.5'], 'add --sampling'),
+        (['--n_best=3', '--beam_size=2'], 'raise --beam_size to at least 3'),
+        (['--n_best=5'], 'raise beam_size to at least 5'),  # The run's beam size: 2.
+        (['--step=latest'], "must be a step number or 'best'"),
+        (['--step=best'], 'saved with validation bleu'),  # The fixture has no metrics.
+    ],
+)
 @pytest.mark.slow
 def test_bad_requests_exit_with_code_2(run_dir, flags, message):
   env = train_testlib.subprocess_env()
   if not any(f.startswith('--workdir') for f in flags):
     flags = [f'--workdir={run_dir}'] + flags
-  result = train_testlib.run_command([sys.executable, 'translate.py', *flags], env=env,
-                                     timeout=120)
+  result = train_testlib.run_command([sys.executable, 'translate.py', *flags], env=env, timeout=120)
   assert result.returncode == 2, result.stderr[-3000:]
   assert message in result.stderr and 'Traceback' not in result.stderr
 
 
 def _shell(command: str, run_dir: str) -> subprocess.CompletedProcess:
   cache = os.path.join(os.path.dirname(run_dir), 'jax_cache')
-  translate = (f'{sys.executable} translate.py --workdir={run_dir} '
-               f'--compilation_cache_dir={cache}')
-  return subprocess.run(['bash', '-c', 'set -o pipefail; ' + command.format(translate=translate)],
-                        cwd=REPO, env=train_testlib.subprocess_env(),
-                        capture_output=True, text=True, timeout=300)
+  translate = (
+      f'{sys.executable} translate.py --workdir={run_dir} ' f'--compilation_cache_dir={cache}'
+  )
+  return subprocess.run(
+      ['bash', '-c', 'set -o pipefail; ' + command.format(translate=translate)],
+      cwd=REPO,
+      env=train_testlib.subprocess_env(),
+      capture_output=True,
+      text=True,
+      timeout=300,
+  )
 
 
 def _n_best_lines(output: str) -> list[tuple[int, str, float, float]]:
@@ -207,8 +232,9 @@ def test_n_best_and_sampling_write_k_scored_lines_per_input(run_dir):
   best = _translate('--print_scores', run_dir=run_dir, stdin=stdin)
   assert [r[:2] for r in _n_best_lines(best.stdout.decode())] == [r[:2] for r in rows[::2]]
 
-  samples = _translate('--sampling', '--n_best=3', '--top_k=5', '--seed=7', run_dir=run_dir,
-                       stdin=stdin)
+  samples = _translate(
+      '--sampling', '--n_best=3', '--top_k=5', '--seed=7', run_dir=run_dir, stdin=stdin
+  )
   assert samples.returncode == 0, samples.stderr.decode()[-3000:]
   rows = _n_best_lines(samples.stdout.decode())
   assert [r[0] for r in rows] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -244,20 +270,25 @@ def test_output_paths_are_checked_before_the_model_loads(run_dir, tmp_path):
   cases = [
       ([f'--input={text}', f'--output={text}'], f'--output={text} is also --input={text}'),
       ([f'--input={text}', f'--output={tmp_path / "linked.txt"}'], 'is also --input='),
-      (['--text=hi', f'--output={tmp_path / "no_such_dir" / "out.txt"}'],
-       f'its directory {tmp_path / "no_such_dir"} does not exist; create it first'),
+      (
+          ['--text=hi', f'--output={tmp_path / "no_such_dir" / "out.txt"}'],
+          f'its directory {tmp_path / "no_such_dir"} does not exist; create it first',
+      ),
       (['--text=hi', f'--output={tmp_path}'], 'is a directory; give a file name'),
       ([f'--input={tmp_path}'], f'--input={tmp_path} is a directory; give a file'),
       ([f'--workdir={a_file}'], f"--workdir={a_file} is a file; give a training run's"),
       (['--text=hi', f'--attention_plot={tmp_path / "plot.xyz"}'], 'suffix of an image format'),
-      (['--text=hi', f'--output={text}', f'--attention_plot={text}'],
-       f'--attention_plot={text} is also --output={text}'),
+      (
+          ['--text=hi', f'--output={text}', f'--attention_plot={text}'],
+          f'--attention_plot={text} is also --output={text}',
+      ),
   ]
   for flags, message in cases:
     if not any(f.startswith('--workdir') for f in flags):
       flags = [f'--workdir={run_dir}'] + flags
-    result = train_testlib.run_command([sys.executable, 'translate.py', *flags],
-                                       env=train_testlib.subprocess_env(), timeout=120)
+    result = train_testlib.run_command(
+        [sys.executable, 'translate.py', *flags], env=train_testlib.subprocess_env(), timeout=120
+    )
     assert result.returncode == 2, (flags, result.stderr[-3000:])
     assert 'Traceback' not in result.stderr, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]

@@ -38,8 +38,9 @@ from transformer_jax.models import Transformer
 from transformer_jax.tokenizer import train_tokenizer
 
 _EN = 'the cat dog house red blue big small runs sees eats a man woman child tree water'.split()
-_DE = ('die katze hund haus rot blau gross klein laeuft sieht isst ein mann frau kind baum '
-       'wasser').split()
+_DE = (
+    'die katze hund haus rot blau gross klein laeuft sieht isst ein mann frau kind baum ' 'wasser'
+).split()
 TRAIN_STEPS = (300, 350, 400)  # Checkpoints written.
 MAX_LEN = 24
 
@@ -58,8 +59,7 @@ def fixture_config(root: str) -> ml_collections.ConfigDict:
   """The run config of the fixture: configs/tiny.py on plain text files."""
   config = tiny.get_config()
   config.dataset = 'text'
-  config.text_files = ml_collections.ConfigDict({
-      'test': f'{root}/test.en,{root}/test.de'})
+  config.text_files = ml_collections.ConfigDict({'test': f'{root}/test.en,{root}/test.de'})
   config.max_len = config.max_source_length = config.max_target_length = MAX_LEN
   config.d_model, config.num_heads, config.d_ff = 64, 4, 128
   config.num_encoder_layers, config.num_decoder_layers = 1, 2
@@ -82,8 +82,9 @@ def build_test_run(root: str) -> str:
   for side, suffix in ((0, 'en'), (1, 'de')):
     with open(os.path.join(root, f'test.{suffix}'), 'w', encoding='utf-8') as f:
       f.write(''.join(p[side] + '\n' for p in test))
-  tokenizer = train_tokenizer([s for p in train for s in p], os.path.join(root, 'spm.model'),
-                              vocab_size=80)
+  tokenizer = train_tokenizer(
+      [s for p in train for s in p], os.path.join(root, 'spm.model'), vocab_size=80
+  )
   config = fixture_config(root)
   model_config = TransformerConfig.from_config(config, vocab_size=tokenizer.vocab_size)
   length = 16
@@ -93,7 +94,7 @@ def build_test_run(root: str) -> str:
     for i, pair in enumerate(pairs):
       for side in (0, 1):
         ids = tokenizer.encode(pair[side])[:length]
-        arrays[side, i, :len(ids)] = ids
+        arrays[side, i, : len(ids)] = ids
     return arrays
 
   inputs, targets = batchify(train)
@@ -107,6 +108,7 @@ def build_test_run(root: str) -> str:
       log_probs = jax.nn.log_softmax(model.apply({'params': p}, x, y))
       nll = -jnp.take_along_axis(log_probs, y[..., None], axis=-1)[..., 0]
       return jnp.sum(nll * (y != PAD_ID)) / jnp.sum(y != PAD_ID)
+
     grads = jax.grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
@@ -123,11 +125,9 @@ def build_test_run(root: str) -> str:
   return workdir
 
 
-
 @pytest.fixture(scope='module')
 def loaded(run_dir):
-  translator, checkpoint = translator_lib.load_translator(run_dir, batch_size=4,
-                                                          buckets=(8, 16))
+  translator, checkpoint = translator_lib.load_translator(run_dir, batch_size=4, buckets=(8, 16))
   assert checkpoint.steps == [TRAIN_STEPS[-1]]
   return translator, checkpoint
 
@@ -142,7 +142,7 @@ def _padded_inputs(tokenizer, texts, length):
   inputs = np.full((len(texts), length), PAD_ID, np.int32)
   for i, text in enumerate(texts):
     ids = tokenizer.encode(text)
-    inputs[i, :len(ids)] = ids
+    inputs[i, : len(ids)] = ids
   return jnp.asarray(inputs)
 
 
@@ -151,8 +151,9 @@ def _model_level_searches(cfg, params, inputs, max_decode_len, beam_size):
   """Greedy search and beam search (alpha 0) through the real model's cache."""
   tokens_to_logits, cache = translator_lib.start_decoding(cfg, params, inputs, max_decode_len)
   greedy = decode.greedy_search(tokens_to_logits, cache, inputs.shape[0], max_decode_len)
-  beam = decode.beam_search(tokens_to_logits, cache, inputs.shape[0], beam_size,
-                            max_decode_len, alpha=0.0)
+  beam = decode.beam_search(
+      tokens_to_logits, cache, inputs.shape[0], beam_size, max_decode_len, alpha=0.0
+  )
   return greedy, beam
 
 
@@ -162,7 +163,8 @@ def test_beam_size_one_is_greedy_search_on_the_model(loaded, run_dir):
   sources, _ = _test_sources(run_dir)
   inputs = _padded_inputs(checkpoint.tokenizer, sources[:8], 16)
   (greedy_seqs, greedy_log_probs), (beam_seqs, beam_scores) = _model_level_searches(
-      checkpoint.model_config, checkpoint.params, inputs, max_decode_len=16, beam_size=1)
+      checkpoint.model_config, checkpoint.params, inputs, max_decode_len=16, beam_size=1
+  )
   np.testing.assert_array_equal(beam_seqs[:, 0], greedy_seqs)
   np.testing.assert_allclose(beam_scores[:, 0], greedy_log_probs, rtol=1e-5, atol=1e-5)
   # The outputs are real translations: most rows stop with EOS before the limit (every
@@ -179,9 +181,11 @@ def test_search_in_phases_of_growing_cache_equals_one_loop(loaded, run_dir):
   inputs = _padded_inputs(checkpoint.tokenizer, sources[:4], 16)
   options = translator_lib.DecodeOptions(beam_size=3, length_penalty=0.6, n_best=3)
   phased = jax.jit(translator_lib.search, static_argnums=(0, 3, 4))(
-      checkpoint.model_config, checkpoint.params, inputs, options, 40)
+      checkpoint.model_config, checkpoint.params, inputs, options, 40
+  )
   tokens_to_logits, cache = translator_lib.start_decoding(
-      checkpoint.model_config, checkpoint.params, inputs, 40)
+      checkpoint.model_config, checkpoint.params, inputs, 40
+  )
   one = decode.beam_search(tokens_to_logits, cache, 4, 3, 40, alpha=0.6)
   np.testing.assert_array_equal(phased[0], one[0])
   np.testing.assert_allclose(phased[1], one[1], rtol=1e-5, atol=1e-5)
@@ -204,9 +208,9 @@ def test_beam_hypotheses_are_ordered_and_scored_by_the_full_forward_pass(loaded,
   sources, _ = _test_sources(run_dir)
   inputs = _padded_inputs(checkpoint.tokenizer, sources[:8], 16)
   options = translator_lib.DecodeOptions(beam_size=4, length_penalty=0.6, n_best=4)
-  sequences, scores, sequence_log_probs = jax.jit(functools.partial(
-      translator_lib.search, cfg, options=options, max_decode_len=max_decode_len))(
-          params, inputs)
+  sequences, scores, sequence_log_probs = jax.jit(
+      functools.partial(translator_lib.search, cfg, options=options, max_decode_len=max_decode_len)
+  )(params, inputs)
   sequences, scores = np.asarray(sequences), np.asarray(scores)
   assert sequences.shape == (8, 4, max_decode_len)
   assert np.all(np.isfinite(scores))
@@ -218,13 +222,13 @@ def test_beam_hypotheses_are_ordered_and_scored_by_the_full_forward_pass(loaded,
     for group in (scores[row][finished[row]], scores[row][~finished[row]]):
       assert np.all(np.diff(group) <= 1e-6)
   flat = sequences.reshape(-1, max_decode_len)
-  log_probs = np.asarray(_teacher_forced_log_probs(
-      cfg, params, jnp.repeat(inputs, 4, axis=0), jnp.asarray(flat)))
+  log_probs = np.asarray(
+      _teacher_forced_log_probs(cfg, params, jnp.repeat(inputs, 4, axis=0), jnp.asarray(flat))
+  )
   lengths = np.sum(flat != PAD_ID, axis=1)
   penalty = np.asarray(decode.length_penalty(lengths, 0.6, 'gnmt'))
   np.testing.assert_allclose(scores.reshape(-1), log_probs / penalty, rtol=2e-4, atol=2e-4)
-  np.testing.assert_allclose(np.reshape(sequence_log_probs, -1), log_probs, rtol=2e-4,
-                             atol=2e-4)
+  np.testing.assert_allclose(np.reshape(sequence_log_probs, -1), log_probs, rtol=2e-4, atol=2e-4)
 
 
 @functools.partial(jax.jit, static_argnames=('cfg', 'max_decode_len', 'beam_size'))
@@ -235,15 +239,29 @@ def _beam_search_gathering_the_encoder_cache(cfg, params, inputs, max_decode_len
   attend to as query positions)."""
   model = Transformer(dataclasses.replace(cfg, decode=True, deterministic=True))
   encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
-  _, variables = model.apply({'params': params}, encoded, inputs, max_decode_len,
-                             method=Transformer.init_cache, mutable=['cache', 'encoder_cache'])
+  _, variables = model.apply(
+      {'params': params},
+      encoded,
+      inputs,
+      max_decode_len,
+      method=Transformer.init_cache,
+      mutable=['cache', 'encoder_cache'],
+  )
 
   def tokens_to_logits(tokens, caches):
-    logits, new_variables = model.apply({'params': params, **caches}, None, None, tokens,
-                                         method=Transformer.decode, mutable=['cache'])
+    logits, new_variables = model.apply(
+        {'params': params, **caches},
+        None,
+        None,
+        tokens,
+        method=Transformer.decode,
+        mutable=['cache'],
+    )
     return logits[:, 0], dict(caches, cache=new_variables['cache'])
-  return decode.beam_search(tokens_to_logits, dict(variables), inputs.shape[0], beam_size,
-                            max_decode_len, alpha=0.6)
+
+  return decode.beam_search(
+      tokens_to_logits, dict(variables), inputs.shape[0], beam_size, max_decode_len, alpha=0.6
+  )
 
 
 @pytest.mark.slow
@@ -253,10 +271,12 @@ def test_beam_search_over_the_shared_encoder_cache_equals_gathering_it(loaded, r
   sources, _ = _test_sources(run_dir)
   inputs = _padded_inputs(checkpoint.tokenizer, sources[:8], 16)  # Rows of many lengths.
   options = translator_lib.DecodeOptions(beam_size=4, length_penalty=0.6, n_best=4)
-  sequences, scores, _ = jax.jit(functools.partial(
-      translator_lib.search, cfg, options=options, max_decode_len=10))(params, inputs)
+  sequences, scores, _ = jax.jit(
+      functools.partial(translator_lib.search, cfg, options=options, max_decode_len=10)
+  )(params, inputs)
   expected_seqs, expected_scores = _beam_search_gathering_the_encoder_cache(
-      cfg, params, inputs, max_decode_len=10, beam_size=4)
+      cfg, params, inputs, max_decode_len=10, beam_size=4
+  )
   np.testing.assert_array_equal(sequences, expected_seqs)
   # The shared cache's beams are one product of 4 query positions, the gathered cache's
   # four of one: the same sums, which may round differently (2.4e-6 apart here).
@@ -267,27 +287,33 @@ def test_beam_search_loop_carries_no_encoder_keys_and_values(tmp_path):
   # The fixture's model, untrained: only the shapes in the search's loop matter.
   cfg = TransformerConfig.from_config(fixture_config(str(tmp_path)), vocab_size=80)
   tokens = jnp.ones((1, 4), jnp.int32)
-  params = jax.eval_shape(lambda: nn.unbox(
-      Transformer(cfg).init(jax.random.key(0), tokens, tokens)['params']))
+  params = jax.eval_shape(
+      lambda: nn.unbox(Transformer(cfg).init(jax.random.key(0), tokens, tokens)['params'])
+  )
   batch, source_length, max_decode_len, beam_size = 2, 7, 5, 3
-  jaxpr = jax.make_jaxpr(functools.partial(
-      translator_lib.search, cfg, options=translator_lib.DecodeOptions(beam_size=beam_size),
-      max_decode_len=max_decode_len))(params,
-                                      jax.ShapeDtypeStruct((batch, source_length), jnp.int32))
+  jaxpr = jax.make_jaxpr(
+      functools.partial(
+          translator_lib.search,
+          cfg,
+          options=translator_lib.DecodeOptions(beam_size=beam_size),
+          max_decode_len=max_decode_len,
+      )
+  )(params, jax.ShapeDtypeStruct((batch, source_length), jnp.int32))
   loops = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == 'while']
   assert len(loops) == 1
   loop = loops[0]
   first_body_const = loop.params['cond_nconsts']
-  constants = [v.aval.shape for v in
-               loop.invars[first_body_const:first_body_const + loop.params['body_nconsts']]]
+  constants = [
+      v.aval.shape
+      for v in loop.invars[first_body_const : first_body_const + loop.params['body_nconsts']]
+  ]
   carried = [v.aval.shape for v in loop.outvars]
   rows, heads, head_dim = batch * beam_size, cfg.num_heads, cfg.head_dim
   num_kv = 2 * cfg.num_decoder_layers  # A key and a value per decoder layer.
   # Encoder-decoder keys and values, heads-major and one row a sentence (not tiled to the
   # beams), are loop constants, never gathered...
   assert constants.count((batch, heads, source_length, head_dim)) == num_kv
-  assert not [s for s in constants + carried if s[2:] == (source_length, head_dim)
-              and s[0] == rows]
+  assert not [s for s in constants + carried if s[2:] == (source_length, head_dim) and s[0] == rows]
   assert (batch, heads, source_length, head_dim) not in carried
   # ...while the self-attention cache is carried (and reordered with the beams).
   assert carried.count((rows, heads, max_decode_len, head_dim)) == num_kv
@@ -300,9 +326,14 @@ def test_cached_greedy_decoding_equals_rerunning_the_full_model(loaded, run_dir)
   sources, _ = _test_sources(run_dir)
   inputs = _padded_inputs(checkpoint.tokenizer, sources[:6], 16)
   limit = 10
-  cached, _, _ = jax.jit(functools.partial(
-      translator_lib.search, cfg, options=translator_lib.DecodeOptions(beam_size=1),
-      max_decode_len=limit))(params, inputs)
+  cached, _, _ = jax.jit(
+      functools.partial(
+          translator_lib.search,
+          cfg,
+          options=translator_lib.DecodeOptions(beam_size=1),
+          max_decode_len=limit,
+      )
+  )(params, inputs)
   cached = np.asarray(cached[:, 0])
 
   # Uncached: at step t run the whole model on the prefix; the causal mask makes the
@@ -325,7 +356,7 @@ def test_cached_greedy_decoding_equals_rerunning_the_full_model(loaded, run_dir)
     prefix[:, t] = np.where(done, 4, token)
     done |= token == EOS_ID
   for row in range(6):
-    np.testing.assert_array_equal(cached[row, :compared[row]], uncached[row, :compared[row]])
+    np.testing.assert_array_equal(cached[row, : compared[row]], uncached[row, : compared[row]])
   assert compared.sum() >= limit * 6 // 2, compared  # Most of the tokens were compared.
 
 
@@ -359,15 +390,17 @@ def test_batches_keep_input_order_and_do_not_change_translations(loaded, run_dir
 def test_translator_without_partitioner_gives_the_same_output(loaded, run_dir):
   translator, checkpoint = loaded
   sources, _ = _test_sources(run_dir)
-  plain = translator_lib.Translator(checkpoint.model_config, checkpoint.params,
-                                    checkpoint.tokenizer, translator.options)
+  plain = translator_lib.Translator(
+      checkpoint.model_config, checkpoint.params, checkpoint.tokenizer, translator.options
+  )
   ids = [i for i in map(checkpoint.tokenizer.encode, sources) if len(i) <= 8][:6]
   assert len(ids) >= 4  # All in bucket 8: one shape to compile.
   sharded_hyps, _ = translator.translate_ids(ids)
   plain_hyps, stats = plain.translate_ids(ids)
   assert [h.tokens for h, in plain_hyps] == [h.tokens for h, in sharded_hyps]
-  np.testing.assert_allclose([h.score for h, in plain_hyps], [h.score for h, in sharded_hyps],
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+      [h.score for h, in plain_hyps], [h.score for h, in sharded_hyps], rtol=1e-5
+  )
   assert stats.output_tokens == sum(h.length for h, in plain_hyps)
   assert stats.tokens_per_second > 0 and stats.sentences_per_second > 0
 
@@ -384,7 +417,10 @@ def test_long_sources_are_cut_to_max_len_and_outputs_are_limited(loaded):
   assert translator.output_limit(5) == 5 + 8 and not translator.is_capped(20)
   learned = translator_lib.Translator(
       dataclasses.replace(checkpoint.model_config, positional_encoding='learned'),
-      checkpoint.params, checkpoint.tokenizer, translator.options)
+      checkpoint.params,
+      checkpoint.tokenizer,
+      translator.options,
+  )
   assert learned.max_decode_len(16) == MAX_LEN  # Its position table ends at max_len.
   assert learned.output_limit(10) == 18 and not learned.is_capped(10)
   assert learned.output_limit(20) == MAX_LEN and learned.is_capped(20)
@@ -405,16 +441,23 @@ def test_each_sentence_gets_its_own_output_limit(loaded, run_dir):
   outputs stop at exactly their own limit, below the bucket's (9 of these 24 did here)."""
   _, checkpoint = loaded
   translator = translator_lib.Translator(
-      checkpoint.model_config, checkpoint.params, checkpoint.tokenizer,
-      translator_lib.DecodeOptions(beam_size=2, max_decode_extra_length=1, batch_size=8,
-                                   buckets=(8, 16)), checkpoint.partitioner)
+      checkpoint.model_config,
+      checkpoint.params,
+      checkpoint.tokenizer,
+      translator_lib.DecodeOptions(
+          beam_size=2, max_decode_extra_length=1, batch_size=8, buckets=(8, 16)
+      ),
+      checkpoint.partitioner,
+  )
   sources, _ = _test_sources(run_dir)
   ids = [translator.encode_source(s)[0] for s in sources]
   hypotheses, _ = translator.translate_ids(ids)
   lengths = [(len(i), h.length) for i, (h,) in zip(ids, hypotheses)]
   assert all(output <= source + 1 for source, output in lengths), lengths
-  assert sum(output == source + 1 < translator.bucket_for(source) + 1
-             for source, output in lengths) >= 3, lengths
+  assert (
+      sum(output == source + 1 < translator.bucket_for(source) + 1 for source, output in lengths)
+      >= 3
+  ), lengths
 
 
 def _short_sources(run_dir, tokenizer, count):
@@ -432,9 +475,10 @@ def _assert_log_probs_are_the_models(checkpoint, translator, texts, lists):
   outputs = np.full((len(flat), translator.max_decode_len(8)), PAD_ID, np.int32)
   for row, h in enumerate(flat):
     tokens = list(h.tokens) + ([EOS_ID] if h.length > len(h.tokens) else [])
-    outputs[row, :len(tokens)] = tokens
-  expected = _teacher_forced_log_probs(checkpoint.model_config, checkpoint.params, sources,
-                                       jnp.asarray(outputs))
+    outputs[row, : len(tokens)] = tokens
+  expected = _teacher_forced_log_probs(
+      checkpoint.model_config, checkpoint.params, sources, jnp.asarray(outputs)
+  )
   np.testing.assert_allclose([h.log_prob for h in flat], expected, rtol=1e-4, atol=1e-4)
 
 
@@ -443,12 +487,21 @@ def test_n_best_lists_the_beam_best_first_with_log_probabilities(loaded, run_dir
   translator, checkpoint = loaded
   texts = _short_sources(run_dir, checkpoint.tokenizer, 4)
   options = dataclasses.replace(translator.options, beam_size=3, n_best=3)
-  n_best = translator_lib.Translator(checkpoint.model_config, checkpoint.params,
-                                     checkpoint.tokenizer, options, checkpoint.partitioner)
+  n_best = translator_lib.Translator(
+      checkpoint.model_config,
+      checkpoint.params,
+      checkpoint.tokenizer,
+      options,
+      checkpoint.partitioner,
+  )
   lists, _ = n_best.translate_n_best(texts + [''])
   best, _ = translator_lib.Translator(
-      checkpoint.model_config, checkpoint.params, checkpoint.tokenizer,
-      dataclasses.replace(options, n_best=1), checkpoint.partitioner).translate(texts)
+      checkpoint.model_config,
+      checkpoint.params,
+      checkpoint.tokenizer,
+      dataclasses.replace(options, n_best=1),
+      checkpoint.partitioner,
+  ).translate(texts)
   assert [hypotheses[0].text for hypotheses in lists[:-1]] == best
   assert [h.text for h in lists[-1]] == [''] * 3  # A blank line: n_best empty entries.
   for hypotheses in lists[:-1]:
@@ -471,10 +524,16 @@ def test_sampling_draws_n_samples_scored_by_the_model(loaded, run_dir):
   texts = _short_sources(run_dir, checkpoint.tokenizer, 4)
 
   def sampler(**options):
-    options = translator_lib.DecodeOptions(**{
-        'sampling': True, 'batch_size': 4, 'buckets': (8,), **options})
-    return translator_lib.Translator(checkpoint.model_config, checkpoint.params,
-                                     checkpoint.tokenizer, options, checkpoint.partitioner)
+    options = translator_lib.DecodeOptions(
+        **{'sampling': True, 'batch_size': 4, 'buckets': (8,), **options}
+    )
+    return translator_lib.Translator(
+        checkpoint.model_config,
+        checkpoint.params,
+        checkpoint.tokenizer,
+        options,
+        checkpoint.partitioner,
+    )
 
   hot = sampler(n_best=3, temperature=2.0, seed=1)
   samples, _ = hot.translate_n_best(texts)
@@ -487,7 +546,10 @@ def test_sampling_draws_n_samples_scored_by_the_model(loaded, run_dir):
   # Temperature 0 is greedy search.
   cold, _ = sampler(temperature=0.0).translate(texts)
   greedy, _ = translator_lib.Translator(
-      checkpoint.model_config, checkpoint.params, checkpoint.tokenizer,
+      checkpoint.model_config,
+      checkpoint.params,
+      checkpoint.tokenizer,
       translator_lib.DecodeOptions(beam_size=1, batch_size=4, buckets=(8,)),
-      checkpoint.partitioner).translate(texts)
+      checkpoint.partitioner,
+  ).translate(texts)
   assert cold == greedy

@@ -34,8 +34,13 @@ def test_a_second_lock_on_a_live_holder_names_it(tmp_path):
 
 
 def test_the_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
-  _write_lock(str(tmp_path), host=socket.gethostname(), pid=train_testlib.dead_pid(),
-              started=time.time(), token='old')
+  _write_lock(
+      str(tmp_path),
+      host=socket.gethostname(),
+      pid=train_testlib.dead_pid(),
+      started=time.time(),
+      token='old',
+  )
   lock = WorkdirLock(str(tmp_path))
   lock.acquire()
   with open(tmp_path / workdir_lock.LOCK_NAME, encoding='utf-8') as f:
@@ -45,14 +50,12 @@ def test_the_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
 
 def test_a_reused_process_id_does_not_keep_a_lock(tmp_path):
   """The id is alive (this process) but started after the lock was written."""
-  _write_lock(str(tmp_path), host=socket.gethostname(), pid=os.getpid(), started=1.0,
-              token='old')
+  _write_lock(str(tmp_path), host=socket.gethostname(), pid=os.getpid(), started=1.0, token='old')
   WorkdirLock(str(tmp_path)).acquire()
 
 
 def test_another_hosts_lock_is_stale_only_without_heartbeat(tmp_path):
-  path = _write_lock(str(tmp_path), host='elsewhere', pid=1, started=time.time(),
-                     token='old')
+  path = _write_lock(str(tmp_path), host='elsewhere', pid=1, started=time.time(), token='old')
   with pytest.raises(WorkdirBusyError, match='host elsewhere'):
     WorkdirLock(str(tmp_path), stale_after_s=60).acquire()
   old = time.time() - 120
@@ -85,7 +88,11 @@ def test_two_train_py_on_one_workdir(tmp_path):
   with open(log, 'w', encoding='utf-8') as out:
     first = subprocess.Popen(
         train_testlib.train_command(config, workdir, '--config.num_train_steps=100000'),
-        cwd=train_testlib.REPO, env=train_testlib.subprocess_env(), stdout=out, stderr=out)
+        cwd=train_testlib.REPO,
+        env=train_testlib.subprocess_env(),
+        stdout=out,
+        stderr=out,
+    )
   try:
     deadline = time.time() + 180
     while not os.path.exists(lock_path):
@@ -101,8 +108,7 @@ def test_two_train_py_on_one_workdir(tmp_path):
     first.kill()
     first.wait()
   assert os.path.exists(lock_path)  # SIGKILL left it behind.
-  third = train_testlib.run_train(config, workdir, '--config.num_train_steps=2',
-                                  timeout=240)
+  third = train_testlib.run_train(config, workdir, '--config.num_train_steps=2', timeout=240)
   assert third.returncode == 0, third.stderr[-3000:]
   assert 'Took over the lock' in third.stderr and f'process {first.pid}' in third.stderr
   assert not os.path.exists(lock_path)  # Released at the end.

@@ -26,8 +26,9 @@ def write_parallel_text(directory: str, seed: int = 0) -> dict[str, str]:
     {split: 'source_path,target_path'} for train (400 pairs), validation and test.
   """
   rng = random.Random(seed)
-  words = [''.join(rng.choice('abcdefghijklmnop') for _ in range(rng.randint(2, 6)))
-           for _ in range(60)]
+  words = [
+      ''.join(rng.choice('abcdefghijklmnop') for _ in range(rng.randint(2, 6))) for _ in range(60)
+  ]
   files = {}
   for split, count in (('train', 400), ('validation', 40), ('test', 20)):
     paths = [os.path.join(directory, f'{split}.{side}') for side in ('src', 'tgt')]
@@ -43,15 +44,27 @@ def write_parallel_text(directory: str, seed: int = 0) -> dict[str, str]:
 def small_config(files: dict[str, str], **overrides) -> ml_collections.ConfigDict:
   """configs/tiny.py shrunk to one layer and one bucket (one compiled shape), over `files`."""
   from configs import tiny
+
   config = tiny.get_config()
   config.dataset = 'text'
   for split, spec in files.items():
     config.text_files[split] = spec
-  config.update(dict(
-      num_encoder_layers=1, num_decoder_layers=1, max_len=32, max_source_length=32,
-      max_target_length=32, bucket_boundaries=(), tokens_per_batch=256,
-      vocab_size_target=128, num_train_steps=6, eval_every_steps=0, log_every_steps=1,
-      checkpoint_every_steps=2))
+  config.update(
+      dict(
+          num_encoder_layers=1,
+          num_decoder_layers=1,
+          max_len=32,
+          max_source_length=32,
+          max_target_length=32,
+          bucket_boundaries=(),
+          tokens_per_batch=256,
+          vocab_size_target=128,
+          num_train_steps=6,
+          eval_every_steps=0,
+          log_every_steps=1,
+          checkpoint_every_steps=2,
+      )
+  )
   config.update(overrides)
   return config
 
@@ -59,11 +72,13 @@ def small_config(files: dict[str, str], **overrides) -> ml_collections.ConfigDic
 def write_config_file(path: str, files: dict[str, str], **overrides) -> str:
   """A config file for train.py that returns `small_config(files, **overrides)`."""
   with open(path, 'w') as f:
-    f.write('import sys\n'
-            f'sys.path.insert(0, {os.path.join(REPO, "tests")!r})\n'
-            'import train_testlib\n\n\n'
-            'def get_config():\n'
-            f'  return train_testlib.small_config({files!r}, **{overrides!r})\n')
+    f.write(
+        'import sys\n'
+        f'sys.path.insert(0, {os.path.join(REPO, "tests")!r})\n'
+        'import train_testlib\n\n\n'
+        'def get_config():\n'
+        f'  return train_testlib.small_config({files!r}, **{overrides!r})\n'
+    )
   return path
 
 
@@ -74,11 +89,14 @@ def subprocess_env(devices: int = 1) -> dict[str, str]:
   compiles as the test process does and their numbers can be compared.
   """
   env = dict(os.environ)
-  xla_flags = [env.get('XLA_FLAGS', ''), f'--xla_force_host_platform_device_count={devices}',
-               # 8 simulated devices on 2 busy cores: a collective's threads can wait longer
-               # than XLA:CPU's 40 s before it aborts the process (seen twice in full runs).
-               '--xla_cpu_collective_call_terminate_timeout_seconds=600',
-               '--xla_cpu_collective_call_warn_stuck_timeout_seconds=120']
+  xla_flags = [
+      env.get('XLA_FLAGS', ''),
+      f'--xla_force_host_platform_device_count={devices}',
+      # 8 simulated devices on 2 busy cores: a collective's threads can wait longer
+      # than XLA:CPU's 40 s before it aborts the process (seen twice in full runs).
+      '--xla_cpu_collective_call_terminate_timeout_seconds=600',
+      '--xla_cpu_collective_call_warn_stuck_timeout_seconds=120',
+  ]
   if devices > 1:
     # XLA:CPU runs the simulated devices' work on max(cores, devices) threads (PJRT_NPROC
     # stands in for the core count): one thread a device on 2 cores. There, test_sharding's
@@ -87,15 +105,17 @@ def subprocess_env(devices: int = 1) -> dict[str, str]:
     # for partner devices that never ran, until XLA aborted. With 4 threads a device: 10 of
     # 10 quiet and 4 of 4 loaded runs passed, in the same time (Xeon, 2026-11-25).
     env['PJRT_NPROC'] = str(4 * devices)
-  env.update({
-      'XLA_FLAGS': ' '.join(f for f in xla_flags if f),
-      'JAX_PLATFORMS': 'cpu',
-      'JAX_COMPILATION_CACHE_DIR': JAX_CACHE,
-      'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
-      'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1',
-      'PYTHONPATH': REPO + os.pathsep + env.get('PYTHONPATH', ''),
-      'PYTHONUNBUFFERED': '1',
-  })
+  env.update(
+      {
+          'XLA_FLAGS': ' '.join(f for f in xla_flags if f),
+          'JAX_PLATFORMS': 'cpu',
+          'JAX_COMPILATION_CACHE_DIR': JAX_CACHE,
+          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
+          'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1',
+          'PYTHONPATH': REPO + os.pathsep + env.get('PYTHONPATH', ''),
+          'PYTHONUNBUFFERED': '1',
+      }
+  )
   return env
 
 
@@ -105,20 +125,31 @@ MULTIHOST_STEPS = 8  # Steps of the multi-process tests' runs (conftest.multihos
 def multihost_config(directory, steps: int) -> str:
   """The config file of the multi-process tests: `steps` steps, a checkpoint every 4."""
   files = write_parallel_text(str(directory))
-  return write_config_file(os.path.join(str(directory), 'config.py'), files,
-                           num_train_steps=steps, checkpoint_every_steps=4)
+  return write_config_file(
+      os.path.join(str(directory), 'config.py'),
+      files,
+      num_train_steps=steps,
+      checkpoint_every_steps=4,
+  )
 
 
 def train_command(config_path: str, workdir: str, *flags: str) -> list[str]:
-  return [sys.executable, os.path.join(REPO, 'train.py'), f'--config={config_path}',
-          f'--workdir={workdir}', *flags]
+  return [
+      sys.executable,
+      os.path.join(REPO, 'train.py'),
+      f'--config={config_path}',
+      f'--workdir={workdir}',
+      *flags,
+  ]
 
 
-def run_train(config_path: str, workdir: str, *flags: str, devices: int = 1,
-              timeout: float = 240) -> subprocess.CompletedProcess:
+def run_train(
+    config_path: str, workdir: str, *flags: str, devices: int = 1, timeout: float = 240
+) -> subprocess.CompletedProcess:
   """Runs train.py to the end; returns the completed process (output in .stderr)."""
-  return run_command(train_command(config_path, workdir, *flags), env=subprocess_env(devices),
-                     timeout=timeout)
+  return run_command(
+      train_command(config_path, workdir, *flags), env=subprocess_env(devices), timeout=timeout
+  )
 
 
 class _CommandServer:
@@ -130,7 +161,11 @@ class _CommandServer:
     self.env = subprocess_env()
     self.process = subprocess.Popen(
         [sys.executable, os.path.join(REPO, 'tests', 'command_server.py'), self.socket],
-        env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+        env=self.env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     ready = self.process.stdout.readline()
     assert ready == 'ready\n', f'tests/command_server.py did not start: {ready!r}'
 
@@ -138,12 +173,18 @@ class _CommandServer:
     """Whether the server can run `argv` as a new Python would: a script of the checkout,
     under an environment whose JAX_* variables (read at import) are the server's."""
     jax_vars = lambda e: {k: v for k, v in e.items() if k.startswith('JAX_')}
-    return (self.process.poll() is None and len(argv) >= 2 and argv[0] == sys.executable
-            and argv[1].endswith('.py') and os.path.isfile(os.path.join(cwd, argv[1]))
-            and jax_vars(env) == jax_vars(self.env))
+    return (
+        self.process.poll() is None
+        and len(argv) >= 2
+        and argv[0] == sys.executable
+        and argv[1].endswith('.py')
+        and os.path.isfile(os.path.join(cwd, argv[1]))
+        and jax_vars(env) == jax_vars(self.env)
+    )
 
-  def run(self, argv: list[str], cwd: str, env: dict[str, str], stdin, stdout, stderr,
-          timeout: float) -> int:
+  def run(
+      self, argv: list[str], cwd: str, env: dict[str, str], stdin, stdout, stderr, timeout: float
+  ) -> int:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
       conn.connect(self.socket)
       request = json.dumps({'argv': argv[1:], 'cwd': cwd, 'env': env}).encode()
@@ -162,19 +203,36 @@ class _CommandServer:
 _server: _CommandServer | None = None
 
 
-def run_command(argv: list[str], *, env: dict[str, str], cwd: str = REPO,
-                input: str | bytes | None = None,
-                text: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_command(
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: str = REPO,
+    input: str | bytes | None = None,
+    text: bool = True,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
   """`subprocess.run(argv, capture_output=True, ...)` for `python SCRIPT.py ...`, started by
   tests/command_server.py (a fork, not a new Python) where it can be."""
   global _server
   if _server is None or _server.process.poll() is not None:
     _server = _CommandServer()
   if not _server.serves(argv, cwd, env):
-    return subprocess.run(argv, cwd=cwd, env=env, input=input, capture_output=True, text=text,
-                          timeout=timeout, check=False)
-  with tempfile.TemporaryFile() as stdin, tempfile.TemporaryFile() as stdout, \
-       tempfile.TemporaryFile() as stderr:
+    return subprocess.run(
+        argv,
+        cwd=cwd,
+        env=env,
+        input=input,
+        capture_output=True,
+        text=text,
+        timeout=timeout,
+        check=False,
+    )
+  with (
+      tempfile.TemporaryFile() as stdin,
+      tempfile.TemporaryFile() as stdout,
+      tempfile.TemporaryFile() as stderr,
+  ):
     if input is not None:
       stdin.write(input.encode() if isinstance(input, str) else input)
       stdin.seek(0)
@@ -212,8 +270,7 @@ def config_and_reference(directory, **overrides) -> tuple[str, str]:
   """A config file (`small_config(**overrides)` over fresh parallel text in `directory`) and
   the work directory of its uninterrupted run, to compare an interrupted one with."""
   files = write_parallel_text(str(directory))
-  config_path = write_config_file(os.path.join(str(directory), 'config.py'), files,
-                                  **overrides)
+  config_path = write_config_file(os.path.join(str(directory), 'config.py'), files, **overrides)
   reference = os.path.join(str(directory), 'reference')
   done = run_train(config_path, reference)
   assert done.returncode == 0, done.stderr[-3000:]

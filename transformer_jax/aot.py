@@ -83,8 +83,7 @@ TPU_BANDWIDTH_PER_CHIP = {
 }
 GPU_SPECS = {'H100': 'h100_sxm.txtpb', 'H200': 'h200.txtpb'}
 _GPU_NAME = re.compile(r'^(?:(\d+)x)?(\d+)x(H100|H200)$', re.IGNORECASE)
-_COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
-                'collective-permute')
+_COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all', 'collective-permute')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +98,7 @@ class Target:
     peak_flops: one device's datasheet dense bf16 FLOP/s (None where unknown, as for CPUs).
     bandwidth: one device's memory bandwidth in bytes/s (None where unknown).
   """
+
   name: str
   devices: tuple[Any, ...]
   memory_bytes: int
@@ -116,9 +116,11 @@ class Target:
 
 
 def target_names() -> str:
-  return (f'TPU slices {", ".join(TPU_SLICES)} (or a libtpu topology such as v5e:4x4); GPU '
-          'hosts NxH100 or NxH200 (one host of N), HxNxH100 (H hosts of N); cpu (this '
-          'machine)')
+  return (
+      f'TPU slices {", ".join(TPU_SLICES)} (or a libtpu topology such as v5e:4x4); GPU '
+      'hosts NxH100 or NxH200 (one host of N), HxNxH100 (H hosts of N); cpu (this '
+      'machine)'
+  )
 
 
 def _aot_wheel_error(what: str, error: Exception) -> UserError:
@@ -128,11 +130,13 @@ def _aot_wheel_error(what: str, error: Exception) -> UserError:
       'environment with them once, `python -m transformer_jax.aot_env ~/.venv-aot`, and run '
       'this command with its Python: `~/.venv-aot/bin/python -m '
       'transformer_jax.commands.compile ...` (in a checkout, `bash scripts/setup.sh --aot` '
-      'makes .venv-aot: `.venv-aot/bin/python compile.py ...`).')
+      'makes .venv-aot: `.venv-aot/bin/python compile.py ...`).'
+  )
 
 
 def _tpu_target(name: str) -> Target:
   from jax.experimental import topologies
+
   topology, options = TPU_SLICES.get(name, (name, {}))
   # Without a TPU, libtpu would probe the cloud metadata for these and complain.
   os.environ.setdefault('TPU_WORKER_HOSTNAMES', 'localhost')
@@ -144,19 +148,27 @@ def _tpu_target(name: str) -> Target:
     devices = topologies.get_topology_desc(topology, platform='tpu', **options).devices
   except RuntimeError as e:  # JaxRuntimeError derives from it.
     if 'invalid' in str(e).lower():
-      raise ConfigError(f'--topology={name} is not a TPU topology libtpu knows; use one of '
-                        f'{target_names()}.') from e
+      raise ConfigError(
+          f'--topology={name} is not a TPU topology libtpu knows; use one of ' f'{target_names()}.'
+      ) from e
     raise _aot_wheel_error('TPU', e) from e
   kind = devices[0].device_kind
   if kind not in TPU_HBM_PER_CHIP:
-    raise ConfigError(f'--topology={name}: no memory size known for {kind!r}; known: '
-                      f'{sorted(TPU_HBM_PER_CHIP)}.')
+    raise ConfigError(
+        f'--topology={name}: no memory size known for {kind!r}; known: '
+        f'{sorted(TPU_HBM_PER_CHIP)}.'
+    )
   chips = collections.Counter(tuple(d.coords) for d in devices)
   cores_per_device_chip = max(chips.values())
   peak = model_flops.peak_flops(kind)
-  return Target(name, tuple(devices), TPU_HBM_PER_CHIP[kind] // cores_per_device_chip, 'tpu',
-                peak and peak / cores_per_device_chip,
-                TPU_BANDWIDTH_PER_CHIP[kind] / cores_per_device_chip)
+  return Target(
+      name,
+      tuple(devices),
+      TPU_HBM_PER_CHIP[kind] // cores_per_device_chip,
+      'tpu',
+      peak and peak / cores_per_device_chip,
+      TPU_BANDWIDTH_PER_CHIP[kind] / cores_per_device_chip,
+  )
 
 
 def gpu_target_config(gpu: str) -> str:
@@ -168,21 +180,28 @@ def gpu_target_config(gpu: str) -> str:
 
 def _gpu_target(name: str, hosts: int, per_host: int, gpu: str) -> Target:
   from jax.experimental import topologies
+
   spec = gpu_target_config(gpu)
   try:
     devices = topologies.get_topology_desc(
-        platform='cuda', topology=f'1x{hosts}x{per_host}', target_config=spec).devices
+        platform='cuda', topology=f'1x{hosts}x{per_host}', target_config=spec
+    ).devices
   except (RuntimeError, NotImplementedError) as e:
     raise _aot_wheel_error('GPU', e) from e
   memory = int(re.search(r'device_memory_size:\s*(\d+)', spec).group(1))
   bandwidth = float(re.search(r'memory_bandwidth:\s*(\d+)', spec).group(1))
-  return Target(name, tuple(devices), memory, 'gpu',
-                model_flops.peak_flops(devices[0].device_kind), bandwidth)
+  return Target(
+      name, tuple(devices), memory, 'gpu', model_flops.peak_flops(devices[0].device_kind), bandwidth
+  )
 
 
 def _cpu_target(name: str) -> Target:
-  return Target(name, tuple(jax.devices('cpu')),
-                os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'), 'cpu')
+  return Target(
+      name,
+      tuple(jax.devices('cpu')),
+      os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES'),
+      'cpu',
+  )
 
 
 def target(name: str) -> Target:
@@ -214,14 +233,21 @@ def memory_bytes(compiled: Any) -> int | None:
     return None
   if m is None:
     return None
-  return int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-             + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+  return int(
+      m.argument_size_in_bytes
+      + m.output_size_in_bytes
+      - m.alias_size_in_bytes
+      + m.temp_size_in_bytes
+      + m.generated_code_size_in_bytes
+  )
 
 
 def memory_breakdown(compiled: Any) -> dict[str, int]:
   m = compiled.memory_analysis()
-  return {k: int(getattr(m, f'{k}_size_in_bytes'))
-          for k in ('argument', 'output', 'alias', 'temp', 'generated_code')}
+  return {
+      k: int(getattr(m, f'{k}_size_in_bytes'))
+      for k in ('argument', 'output', 'alias', 'temp', 'generated_code')
+  }
 
 
 def compiled_flops(compiled: Any) -> float | None:
@@ -241,9 +267,9 @@ def compiled_flops(compiled: Any) -> float | None:
     return float(cost['flops'])
   try:
     from jax._src.lib import xla_client
+
     module = compiled.runtime_executable().hlo_modules()[0]
-    cost = xla_client._xla.hlo_module_cost_analysis(
-        jax.devices('cpu')[0].client, module)
+    cost = xla_client._xla.hlo_module_cost_analysis(jax.devices('cpu')[0].client, module)
     return float(cost['flops'])
   except Exception:
     return None
@@ -306,11 +332,13 @@ def _cudnn_library_named() -> Iterator[None]:
         'checks its version while tracing), and this environment has none; install a cuDNN '
         'where this Python finds it (`python -m transformer_jax.aot_env DIR` puts the '
         'nvidia-cudnn-cu12 wheel into the environment it makes) or '
-        "compile with --config.attention_implementation=xla.") from e
+        'compile with --config.attention_implementation=xla.'
+    ) from e
 
 
-def train_batch_shape(config: ml_collections.ConfigDict, partitioner: Partitioner,
-                      tokens_per_batch: int | None = None) -> tuple[int, int]:
+def train_batch_shape(
+    config: ml_collections.ConfigDict, partitioner: Partitioner, tokens_per_batch: int | None = None
+) -> tuple[int, int]:
   """(global rows, length) of the input pipeline's largest training batch for `config`.
 
   Packed batches are all this shape; bucketed ones take the longest bucket, whose attention
@@ -318,8 +346,9 @@ def train_batch_shape(config: ml_collections.ConfigDict, partitioner: Partitione
   """
   tokens = config.tokens_per_batch if tokens_per_batch is None else tokens_per_batch
   longest = max(config.max_source_length, config.max_target_length)
-  length = (longest if config.packing else
-            batching.bucket_lengths(config.bucket_boundaries, longest)[-1])
+  length = (
+      longest if config.packing else batching.bucket_lengths(config.bucket_boundaries, longest)[-1]
+  )
   shards = partitioner.rows_multiple(config.grad_accum_steps) * partitioner.num_hosts
   return batching.rows_for(length, tokens, shards), length
 
@@ -327,6 +356,7 @@ def train_batch_shape(config: ml_collections.ConfigDict, partitioner: Partitione
 @dataclasses.dataclass
 class TrainStepSetup:
   """The model, optimizer and jitted train step of `config` on a target's devices."""
+
   config: ml_collections.ConfigDict
   partitioner: Partitioner
   model_config: config_lib.TransformerConfig
@@ -340,7 +370,8 @@ class TrainStepSetup:
     vocab_size = config.vocab_size or config.vocab_size_target
     partitioner = Partitioner.from_config(config, devices=list(devices))
     model_config = config_lib.TransformerConfig.from_config(
-        config, vocab_size=vocab_size, platform=devices[0].platform)
+        config, vocab_size=vocab_size, platform=devices[0].platform
+    )
     opt_config = optimizer.OptimizerConfig.from_config(config, model_config.d_model)
     tx, schedule = optimizer.create_optimizer(opt_config)
     abstract, shardings = train_steps.abstract_state(model_config, tx, partitioner)
@@ -352,8 +383,10 @@ class TrainStepSetup:
   def compile(self, rows: int, length: int) -> tuple[Any, float]:
     """The step compiled for [rows, length] batches (both sides), and the seconds it took."""
     sharding = self.partitioner.batch_sharding
-    batch = {k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
-             for k in models.BATCH_KEYS}
+    batch = {
+        k: jax.ShapeDtypeStruct((rows, length), jnp.int32, sharding=sharding)
+        for k in models.BATCH_KEYS
+    }
     start = time.perf_counter()
     with self.partitioner.activate():
       compiled = self.step.lower(self.abstract_state, batch).compile()
@@ -365,8 +398,9 @@ def is_out_of_memory(error: Exception) -> bool:
   return 'RESOURCE_EXHAUSTED' in text or 'out of memory' in text.lower()
 
 
-def report(compiled: Any, compile_s: float, target: Target, model_flops_per_device: float
-           ) -> dict[str, Any]:
+def report(
+    compiled: Any, compile_s: float, target: Target, model_flops_per_device: float
+) -> dict[str, Any]:
   """What the compiler says about one device's program, as a JSON-able dict."""
   text = compiled.as_text()
   need = memory_bytes(compiled)
@@ -387,8 +421,13 @@ def report(compiled: Any, compile_s: float, target: Target, model_flops_per_devi
   }
 
 
-def step_view(hlo_text: str, tgt: Target, logits: tuple[int, int],
-              model_flops_per_device: float, top: int = 10) -> dict[str, Any]:
+def step_view(
+    hlo_text: str,
+    tgt: Target,
+    logits: tuple[int, int],
+    model_flops_per_device: float,
+    top: int = 10,
+) -> dict[str, Any]:
   """The compiled step's kernels (`hlo_view`): counts, passes over the logits, bytes, and
   on a target with known rates a roofline estimate of the step's time, the MFU that time
   would give, and the `top` kernels by their estimated time. `logits`: the elements of one
@@ -397,16 +436,24 @@ def step_view(hlo_text: str, tgt: Target, logits: tuple[int, int],
   view = hlo_view.roofline(kernels, tgt.peak_flops, tgt.bandwidth)
   if view['estimate_s']:
     view['estimated_mfu'] = model_flops_per_device / view['estimate_s'] / tgt.peak_flops
-    timed = [{**dataclasses.asdict(k),
-              'estimate_s': hlo_view.estimate_s(k, tgt.peak_flops, tgt.bandwidth)}
-             for k in kernels]
+    timed = [
+        {
+            **dataclasses.asdict(k),
+            'estimate_s': hlo_view.estimate_s(k, tgt.peak_flops, tgt.bandwidth),
+        }
+        for k in kernels
+    ]
     view['top_kernels'] = sorted(timed, key=lambda k: -k['estimate_s'])[:top]
   return view
 
 
-def compile_train_step(config: ml_collections.ConfigDict, tgt: Target, *,
-                       tokens_per_batch: int | None = None, top_kernels: int = 10
-                       ) -> dict[str, Any]:
+def compile_train_step(
+    config: ml_collections.ConfigDict,
+    tgt: Target,
+    *,
+    tokens_per_batch: int | None = None,
+    top_kernels: int = 10,
+) -> dict[str, Any]:
   """Compiles `train.py`'s step for `tgt` and reports per device (see `report`), with its
   kernels (`step_view`, the `top_kernels` costliest listed).
 
@@ -420,18 +467,27 @@ def compile_train_step(config: ml_collections.ConfigDict, tgt: Target, *,
   except Exception as e:
     if not is_out_of_memory(e):
       raise
-    result = {'fits': False, 'error': str(e).splitlines()[0][:500],
-              'device_memory_bytes': tgt.memory_bytes}
+    result = {
+        'fits': False,
+        'error': str(e).splitlines()[0][:500],
+        'device_memory_bytes': tgt.memory_bytes,
+    }
   else:
-    per_device = model_flops.batch_flops(setup.model_config, [length] * rows,
-                                         [length] * rows) / len(tgt.devices)
+    per_device = model_flops.batch_flops(
+        setup.model_config, [length] * rows, [length] * rows
+    ) / len(tgt.devices)
     result = report(compiled, seconds, tgt, per_device)
     vocab = setup.model_config.vocab_size
-    logits = (rows * length * vocab // len(tgt.devices),
-              vocab // setup.partitioner.mesh.shape['tensor'])
+    logits = (
+        rows * length * vocab // len(tgt.devices),
+        vocab // setup.partitioner.mesh.shape['tensor'],
+    )
     result['kernels'] = step_view(compiled.as_text(), tgt, logits, per_device, top_kernels)
-  return {**describe(setup, tgt), 'batch': {'rows': rows, 'length': length,
-                                            'tokens_per_side': rows * length}, **result}
+  return {
+      **describe(setup, tgt),
+      'batch': {'rows': rows, 'length': length, 'tokens_per_side': rows * length},
+      **result,
+  }
 
 
 def describe(setup: TrainStepSetup, tgt: Target) -> dict[str, Any]:
@@ -444,10 +500,12 @@ def describe(setup: TrainStepSetup, tgt: Target) -> dict[str, Any]:
       'mesh': dict(setup.partitioner.mesh.shape),
       'params': sum(math.prod(x.shape) for x in jax.tree.leaves(setup.abstract_state.params)),
       'dtype': f'{c.dtype} ({jnp.dtype(setup.model_config.dtype).name})'
-               if c.dtype == 'auto' else c.dtype,
+      if c.dtype == 'auto'
+      else c.dtype,
       'remat_policy': c.remat_policy,
       'attention_implementation': kernel_choice.attention_choice(
-          c, tgt.devices[0].platform, jnp.dtype(setup.model_config.dtype).name).reason,
+          c, tgt.devices[0].platform, jnp.dtype(setup.model_config.dtype).name
+      ).reason,
       'grad_accum_steps': c.grad_accum_steps,
       'vocab_size': setup.model_config.vocab_size,
       'peak_flops_per_device': model_flops.peak_flops(tgt.device_kind),
@@ -457,10 +515,16 @@ def describe(setup: TrainStepSetup, tgt: Target) -> dict[str, Any]:
 # --- Searching the largest batch that fits. ---
 
 
-def largest_fitting(fits: Callable[[int], tuple[bool, int | None]], *, start: int,
-                    multiple: int, limit_bytes: int, time_budget_s: float,
-                    max_doublings: int = 6, log: Callable[[str], None] = lambda _: None
-                    ) -> dict[str, Any]:
+def largest_fitting(
+    fits: Callable[[int], tuple[bool, int | None]],
+    *,
+    start: int,
+    multiple: int,
+    limit_bytes: int,
+    time_budget_s: float,
+    max_doublings: int = 6,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
   """The largest multiple of `multiple` for which `fits(n)` holds, in few probes.
 
   A step's memory grows about linearly with its rows, so after two probes that fit, the next
@@ -489,8 +553,11 @@ def largest_fitting(fits: Callable[[int], tuple[bool, int | None]], *, start: in
 
   def probe(n: int) -> bool:
     ok, probes[n] = fits(n)
-    need = (f'needs {probes[n]:,} bytes of {limit_bytes:,}' if probes[n] is not None
-            else 'the compiler refused it (more memory than the device has)')
+    need = (
+        f'needs {probes[n]:,} bytes of {limit_bytes:,}'
+        if probes[n] is not None
+        else 'the compiler refused it (more memory than the device has)'
+    )
     log(f'{n}: {need}: {"fits" if ok else "does not fit"} ({elapsed():.0f} s)')
     return ok
 
@@ -518,14 +585,21 @@ def largest_fitting(fits: Callable[[int], tuple[bool, int | None]], *, start: in
     if mid <= lo or mid >= hi:
       break
     lo, hi = (mid, hi) if probe(mid) else (lo, mid)
-  return {'largest': lo, 'smallest_not_fitting': hi,
-          'probes': {str(k): v for k, v in sorted(probes.items())},
-          'search_s': round(elapsed(), 1)}
+  return {
+      'largest': lo,
+      'smallest_not_fitting': hi,
+      'probes': {str(k): v for k, v in sorted(probes.items())},
+      'search_s': round(elapsed(), 1),
+  }
 
 
-def largest_train_batch(config: ml_collections.ConfigDict, tgt: Target, *,
-                        time_budget_s: float = 600.0,
-                        log: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+def largest_train_batch(
+    config: ml_collections.ConfigDict,
+    tgt: Target,
+    *,
+    time_budget_s: float = 600.0,
+    log: Callable[[str], None] = lambda _: None,
+) -> dict[str, Any]:
   """The largest `tokens_per_batch` whose train step fits a device of `tgt` (longest bucket,
   or packed rows), searched over whole rows of the batch."""
   setup = TrainStepSetup.create(config, tgt.devices)
@@ -542,27 +616,39 @@ def largest_train_batch(config: ml_collections.ConfigDict, tgt: Target, *,
     need = memory_bytes(compiled)
     return need is not None and need <= tgt.memory_bytes, need
 
-  found = largest_fitting(fits, start=rows, multiple=shards, limit_bytes=tgt.memory_bytes,
-                          time_budget_s=time_budget_s, log=log)
-  return {'length': length, 'largest_rows': found['largest'],
-          'largest_tokens_per_batch': found['largest'] * length,
-          'smallest_not_fitting_rows': found['smallest_not_fitting'],
-          'probes_rows_to_bytes': found['probes'], 'search_s': found['search_s']}
+  found = largest_fitting(
+      fits,
+      start=rows,
+      multiple=shards,
+      limit_bytes=tgt.memory_bytes,
+      time_budget_s=time_budget_s,
+      log=log,
+  )
+  return {
+      'length': length,
+      'largest_rows': found['largest'],
+      'largest_tokens_per_batch': found['largest'] * length,
+      'smallest_not_fitting_rows': found['smallest_not_fitting'],
+      'probes_rows_to_bytes': found['probes'],
+      'search_s': found['search_s'],
+  }
 
 
 # --- The decoder for a target. ---
 
 
 @_cudnn_library_named()
-def compile_decoder(config: ml_collections.ConfigDict, tgt: Target, *,
-                    batch_size: int | None = None) -> dict[str, Any]:
+def compile_decoder(
+    config: ml_collections.ConfigDict, tgt: Target, *, batch_size: int | None = None
+) -> dict[str, Any]:
   """Compiles `translate.py`'s search (beam size, length limit and batch of the config) for
   the longest source bucket on `tgt`, and reports per device."""
   config_checks.validate_run(config)
   vocab_size = config.vocab_size or config.vocab_size_target
   partitioner = Partitioner.from_config(config, devices=list(tgt.devices))
   model_config = config_lib.TransformerConfig.from_config(
-      config, vocab_size=vocab_size, platform=tgt.platform, deterministic=True)
+      config, vocab_size=vocab_size, platform=tgt.platform, deterministic=True
+  )
   options = translator.DecodeOptions.from_config(config)
   params = loading.abstract_params(model_config, partitioner)
   decoder = translator.Translator(model_config, params, None, options, partitioner)
@@ -574,6 +660,10 @@ def compile_decoder(config: ml_collections.ConfigDict, tgt: Target, *,
   result = report(compiled, seconds, tgt, float('nan'))
   for key in ('model_flops', 'xla_over_model_flops'):
     result.pop(key)
-  return {'rows': rows, 'source_length': bucket, 'beam_size': options.beam_size,
-          'max_decode_len': decoder.max_decode_len(bucket), **result}
-
+  return {
+      'rows': rows,
+      'source_length': bucket,
+      'beam_size': options.beam_size,
+      'max_decode_len': decoder.max_decode_len(bucket),
+      **result,
+  }

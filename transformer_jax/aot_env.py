@@ -25,8 +25,11 @@ CUDNN = 'nvidia-cudnn-cu12>=9.8,<10'
 
 def wheels(jax_version: str) -> list[str]:
   """The compile-only wheels for `jax_version` (they must match it exactly)."""
-  return [f'jax[tpu]=={jax_version}', f'jax-cuda12-plugin=={jax_version}',
-          f'jax-cuda12-pjrt=={jax_version}']
+  return [
+      f'jax[tpu]=={jax_version}',
+      f'jax-cuda12-plugin=={jax_version}',
+      f'jax-cuda12-pjrt=={jax_version}',
+  ]
 
 
 def python_of(directory: str) -> str:
@@ -46,21 +49,28 @@ def make(directory: str, jax_version: str) -> str:
 def main(argv: list[str]) -> int:
   if len(argv) != 2 or argv[1].startswith('-'):
     asked = len(argv) == 2 and argv[1] in ('-h', '--help')
-    print(f'usage: python -m transformer_jax.aot_env DIRECTORY\n\n{__doc__}',
-          file=sys.stdout if asked else sys.stderr)
+    print(
+        f'usage: python -m transformer_jax.aot_env DIRECTORY\n\n{__doc__}',
+        file=sys.stdout if asked else sys.stderr,
+    )
     return 0 if asked else 2
   from importlib import metadata
+
   jax_version = metadata.version('jax')
   directory = os.path.abspath(os.path.expanduser(argv[1]))
   try:
     python = make(directory, jax_version)
   except (OSError, subprocess.CalledProcessError) as e:
-    print(f'aot_env: could not make the compile environment in {directory} ({e}); pip '
-          f'needs the network (PyPI) and about 2 GB of disk. Nothing else was changed.',
-          file=sys.stderr)
+    print(
+        f'aot_env: could not make the compile environment in {directory} ({e}); pip '
+        f'needs the network (PyPI) and about 2 GB of disk. Nothing else was changed.',
+        file=sys.stderr,
+    )
     return 1
-  print(f'The compile environment for jax {jax_version} is ready: {python} -m '
-        'transformer_jax.commands.compile --config=... --topology=...')
+  print(
+      f'The compile environment for jax {jax_version} is ready: {python} -m '
+      'transformer_jax.commands.compile --config=... --topology=...'
+  )
   return 0
 
 

@@ -57,8 +57,9 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     slopes = power_of_2_slopes(num_heads)
   else:
     closest = 2 ** math.floor(math.log2(num_heads))
-    slopes = (power_of_2_slopes(closest)
-              + power_of_2_slopes(2 * closest)[0::2][:num_heads - closest])
+    slopes = (
+        power_of_2_slopes(closest) + power_of_2_slopes(2 * closest)[0::2][: num_heads - closest]
+    )
   return np.asarray(slopes, np.float32)
 
 
@@ -86,6 +87,7 @@ class Lengths:
   j <= i. cuDNN's fused kernel takes exactly this (sequence lengths and a causal flag), so it
   needs no [batch, 1, q, kv] mask and no bias gradient.
   """
+
   query: Array  # [batch] int32.
   key_value: Array  # [batch] int32.
   causal: bool = False
@@ -145,19 +147,27 @@ def scaled_dot_product_attention(
       bias = bias.astype(query.dtype)
     if isinstance(mask, Lengths):
       out = jax.nn.dot_product_attention(
-          query, key, value, bias=bias, query_seq_lengths=mask.query,
-          key_value_seq_lengths=mask.key_value, is_causal=mask.causal,
-          implementation=implementation)
+          query,
+          key,
+          value,
+          bias=bias,
+          query_seq_lengths=mask.query,
+          key_value_seq_lengths=mask.key_value,
+          is_causal=mask.causal,
+          implementation=implementation,
+      )
     else:
-      out = jax.nn.dot_product_attention(query, key, value, bias=bias, mask=mask,
-                                         implementation=implementation)
+      out = jax.nn.dot_product_attention(
+          query, key, value, bias=bias, mask=mask, implementation=implementation
+      )
     return out, None
   if isinstance(mask, Lengths):
     mask = mask.dense(query.shape[1], key.shape[1])
   depth = query.shape[-1]
   kv = 'bhkd' if heads_major_kv else 'bkhd'
-  logits = jnp.einsum(f'bqhd,{kv}->bhqk', query, key,
-                      preferred_element_type=jnp.float32) / np.sqrt(depth).astype(np.float32)
+  logits = jnp.einsum(f'bqhd,{kv}->bhqk', query, key, preferred_element_type=jnp.float32) / np.sqrt(
+      depth
+  ).astype(np.float32)
   if bias is not None:
     logits = logits + bias.astype(jnp.float32)
   if mask is not None:
@@ -208,12 +218,18 @@ class MultiHeadAttention(nn.Module):
 
   def _projection_params(self, name: str) -> tuple[Array, Array]:
     cfg = self.config
-    kernel = self.param(name + '_kernel', nn.with_logical_partitioning(
-        _QKV_INIT, ('embed', 'heads', 'kv')), (cfg.d_model, cfg.num_heads, cfg.head_dim),
-                        cfg.param_dtype)
-    bias = self.param(name + '_bias', nn.with_logical_partitioning(
-        nn.initializers.zeros_init(), ('heads', 'kv')), (cfg.num_heads, cfg.head_dim),
-                      cfg.param_dtype)
+    kernel = self.param(
+        name + '_kernel',
+        nn.with_logical_partitioning(_QKV_INIT, ('embed', 'heads', 'kv')),
+        (cfg.d_model, cfg.num_heads, cfg.head_dim),
+        cfg.param_dtype,
+    )
+    bias = self.param(
+        name + '_bias',
+        nn.with_logical_partitioning(nn.initializers.zeros_init(), ('heads', 'kv')),
+        (cfg.num_heads, cfg.head_dim),
+        cfg.param_dtype,
+    )
     return jnp.asarray(kernel, cfg.dtype), jnp.asarray(bias, cfg.dtype)
 
   def _projection(self, name: str, x: Array) -> Array:
@@ -229,8 +245,10 @@ class MultiHeadAttention(nn.Module):
       return tuple(self._projection(name, x) for name in names)
     kernels, biases = zip(*(self._projection_params(name) for name in names))
     y = jnp.einsum('bld,dnhk->blnhk', x, jnp.stack(kernels, 1)) + jnp.stack(biases)
-    return tuple(nn.with_logical_constraint(y[:, :, i], ('batch', 'length', 'heads', 'kv'))
-                 for i in range(len(names)))
+    return tuple(
+        nn.with_logical_constraint(y[:, :, i], ('batch', 'length', 'heads', 'kv'))
+        for i in range(len(names))
+    )
 
   def _heads_major_projection(self, name: str, x: Array) -> Array:
     return _heads_major(self._projection(name, x))
@@ -280,10 +298,12 @@ class MultiHeadAttention(nn.Module):
     if cached and not self.is_self_attention:
       # Keys and values of the source: projected once, when the cache is created, and the
       # same at every step, so they live apart from the per-step 'cache'.
-      key = self.variable('encoder_cache', 'cached_key', self._heads_major_projection,
-                          'key', inputs_kv).value
-      value = self.variable('encoder_cache', 'cached_value', self._heads_major_projection,
-                            'value', inputs_kv).value
+      key = self.variable(
+          'encoder_cache', 'cached_key', self._heads_major_projection, 'key', inputs_kv
+      ).value
+      value = self.variable(
+          'encoder_cache', 'cached_value', self._heads_major_projection, 'value', inputs_kv
+      ).value
       mask = self.variable('encoder_cache', 'cached_mask', lambda: mask).value
     else:
       if uses_rope:
@@ -297,8 +317,7 @@ class MultiHeadAttention(nn.Module):
       key, value = _heads_major(key), _heads_major(value)
       is_initialized = self.has_variable('cache', 'cached_key')
       cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape, key.dtype)
-      cached_value = self.variable('cache', 'cached_value', jnp.zeros, value.shape,
-                                   value.dtype)
+      cached_value = self.variable('cache', 'cached_value', jnp.zeros, value.shape, value.dtype)
       if is_initialized:
         # One new token: write its key/value at decode_index, attend to positions <= it.
         batch, max_length = cached_key.value.shape[0], cached_key.value.shape[2]
@@ -309,8 +328,9 @@ class MultiHeadAttention(nn.Module):
         key_positions = jnp.arange(max_length)
         mask = (key_positions <= decode_index)[None, None, None, :]
         if uses_alibi:
-          bias = alibi_bias(cfg.num_heads, q_positions,
-                            jnp.broadcast_to(key_positions, (batch, max_length)))
+          bias = alibi_bias(
+              cfg.num_heads, q_positions, jnp.broadcast_to(key_positions, (batch, max_length))
+          )
 
     dropout_rng = None
     if not cfg.deterministic and cfg.attention_dropout_rate > 0.0:
@@ -323,19 +343,34 @@ class MultiHeadAttention(nn.Module):
       # the source's keys and values once for all n, not once a beam.
       query = query.reshape((key.shape[0], -1) + query.shape[2:])
     out, weights = scaled_dot_product_attention(
-        query, key, value, mask, bias,
-        dropout_rate=cfg.attention_dropout_rate, dropout_rng=dropout_rng,
+        query,
+        key,
+        value,
+        mask,
+        bias,
+        dropout_rate=cfg.attention_dropout_rate,
+        dropout_rng=dropout_rng,
         implementation=None if cfg.decode else cfg.attention_implementation,
-        return_weights=return_weights, heads_major_kv=cached)
+        return_weights=return_weights,
+        heads_major_kv=cached,
+    )
     out = out.reshape((rows, -1) + out.shape[2:])
     if return_weights:
       self.sow('intermediates', 'attention_weights', weights)
 
-    kernel = self.param('out_kernel', nn.with_logical_partitioning(
-        _OUT_INIT, ('heads', 'kv', 'embed')), (cfg.num_heads, cfg.head_dim, cfg.d_model),
-                        cfg.param_dtype)
-    bias_out = self.param('out_bias', nn.with_logical_partitioning(
-        nn.initializers.zeros_init(), ('embed',)), (cfg.d_model,), cfg.param_dtype)
+    kernel = self.param(
+        'out_kernel',
+        nn.with_logical_partitioning(_OUT_INIT, ('heads', 'kv', 'embed')),
+        (cfg.num_heads, cfg.head_dim, cfg.d_model),
+        cfg.param_dtype,
+    )
+    bias_out = self.param(
+        'out_bias',
+        nn.with_logical_partitioning(nn.initializers.zeros_init(), ('embed',)),
+        (cfg.d_model,),
+        cfg.param_dtype,
+    )
     y = jnp.einsum('blhk,hkd->bld', out, jnp.asarray(kernel, cfg.dtype)) + jnp.asarray(
-        bias_out, cfg.dtype)
+        bias_out, cfg.dtype
+    )
     return nn.with_logical_constraint(y, ('batch', 'length', 'embed'))

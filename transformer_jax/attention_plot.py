@@ -31,9 +31,13 @@ from transformer_jax.tokenizer import Tokenizer
 PyTree = Any
 
 
-def cross_attention(model_config: TransformerConfig, params: PyTree,
-                    source_ids: Sequence[int], output_ids: Sequence[int],
-                    layer: int = -1) -> np.ndarray:
+def cross_attention(
+    model_config: TransformerConfig,
+    params: PyTree,
+    source_ids: Sequence[int],
+    output_ids: Sequence[int],
+    layer: int = -1,
+) -> np.ndarray:
   """The encoder-decoder attention weights of one decoder layer for one sentence pair.
 
   Args:
@@ -51,8 +55,10 @@ def cross_attention(model_config: TransformerConfig, params: PyTree,
   """
   num_layers = model_config.num_decoder_layers
   if not -num_layers <= layer < num_layers:
-    raise ValueError(f'layer={layer} does not exist: the decoder has {num_layers} layers '
-                     f'(0..{num_layers - 1}, or -1 for the last).')
+    raise ValueError(
+        f'layer={layer} does not exist: the decoder has {num_layers} layers '
+        f'(0..{num_layers - 1}, or -1 for the last).'
+    )
   layer %= num_layers
   output_ids = list(output_ids)
   if not output_ids or output_ids[-1] != EOS_ID:
@@ -61,8 +67,11 @@ def cross_attention(model_config: TransformerConfig, params: PyTree,
   targets = jnp.asarray([output_ids], jnp.int32)
   model = Transformer(dataclasses.replace(model_config, decode=False, deterministic=True))
   _, state = model.apply({'params': params}, inputs, targets, mutable=['intermediates'])
-  weights = state['intermediates']['decoder'][f'layer_{layer}'][
-      'encoder_decoder_attention']['attention_weights'][0]  # [1, heads, target, source]
+  weights = state['intermediates']['decoder'][f'layer_{layer}']['encoder_decoder_attention'][
+      'attention_weights'
+  ][
+      0
+  ]  # [1, heads, target, source]
   return np.asarray(weights[0], np.float32)
 
 
@@ -72,8 +81,14 @@ def pieces(tokenizer: Tokenizer, ids: Sequence[int]) -> list[str]:
   return [processor.id_to_piece(int(i)) for i in ids]
 
 
-def plot(weights: np.ndarray, source_labels: Sequence[str], output_labels: Sequence[str],
-         path: str, heads: str | int = 'mean', title: str = '') -> Any:
+def plot(
+    weights: np.ndarray,
+    source_labels: Sequence[str],
+    output_labels: Sequence[str],
+    path: str,
+    heads: str | int = 'mean',
+    title: str = '',
+) -> Any:
   """Draws attention weights as a heatmap and saves it (format from the file suffix).
 
   Args:
@@ -92,8 +107,10 @@ def plot(weights: np.ndarray, source_labels: Sequence[str], output_labels: Seque
   """
   num_heads, out_len, src_len = weights.shape
   if len(source_labels) != src_len or len(output_labels) != out_len:
-    raise ValueError(f'Weights are [{num_heads}, {out_len}, {src_len}] but there are '
-                     f'{len(output_labels)} output and {len(source_labels)} source labels.')
+    raise ValueError(
+        f'Weights are [{num_heads}, {out_len}, {src_len}] but there are '
+        f'{len(output_labels)} output and {len(source_labels)} source labels.'
+    )
   if heads == 'mean':
     panels = [(weights.mean(axis=0), 'mean over heads')]
   elif heads == 'all':
@@ -101,8 +118,10 @@ def plot(weights: np.ndarray, source_labels: Sequence[str], output_labels: Seque
   else:
     head = int(heads)
     if not 0 <= head < num_heads:
-      raise ValueError(f'head {head} does not exist; the model has {num_heads} '
-                       f"(0..{num_heads - 1}), or use 'mean' or 'all'.")
+      raise ValueError(
+          f'head {head} does not exist; the model has {num_heads} '
+          f"(0..{num_heads - 1}), or use 'mean' or 'all'."
+      )
     panels = [(weights[head], f'head {head}')]
 
   columns = min(len(panels), 4)
@@ -111,11 +130,12 @@ def plot(weights: np.ndarray, source_labels: Sequence[str], output_labels: Seque
   width = max(4.0, 1.5 + cell * src_len) * columns
   height = max(3.0, 1.5 + cell * out_len) * rows
   fig, axes = plt.subplots(rows, columns, figsize=(width, height), squeeze=False)
-  for ax in axes.flat[len(panels):]:
+  for ax in axes.flat[len(panels) :]:
     ax.axis('off')
   for ax, (matrix, name) in zip(axes.flat, panels):
-    image = ax.imshow(matrix, cmap='viridis', vmin=0.0, vmax=1.0, aspect='auto',
-                      interpolation='nearest')
+    image = ax.imshow(
+        matrix, cmap='viridis', vmin=0.0, vmax=1.0, aspect='auto', interpolation='nearest'
+    )
     ax.set_xticks(range(src_len), labels=list(source_labels), rotation=90, fontsize=8)
     ax.set_yticks(range(out_len), labels=list(output_labels), fontsize=8)
     ax.set_xlabel('source')
@@ -131,9 +151,17 @@ def plot(weights: np.ndarray, source_labels: Sequence[str], output_labels: Seque
   return fig
 
 
-def draw(model_config: TransformerConfig, params: PyTree, tokenizer: Tokenizer,
-         source_ids: Sequence[int], output_ids: Sequence[int], path: str, *,
-         layer: int = -1, heads: str | int = 'mean') -> np.ndarray:
+def draw(
+    model_config: TransformerConfig,
+    params: PyTree,
+    tokenizer: Tokenizer,
+    source_ids: Sequence[int],
+    output_ids: Sequence[int],
+    path: str,
+    *,
+    layer: int = -1,
+    heads: str | int = 'mean',
+) -> np.ndarray:
   """Computes one sentence pair's encoder-decoder attention and saves it as a heatmap.
 
   Args:
@@ -154,7 +182,13 @@ def draw(model_config: TransformerConfig, params: PyTree, tokenizer: Tokenizer,
     output_ids.append(EOS_ID)
   weights = cross_attention(model_config, params, source_ids, output_ids, layer)
   layer_index = layer % model_config.num_decoder_layers
-  fig = plot(weights, pieces(tokenizer, source_ids), pieces(tokenizer, output_ids), path,
-             heads=heads, title=f'encoder-decoder attention, decoder layer {layer_index}')
+  fig = plot(
+      weights,
+      pieces(tokenizer, source_ids),
+      pieces(tokenizer, output_ids),
+      path,
+      heads=heads,
+      title=f'encoder-decoder attention, decoder layer {layer_index}',
+  )
   plt.close(fig)
   return weights

@@ -41,9 +41,11 @@ def last_steps(workdir: str, num: int) -> list[int]:
   if not steps:
     raise CheckpointNotFoundError(f'{workdir} has no complete checkpoint.')
   if len(steps) < num:
-    raise ConfigError(f'Asked to average the last {num} checkpoints, but {workdir} has only '
-                     f'{len(steps)} ({steps}); ask for at most {len(steps)}, or keep more '
-                     'with --config.keep_checkpoints / keep_checkpoint_period.')
+    raise ConfigError(
+        f'Asked to average the last {num} checkpoints, but {workdir} has only '
+        f'{len(steps)} ({steps}); ask for at most {len(steps)}, or keep more '
+        'with --config.keep_checkpoints / keep_checkpoint_period.'
+    )
   return steps[-num:]
 
 
@@ -100,8 +102,10 @@ def average_checkpoints(workdir: str, output_workdir: str, num: int) -> tuple[st
     OutputExistsError: `output_workdir` already has that step.
   """
   if paths.same_path(workdir, output_workdir):
-    raise ConfigError('The output directory must differ from the training work directory: '
-                      'an averaged checkpoint has no optimizer state to resume from.')
+    raise ConfigError(
+        'The output directory must differ from the training work directory: '
+        'an averaged checkpoint has no optimizer state to resume from.'
+    )
   steps = last_steps(workdir, num)
   meta, last = checkpointing.read_meta(workdir, steps[-1])
   params = average_params(workdir, steps)

@@ -23,7 +23,6 @@ Evaluation never drops or truncates: longer sentences get longer buckets, and a 
 batch is filled with all-padding rows (segmentation 0, so they weigh nothing).
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
@@ -70,6 +69,7 @@ class BucketPlan:
     members: the example indices of each bucket, ascending.
     seed: orders the examples inside buckets, per epoch.
   """
+
   lengths: tuple[int, ...]
   rows: tuple[int, ...]
   members: tuple[np.ndarray, ...]
@@ -78,8 +78,14 @@ class BucketPlan:
   @property
   def batch_table(self) -> np.ndarray:
     """[num_batches, 2]: (bucket, chunk within the bucket) of each batch of an epoch."""
-    return np.array([(k, c) for k, (m, r) in enumerate(zip(self.members, self.rows))
-                     for c in range(math.ceil(len(m) / r))], np.int64).reshape(-1, 2)
+    return np.array(
+        [
+            (k, c)
+            for k, (m, r) in enumerate(zip(self.members, self.rows))
+            for c in range(math.ceil(len(m) / r))
+        ],
+        np.int64,
+    ).reshape(-1, 2)
 
   @functools.lru_cache(maxsize=2)  # noqa: B019  # Two epochs of one long-lived plan.
   def epoch_order(self, epoch: int) -> tuple[np.ndarray, ...]:
@@ -89,11 +95,17 @@ class BucketPlan:
   def examples(self, epoch: int, bucket: int, chunk: int) -> np.ndarray:
     """The example indices of one global batch (the last of a bucket may be short)."""
     rows = self.rows[bucket]
-    return self.epoch_order(epoch)[bucket][chunk * rows:(chunk + 1) * rows]
+    return self.epoch_order(epoch)[bucket][chunk * rows : (chunk + 1) * rows]
 
 
-def plan_buckets(lengths: np.ndarray, keep: np.ndarray, buckets: Sequence[int],
-                 tokens_per_batch: int, row_multiple: int, seed: int) -> BucketPlan:
+def plan_buckets(
+    lengths: np.ndarray,
+    keep: np.ndarray,
+    buckets: Sequence[int],
+    tokens_per_batch: int,
+    row_multiple: int,
+    seed: int,
+) -> BucketPlan:
   """Assigns each kept example to the shortest bucket that holds both its sides."""
   longest = lengths.max(axis=1)
   index = np.searchsorted(np.asarray(buckets), longest)
@@ -105,8 +117,9 @@ def plan_buckets(lengths: np.ndarray, keep: np.ndarray, buckets: Sequence[int],
 class _BucketedBatches:
   """Step -> this host's rows of global batch `step` (a pure function; see module doc)."""
 
-  def __init__(self, store: token_store.TokenStore, plan: BucketPlan, process_index: int,
-               process_count: int):
+  def __init__(
+      self, store: token_store.TokenStore, plan: BucketPlan, process_index: int, process_count: int
+  ):
     self._store = store
     self._plan = plan
     self._table = plan.batch_table
@@ -118,7 +131,7 @@ class _BucketedBatches:
     bucket, chunk = self._table[batch_id]
     host_rows = self._plan.rows[bucket] // self._process_count
     examples = self._plan.examples(epoch, bucket, chunk)
-    mine = examples[self._process_index * host_rows:(self._process_index + 1) * host_rows]
+    mine = examples[self._process_index * host_rows : (self._process_index + 1) * host_rows]
     return self._store.batch(mine, host_rows, self._plan.lengths[bucket])
 
 
@@ -135,8 +148,9 @@ class PackedBatches(grain.IterDataset):
   numpy; only the first-fit choice is a loop, one numpy call per example.
   """
 
-  def __init__(self, store: token_store.TokenStore, members: np.ndarray, rows: int,
-               length: int, seed: int):
+  def __init__(
+      self, store: token_store.TokenStore, members: np.ndarray, rows: int, length: int, seed: int
+  ):
     super().__init__()
     self.store = store
     self.members = np.asarray(members, np.int64)
@@ -210,6 +224,7 @@ class TrainData:
     dropped_too_long: examples longer than the configured maxima.
     skipped_empty: pairs with an empty or blank side.
   """
+
   dataset: grain.IterDataset
   steps_per_epoch: int
   num_examples: int
@@ -217,9 +232,14 @@ class TrainData:
   skipped_empty: int
 
 
-def train_dataset(store: token_store.TokenStore, config: ml_collections.ConfigDict, *,
-                  process_index: int = 0, process_count: int = 1,
-                  row_multiple: int = 1) -> TrainData:
+def train_dataset(
+    store: token_store.TokenStore,
+    config: ml_collections.ConfigDict,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    row_multiple: int = 1,
+) -> TrainData:
   """The training batches of this host (see the module doc for bucketing and packing).
 
   Args:
@@ -232,17 +252,25 @@ def train_dataset(store: token_store.TokenStore, config: ml_collections.ConfigDi
   """
   lengths = store.lengths
   nonempty = (lengths > 0).all(axis=1)
-  fits = ((lengths[:, 0] <= config.max_source_length)
-          & (lengths[:, 1] <= config.max_target_length))
+  fits = (lengths[:, 0] <= config.max_source_length) & (lengths[:, 1] <= config.max_target_length)
   keep = nonempty & fits
   skipped_empty = int((~nonempty).sum())
   dropped = int((nonempty & ~fits).sum())
-  logging.info('%s: %d training pairs; skipped %d with an empty side; dropped %d longer '
-               'than %d source / %d target tokens.', store.directory, int(keep.sum()),
-               skipped_empty, dropped, config.max_source_length, config.max_target_length)
+  logging.info(
+      '%s: %d training pairs; skipped %d with an empty side; dropped %d longer '
+      'than %d source / %d target tokens.',
+      store.directory,
+      int(keep.sum()),
+      skipped_empty,
+      dropped,
+      config.max_source_length,
+      config.max_target_length,
+  )
   if not keep.any():
-    raise DataError('No training example is left after filtering; check the data and '
-                    '--config.max_source_length/max_target_length.')
+    raise DataError(
+        'No training example is left after filtering; check the data and '
+        '--config.max_source_length/max_target_length.'
+    )
   max_length = max(config.max_source_length, config.max_target_length)
   shards = row_multiple * process_count
   if config.tokens_per_batch < max_length * shards:
@@ -251,8 +279,14 @@ def train_dataset(store: token_store.TokenStore, config: ml_collections.ConfigDi
         'but every batch has at least one row for each of its %d shards (data shards x '
         'hosts x grad_accum_steps): batches of the longest sentences will hold %d token '
         'slots, %.1fx the budget. Raise --config.tokens_per_batch to %d or more.',
-        config.tokens_per_batch, shards, max_length, shards, max_length * shards,
-        max_length * shards / config.tokens_per_batch, max_length * shards)
+        config.tokens_per_batch,
+        shards,
+        max_length,
+        shards,
+        max_length * shards,
+        max_length * shards / config.tokens_per_batch,
+        max_length * shards,
+    )
   if config.packing:
     rows = rows_for(max_length, config.tokens_per_batch, shards) // process_count
     mine = np.flatnonzero(keep)[process_index::process_count]
@@ -261,19 +295,27 @@ def train_dataset(store: token_store.TokenStore, config: ml_collections.ConfigDi
     steps = max(1, math.ceil(len(mine) * average / (rows * max_length)))
   else:
     buckets = bucket_lengths(config.bucket_boundaries, max_length)
-    plan = plan_buckets(lengths, keep, buckets, config.tokens_per_batch, shards,
-                        config.data_seed)
+    plan = plan_buckets(lengths, keep, buckets, config.tokens_per_batch, shards, config.data_seed)
     steps = len(plan.batch_table)
     options = grain.ReadOptions(num_threads=config.data_threads, prefetch_buffer_size=8)
-    dataset = (grain.MapDataset.range(steps).shuffle(seed=config.data_seed).repeat(None)
-               .map_with_index(_BucketedBatches(store, plan, process_index, process_count))
-               .to_iter_dataset(options))
+    dataset = (
+        grain.MapDataset.range(steps)
+        .shuffle(seed=config.data_seed)
+        .repeat(None)
+        .map_with_index(_BucketedBatches(store, plan, process_index, process_count))
+        .to_iter_dataset(options)
+    )
   return TrainData(dataset, steps, int(keep.sum()), dropped, skipped_empty)
 
 
-def eval_batches(store: token_store.TokenStore, config: ml_collections.ConfigDict, *,
-                 process_index: int = 0, process_count: int = 1,
-                 row_multiple: int = 1) -> Iterator[Batch]:
+def eval_batches(
+    store: token_store.TokenStore,
+    config: ml_collections.ConfigDict,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+    row_multiple: int = 1,
+) -> Iterator[Batch]:
   """Every non-blank pair of `store` exactly once, whole, in unpacked bucketed batches.
 
   Batches are global (every host gets the same number, of the same shapes) and each host
@@ -282,8 +324,7 @@ def eval_batches(store: token_store.TokenStore, config: ml_collections.ConfigDic
   lengths = store.lengths
   keep = (lengths > 0).all(axis=1)
   if (~keep).any():
-    logging.info('%s: skipped %d pairs with an empty side.', store.directory,
-                 int((~keep).sum()))
+    logging.info('%s: skipped %d pairs with an empty side.', store.directory, int((~keep).sum()))
   max_length = max(config.max_source_length, config.max_target_length)
   buckets = bucket_lengths(config.bucket_boundaries, max_length)
   bucket_of = np.array([bucket_length(int(n), buckets) for n in lengths.max(axis=1)])
@@ -293,6 +334,7 @@ def eval_batches(store: token_store.TokenStore, config: ml_collections.ConfigDic
     rows = rows_for(length, config.tokens_per_batch, shards)
     host_rows = rows // process_count
     for start in range(0, len(members), rows):
-      mine = members[start:start + rows][process_index * host_rows:
-                                         (process_index + 1) * host_rows]
+      mine = members[start : start + rows][
+          process_index * host_rows : (process_index + 1) * host_rows
+      ]
       yield store.batch(mine, host_rows, length)

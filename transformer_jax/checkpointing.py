@@ -55,6 +55,7 @@ CHECKPOINT_DIR = 'checkpoints'
 META_FORMAT = 1
 BEST = 'best'  # The step argument that asks for the best checkpoint (`best_step`).
 
+
 class ConfigMismatchError(ConfigError):
   """The config differs from the one of the checkpoint it would resume."""
 
@@ -79,8 +80,11 @@ def flat_config(config: ml_collections.ConfigDict) -> dict[str, str]:
   return {key: json.dumps(value) for key, value in _flatten(config_to_json(config)).items()}
 
 
-def config_differences(saved: Mapping[str, Any], config: ml_collections.ConfigDict,
-                       ignore: frozenset[str] = RESUMABLE_FIELDS) -> list[str]:
+def config_differences(
+    saved: Mapping[str, Any],
+    config: ml_collections.ConfigDict,
+    ignore: frozenset[str] = RESUMABLE_FIELDS,
+) -> list[str]:
   """Lines 'field: checkpoint=<saved> now=<current>' for fields that may not differ."""
   old = {**LEGACY_VALUES, **_flatten(saved)}
   new = _flatten(config_to_json(config))
@@ -96,8 +100,9 @@ def config_differences(saved: Mapping[str, Any], config: ml_collections.ConfigDi
   return lines
 
 
-def check_config_matches(saved: Mapping[str, Any], config: ml_collections.ConfigDict,
-                         directory: str) -> None:
+def check_config_matches(
+    saved: Mapping[str, Any], config: ml_collections.ConfigDict, directory: str
+) -> None:
   """Raises `ConfigMismatchError` listing the fields that differ from the checkpoint's."""
   lines = config_differences(saved, config)
   if lines:
@@ -105,7 +110,8 @@ def check_config_matches(saved: Mapping[str, Any], config: ml_collections.Config
         f'The config does not match the checkpoint in {directory} that this run would '
         'resume; these fields differ:\n  ' + '\n  '.join(lines) + '\nSet them back to the '
         "checkpoint's values to resume, or use a new --workdir to start a new run. (Fields "
-        f'that may change on resume: {", ".join(sorted(RESUMABLE_FIELDS))}.)')
+        f'that may change on resume: {", ".join(sorted(RESUMABLE_FIELDS))}.)'
+    )
 
 
 def make_meta(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -148,7 +154,8 @@ def _checksum_words(x: jax.Array) -> jax.Array:
   stride = 1
   for axis in reversed(range(w.ndim)):
     position = position + jax.lax.broadcasted_iota(jnp.uint32, w.shape, axis) * jnp.uint32(
-        stride % (1 << 32))
+        stride % (1 << 32)
+    )
     stride *= w.shape[axis]
   weight = position % jnp.uint32(65521) + jnp.uint32(1)
   return jnp.stack([jnp.sum(w, dtype=jnp.uint32), jnp.sum(w * weight, dtype=jnp.uint32)])
@@ -158,8 +165,10 @@ def checksums(tree: Any) -> dict[str, str]:
   """A checksum of every array of `tree`, keyed by its path (`jax.tree_util.keystr`)."""
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
   values = jax.device_get([_checksum_words(jnp.asarray(x)) for _, x in flat])
-  return {jax.tree_util.keystr(path): f'{int(v[0]):08x}{int(v[1]):08x}'
-          for (path, _), v in zip(flat, values)}
+  return {
+      jax.tree_util.keystr(path): f'{int(v[0]):08x}{int(v[1]):08x}'
+      for (path, _), v in zip(flat, values)
+  }
 
 
 def verify_checksums(expected: Mapping[str, str] | None, tree: Any) -> None:
@@ -170,16 +179,23 @@ def verify_checksums(expected: Mapping[str, str] | None, tree: Any) -> None:
   actual = checksums(tree)
   wrong = [k for k, v in actual.items() if k in expected and expected[k] != v]
   if wrong:
-    raise ValueError(f'{len(wrong)} of {len(actual)} arrays differ from the checksums saved '
-                     f'with the checkpoint (first: {wrong[0]}); the files were changed '
-                     'after they were written')
+    raise ValueError(
+        f'{len(wrong)} of {len(actual)} arrays differ from the checksums saved '
+        f'with the checkpoint (first: {wrong[0]}); the files were changed '
+        'after they were written'
+    )
 
 
 def _saved_state(state: Any) -> dict[str, Any]:
   """The arrays of a `TrainState` as the checkpoint stores them (items and keys)."""
-  return {'params': state.params,
-          'optimizer': {'opt_state': state.opt_state, 'step': state.step,
-                        'skipped_steps': state.skipped_steps}}
+  return {
+      'params': state.params,
+      'optimizer': {
+          'opt_state': state.opt_state,
+          'step': state.step,
+          'skipped_steps': state.skipped_steps,
+      },
+  }
 
 
 def _metric_key(metric: str) -> Any:
@@ -188,9 +204,16 @@ def _metric_key(metric: str) -> Any:
   return lambda metrics: sign * float(metrics[metric])
 
 
-def _options(*, save_every: int, final_step: int, keep: int, keep_period: int,
-             best_metric: str = '', keep_best: int = 1,
-             read_only: bool = False) -> ocp.CheckpointManagerOptions:
+def _options(
+    *,
+    save_every: int,
+    final_step: int,
+    keep: int,
+    keep_period: int,
+    best_metric: str = '',
+    keep_best: int = 1,
+    read_only: bool = False,
+) -> ocp.CheckpointManagerOptions:
   policies = ocp.checkpoint_managers
   preserve = [policies.LatestN(keep or None)]  # 0 keeps everything.
   if keep_period:
@@ -200,15 +223,18 @@ def _options(*, save_every: int, final_step: int, keep: int, keep_period: int,
   if best_metric:
     # Besides those: the best `keep_best` of the checkpoints saved with metrics.
     best_fn = _metric_key(best_metric)
-    preserve.append(policies.BestN(get_metric_fn=best_fn, n=keep_best,
-                                   keep_checkpoints_without_metrics=False))
+    preserve.append(
+        policies.BestN(get_metric_fn=best_fn, n=keep_best, keep_checkpoints_without_metrics=False)
+    )
   return ocp.CheckpointManagerOptions(
       best_fn=best_fn,  # Also what makes orbax write the metrics.
       best_mode='max',
-      save_decision_policy=policies.AnySavePolicy([
-          policies.FixedIntervalPolicy(save_every),
-          policies.SpecificStepsPolicy((final_step,)),
-      ]),
+      save_decision_policy=policies.AnySavePolicy(
+          [
+              policies.FixedIntervalPolicy(save_every),
+              policies.SpecificStepsPolicy((final_step,)),
+          ]
+      ),
       preservation_policy=policies.AnyPreservationPolicy(preserve),
       enable_async_checkpointing=True,
       cleanup_tmp_directories=not read_only,  # Remove what a killed save left behind.
@@ -223,8 +249,17 @@ class Checkpointer:
   Every process of the job must create it and call `save` and `restore` together.
   """
 
-  def __init__(self, workdir: str, *, save_every: int, final_step: int, keep: int = 5,
-               keep_period: int = 0, best_metric: str = '', keep_best: int = 1):
+  def __init__(
+      self,
+      workdir: str,
+      *,
+      save_every: int,
+      final_step: int,
+      keep: int = 5,
+      keep_period: int = 0,
+      best_metric: str = '',
+      keep_best: int = 1,
+  ):
     """Opens (and creates) `workdir/checkpoints`.
 
     Args:
@@ -241,9 +276,15 @@ class Checkpointer:
     self._bytes = 0  # Of the last checkpoint's arrays.
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=_options(save_every=save_every, final_step=final_step, keep=keep,
-                         keep_period=keep_period, best_metric=best_metric,
-                         keep_best=keep_best))
+        options=_options(
+            save_every=save_every,
+            final_step=final_step,
+            keep=keep,
+            keep_period=keep_period,
+            best_metric=best_metric,
+            keep_best=keep_best,
+        ),
+    )
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -259,8 +300,9 @@ class Checkpointer:
     a kill at any point leaves a step that is found damaged again or no step at all."""
     path = f'{self.directory}/{step}.damaged'
     if jax.process_index() == 0:
-      storage.rename_directory(f'{self.directory}/{step}', path, mark=_GCS_COMMIT_MARKER,
-                               flag='the checkpoint')
+      storage.rename_directory(
+          f'{self.directory}/{step}', path, mark=_GCS_COMMIT_MARKER, flag='the checkpoint'
+      )
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices(f'set_aside_{step}')
     self._manager.reload()
@@ -270,8 +312,15 @@ class Checkpointer:
     """Whether the policy wants `step` saved (every `save_every` steps, and the last)."""
     return self._manager.should_save(step)
 
-  def save(self, state: Any, data_iterator: Any, meta: Mapping[str, Any], *,
-           force: bool = False, metrics: Mapping[str, float] | None = None) -> bool:
+  def save(
+      self,
+      state: Any,
+      data_iterator: Any,
+      meta: Mapping[str, Any],
+      *,
+      force: bool = False,
+      metrics: Mapping[str, float] | None = None,
+  ) -> bool:
     """Starts saving `state` at its step if the policy (or `force`) says so, with the
     validation `metrics` of that step if given (what the best checkpoints are kept by).
 
@@ -296,15 +345,22 @@ class Checkpointer:
             meta=ocp.args.JsonSave({**meta, 'checksums': checksums(arrays)}),
         ),
         metrics=None if metrics is None else {k: float(v) for k, v in metrics.items()},
-        force=force)
+        force=force,
+    )
 
   def restore_meta(self, step: int) -> dict[str, Any]:
     with _damaged(self._manager, self.directory, step, 'meta', resuming=True):
-      return self._manager.restore(step, args=ocp.args.Composite(
-          meta=ocp.args.JsonRestore()))['meta']
+      return self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
+          'meta'
+      ]
 
-  def restore(self, step: int, abstract_state: Any, data_iterator: Any,
-              expected_checksums: Mapping[str, str] | None = None) -> Any:
+  def restore(
+      self,
+      step: int,
+      abstract_state: Any,
+      data_iterator: Any,
+      expected_checksums: Mapping[str, str] | None = None,
+  ) -> Any:
     """Restores the state onto the shardings carried by `abstract_state` and the iterator.
 
     Args:
@@ -322,19 +378,27 @@ class Checkpointer:
       CheckpointError: a file is missing or unreadable, or an array's checksum differs.
     """
     abstract = _saved_state(abstract_state)
-    with _damaged(self._manager, self.directory, step, 'state (params, optimizer or data)',
-                  resuming=True):
-      restored = self._manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(abstract['params']),
-          optimizer=ocp.args.StandardRestore(abstract['optimizer']),
-          data=grain.checkpoint.CheckpointRestore(data_iterator),
-      ))
-      verify_checksums(expected_checksums,
-                       {'params': restored['params'], 'optimizer': restored['optimizer']})
+    with _damaged(
+        self._manager, self.directory, step, 'state (params, optimizer or data)', resuming=True
+    ):
+      restored = self._manager.restore(
+          step,
+          args=ocp.args.Composite(
+              params=ocp.args.StandardRestore(abstract['params']),
+              optimizer=ocp.args.StandardRestore(abstract['optimizer']),
+              data=grain.checkpoint.CheckpointRestore(data_iterator),
+          ),
+      )
+      verify_checksums(
+          expected_checksums, {'params': restored['params'], 'optimizer': restored['optimizer']}
+      )
     optimizer = restored['optimizer']
     return abstract_state.replace(
-        step=optimizer['step'], params=restored['params'],
-        opt_state=optimizer['opt_state'], skipped_steps=optimizer['skipped_steps'])
+        step=optimizer['step'],
+        params=restored['params'],
+        opt_state=optimizer['opt_state'],
+        skipped_steps=optimizer['skipped_steps'],
+    )
 
   @contextlib.contextmanager
   def reporting_full_disk(self) -> Iterator[None]:
@@ -345,13 +409,17 @@ class Checkpointer:
     except Exception as e:
       if not isinstance(find_user_error(e), DiskFullError):
         raise
-      size = (f'about {self._bytes / 1e6:,.1f} MB' if self._bytes else 'the size of the '
-              'parameters and twice that for Adam')
+      size = (
+          f'about {self._bytes / 1e6:,.1f} MB'
+          if self._bytes
+          else 'the size of the ' 'parameters and twice that for Adam'
+      )
       raise DiskFullError(
           f'No space left on the disk of {os.path.dirname(self.directory)} while writing a '
           f'checkpoint (each needs {size} there); the checkpoints before it are complete. '
           'Free some space or point --workdir at a disk with room, then rerun the same '
-          'command to resume.') from e
+          'command to resume.'
+      ) from e
 
   def check_for_errors(self) -> None:
     """Raises now, not at the next save, if the save in the background failed."""
@@ -374,10 +442,13 @@ _GCS_COMMIT_MARKER = 'commit_success.txt'  # Orbax's, in a finished step on Clou
 def _reader(workdir: str) -> ocp.CheckpointManager:
   directory = storage.resolve(workdir) + '/' + CHECKPOINT_DIR
   if not storage.is_directory(directory):
-    raise CheckpointNotFoundError(f'{directory} does not exist: {workdir} holds no '
-                                  'checkpoints; pass the --workdir of a training run.')
-  return ocp.CheckpointManager(directory, options=_options(
-      save_every=1, final_step=0, keep=0, keep_period=0, read_only=True))
+    raise CheckpointNotFoundError(
+        f'{directory} does not exist: {workdir} holds no '
+        'checkpoints; pass the --workdir of a training run.'
+    )
+  return ocp.CheckpointManager(
+      directory, options=_options(save_every=1, final_step=0, keep=0, keep_period=0, read_only=True)
+  )
 
 
 def list_steps(workdir: str) -> list[int]:
@@ -386,19 +457,21 @@ def list_steps(workdir: str) -> list[int]:
     return sorted(manager.all_steps())
 
 
-def _resolve_step(manager: ocp.CheckpointManager, workdir: str,
-                  step: int | str | None) -> int:
+def _resolve_step(manager: ocp.CheckpointManager, workdir: str, step: int | str | None) -> int:
   steps = sorted(manager.all_steps())
   if not steps:
-    raise CheckpointNotFoundError(f'{workdir} has no complete checkpoint; train first, or '
-                                  'pass the --workdir of a training run.')
+    raise CheckpointNotFoundError(
+        f'{workdir} has no complete checkpoint; train first, or '
+        'pass the --workdir of a training run.'
+    )
   if step is None:
     return steps[-1]
   if step == BEST:
     return _best_step(manager, workdir, steps)
   if step not in steps:
-    raise CheckpointNotFoundError(f'{workdir} has no checkpoint for step {step}; it has '
-                                  f'{steps}.')
+    raise CheckpointNotFoundError(
+        f'{workdir} has no checkpoint for step {step}; it has ' f'{steps}.'
+    )
   return step
 
 
@@ -406,13 +479,13 @@ def _best_step(manager: ocp.CheckpointManager, workdir: str, steps: list[int]) -
   """The step of the best checkpoint by the run's `best_checkpoint_metric` (of the latest
   checkpoint's config), among those saved with validation metrics; ties: the later."""
   with _damaged(manager, manager.directory, steps[-1], 'meta'):
-    meta = manager.restore(steps[-1], args=ocp.args.Composite(
-        meta=ocp.args.JsonRestore()))['meta']
+    meta = manager.restore(steps[-1], args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
   metric = meta.get('config', {}).get('best_checkpoint_metric', '')
   if not metric:
     raise CheckpointNotFoundError(
-        f'{workdir} keeps no best checkpoint (its run has best_checkpoint_metric=\'\'); pass '
-        f'--step (it has {steps}), or train with --config.best_checkpoint_metric=bleu.')
+        f"{workdir} keeps no best checkpoint (its run has best_checkpoint_metric=''); pass "
+        f'--step (it has {steps}), or train with --config.best_checkpoint_metric=bleu.'
+    )
   key = _metric_key(metric)
   scored = []
   for step in steps:
@@ -422,13 +495,15 @@ def _best_step(manager: ocp.CheckpointManager, workdir: str, steps: list[int]) -
   if not scored:
     raise CheckpointNotFoundError(
         f'No checkpoint of {workdir} ({steps}) was saved with validation {metric} yet; one is '
-        'at each evaluation (eval_every_steps). Pass --step meanwhile.')
+        'at each evaluation (eval_every_steps). Pass --step meanwhile.'
+    )
   return max(scored)[1]
 
 
 @contextlib.contextmanager
-def _damaged(manager: ocp.CheckpointManager, directory: str, step: int, item: str, *,
-             resuming: bool = False) -> Iterator[None]:
+def _damaged(
+    manager: ocp.CheckpointManager, directory: str, step: int, item: str, *, resuming: bool = False
+) -> Iterator[None]:
   """Turns any failure to read `item` of checkpoint `step` into a `CheckpointError`."""
   try:
     yield
@@ -441,23 +516,30 @@ def _damaged(manager: ocp.CheckpointManager, directory: str, step: int, item: st
           f'Checkpoint {step} in {directory} was deleted while it was being read: the '
           'training run writing there keeps only its latest checkpoints (keep_checkpoints) '
           f'and rotated it away. It has {sorted(manager.all_steps())} now; rerun to take '
-          'those.') from e
+          'those.'
+      ) from e
     others = [s for s in sorted(manager.all_steps()) if s != step]
     detail = ' '.join(f'{type(e).__name__}: {e}'.split())[:300]
     if resuming:
-      advice = (f'Training resumes from the newest intact checkpoint if there is one '
-                f'({others or "none left"}); to start over instead, move this one aside '
-                f'(mv {directory}/{step} {directory}/{step}.damaged)')
+      advice = (
+          f'Training resumes from the newest intact checkpoint if there is one '
+          f'({others or "none left"}); to start over instead, move this one aside '
+          f'(mv {directory}/{step} {directory}/{step}.damaged)'
+      )
     else:
-      advice = (f'Pick another checkpoint with --step (this run has {others or "no other"})'
-                ', or restore the files from a copy')
+      advice = (
+          f'Pick another checkpoint with --step (this run has {others or "no other"})'
+          ', or restore the files from a copy'
+      )
     raise CheckpointError(
         f'Checkpoint {step} in {directory} cannot be read: its {item} is damaged or '
-        f'incomplete ({detail}). {advice}.') from e
+        f'incomplete ({detail}). {advice}.'
+    ) from e
 
 
-def restore_params(workdir: str, step: int | str | None = None, *,
-                   shardings: Any = None) -> tuple[Any, int]:
+def restore_params(
+    workdir: str, step: int | str | None = None, *, shardings: Any = None
+) -> tuple[Any, int]:
   """The parameters of one checkpoint (nothing else is read).
 
   Args:
@@ -476,17 +558,22 @@ def restore_params(workdir: str, step: int | str | None = None, *,
       if metadata is None:  # A manager that has not restored 'params' yet has no handler.
         # Not a restore without a target: that places arrays as they were saved, and fails
         # for a checkpoint of several processes (their devices are not this one's).
-        metadata = ocp.StandardCheckpointHandler().metadata(
-            manager.directory / str(step) / 'params').tree
+        metadata = (
+            ocp.StandardCheckpointHandler().metadata(manager.directory / str(step) / 'params').tree
+        )
       if shardings is None:
         shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
       if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, metadata)
       abstract = jax.tree.map(
-          lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), metadata,
-          shardings)
-      restored = manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+          lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), metadata, shardings
+      )
+      restored = manager.restore(
+          step,
+          args=ocp.args.Composite(
+              params=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+          ),
+      )
       params = restored['params']
       saved = restored['meta'] if isinstance(restored['meta'], dict) else {}
       verify_checksums(saved.get('checksums'), {'params': params})
@@ -505,15 +592,19 @@ def write_params_checkpoint(workdir: str, step: int, params: Any, meta: dict[str
   """
   directory = storage.resolve(workdir) + '/' + CHECKPOINT_DIR
   if storage.is_directory(f'{directory}/{step}'):
-    raise OutputExistsError(f'{directory}/{step} already exists; choose another output '
-                            'directory or remove it.')
+    raise OutputExistsError(
+        f'{directory}/{step} already exists; choose another output ' 'directory or remove it.'
+    )
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
   with ocp.CheckpointManager(directory, options=options) as manager:
-    manager.save(step, args=ocp.args.Composite(
-        params=ocp.args.StandardSave(params),
-        meta=ocp.args.JsonSave({**meta, 'checksums': checksums(
-            {'params': params})})),
-                 force=True)
+    manager.save(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            meta=ocp.args.JsonSave({**meta, 'checksums': checksums({'params': params})}),
+        ),
+        force=True,
+    )
     manager.wait_until_finished()
   return f'{directory}/{step}'
 
@@ -524,8 +615,7 @@ def read_meta(workdir: str, step: int | str | None = None) -> tuple[dict[str, An
   with _reader(workdir) as manager:
     step = _resolve_step(manager, workdir, step)
     with _damaged(manager, manager.directory, step, 'meta'):
-      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))[
-          'meta']
+      meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
       if not isinstance(meta, dict) or not {'config', 'vocab_size', 'tokenizer'} <= set(meta):
         raise ValueError('the meta item lacks config, vocab_size or tokenizer')
   return meta, step
@@ -540,8 +630,7 @@ def newest_readable_meta(workdir: str) -> dict[str, Any] | None:
     for step in sorted(manager.all_steps(), reverse=True):
       try:
         with _damaged(manager, manager.directory, step, 'meta'):
-          meta = manager.restore(step, args=ocp.args.Composite(
-              meta=ocp.args.JsonRestore()))['meta']
+          meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
       except CheckpointError:
         continue
       if isinstance(meta, dict) and 'config' in meta:
@@ -571,9 +660,12 @@ def tokenizer_from_meta(meta: Mapping[str, Any]) -> Tokenizer:
 # Orbax warnings about what the commands do on purpose: checkpoints saved between evaluations
 # carry no metrics; reading opens the checkpoints read-only; a restore of some items leaves
 # the others ("Item ... was found in the checkpoint, but could not be restored").
-_EXPECTED_ORBAX_WARNINGS = ('did not provide metrics', 'Given directory is read only',
-                            'read_only=True, setting save_interval_steps=0',
-                            'was found in the checkpoint, but could not be restored')
+_EXPECTED_ORBAX_WARNINGS = (
+    'did not provide metrics',
+    'Given directory is read only',
+    'read_only=True, setting save_interval_steps=0',
+    'was found in the checkpoint, but could not be restored',
+)
 
 
 def quiet_orbax(record: std_logging.LogRecord, verbose: bool) -> bool:
@@ -587,7 +679,8 @@ def quiet_orbax(record: std_logging.LogRecord, verbose: bool) -> bool:
     # retrieved") with orbax's frames in its traceback.
     failure = record.exc_info[2] if record.exc_info else None
     from_orbax = failure is not None and any(
-        '/orbax/' in frame.filename for frame in traceback.extract_tb(failure))
+        '/orbax/' in frame.filename for frame in traceback.extract_tb(failure)
+    )
     return not from_orbax or verbose
   if record.levelno >= std_logging.ERROR:
     return verbose

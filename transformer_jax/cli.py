@@ -37,8 +37,9 @@ from transformer_jax import host_memory
 from transformer_jax import paths
 from transformer_jax.config import LENGTH_PENALTY_FORMS
 
-VERBOSE = flags.DEFINE_bool('verbose', False,
-                            'On an error, print the traceback as well as the message.')
+VERBOSE = flags.DEFINE_bool(
+    'verbose', False, 'On an error, print the traceback as well as the message.'
+)
 
 
 def program() -> str:
@@ -74,19 +75,28 @@ def _config_file_error(argv: list[str], error: BaseException) -> str | None:
     return None
   if isinstance(error, SyntaxError) or isinstance(error.__cause__, SyntaxError):
     syntax = error if isinstance(error, SyntaxError) else error.__cause__
-    return (f'--config={path} is not valid Python: {syntax.msg} at line {syntax.lineno}; '
-            'fix the file (configs/*.py are examples).')
+    return (
+        f'--config={path} is not valid Python: {syntax.msg} at line {syntax.lineno}; '
+        'fix the file (configs/*.py are examples).'
+    )
   text = str(error)
   if 'get_config' in text:
-    return (f'--config={path} has no get_config() function; a config file defines '
-            '`def get_config():` returning an ml_collections.ConfigDict (see configs/tiny.py).')
+    return (
+        f'--config={path} has no get_config() function; a config file defines '
+        '`def get_config():` returning an ml_collections.ConfigDict (see configs/tiny.py).'
+    )
   if isinstance(error, (FileNotFoundError, IOError)) and not os.path.isfile(path):
     shipped = configs_directory()
-    names = sorted(n[:-3] for n in os.listdir(shipped) if n.endswith('.py')
-                   and not n.startswith('_')) if shipped else []
+    names = (
+        sorted(n[:-3] for n in os.listdir(shipped) if n.endswith('.py') and not n.startswith('_'))
+        if shipped
+        else []
+    )
     problem = 'is a directory' if os.path.isdir(path) else 'does not exist'
-    return (f'--config={path} {problem}; pass a config file, or the name of a shipped '
-            f'one: {", ".join(names)}.')
+    return (
+        f'--config={path} {problem}; pass a config file, or the name of a shipped '
+        f'one: {", ".join(names)}.'
+    )
   return None
 
 
@@ -96,8 +106,7 @@ def configs_directory() -> str | None:
   spec = importlib.util.find_spec('transformer_jax.configs')
   if spec is not None and spec.submodule_search_locations:
     return list(spec.submodule_search_locations)[0]
-  checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          'configs')
+  checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'configs')
   return checkout if os.path.isdir(checkout) else None
 
 
@@ -111,8 +120,12 @@ def _shipped_config(argv: list[str]) -> list[str]:
     if arg.startswith('--config='):
       value = arg.split('=', 1)[1]
       name = value if value.endswith('.py') else value + '.py'
-      if (directory and not os.path.isfile(value) and os.sep not in value
-          and os.path.isfile(os.path.join(directory, name))):
+      if (
+          directory
+          and not os.path.isfile(value)
+          and os.sep not in value
+          and os.path.isfile(os.path.join(directory, name))
+      ):
         arg = f'--config={os.path.join(directory, name)}'
     out.append(arg)
   return out
@@ -131,16 +144,24 @@ def parse_flags(argv: list[str]) -> list[str]:
     if message:
       fail(message)
     text = ' '.join(str(e).replace('\\n', '\n').split())
-    if isinstance(e, (AttributeError, KeyError)) and any(a.startswith('--config.')
-                                                         for a in argv):
-      bad = [a.split('=')[0] for a in argv if a.startswith('--config.')
-             and a.split('=')[0].rsplit('.', 1)[-1] in text]
+    if isinstance(e, (AttributeError, KeyError)) and any(a.startswith('--config.') for a in argv):
+      bad = [
+          a.split('=')[0]
+          for a in argv
+          if a.startswith('--config.') and a.split('=')[0].rsplit('.', 1)[-1] in text
+      ]
       suggestion = re.search(r'Did you mean "([\w.]+)"', text)
-      fail(f'{bad[0] if bad else "a --config flag"} is not a field of the config'
-           + (f' (did you mean {bad[0].rsplit(".", 1)[0] if bad else "--config"}.'
-              f'{suggestion.group(1)}?)' if suggestion else '')
-           + '; the fields and their defaults are in transformer_jax/config.py '
-           '(base_config).')
+      fail(
+          f'{bad[0] if bad else "a --config flag"} is not a field of the config'
+          + (
+              f' (did you mean {bad[0].rsplit(".", 1)[0] if bad else "--config"}.'
+              f'{suggestion.group(1)}?)'
+              if suggestion
+              else ''
+          )
+          + '; the fields and their defaults are in transformer_jax/config.py '
+          '(base_config).'
+      )
     fail(f'invalid flags: {text[:600]}. Run with --help for the flags.')
 
 
@@ -160,8 +181,10 @@ def run(main: Callable[[list[str]], Any]) -> None:
     if len(argv) > 1:
       fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
     from transformer_jax import checkpointing  # Not for --help: orbax loads slowly.
+
     logging.get_absl_handler().addFilter(
-        functools.partial(checkpointing.quiet_orbax, verbose=VERBOSE.value))
+        functools.partial(checkpointing.quiet_orbax, verbose=VERBOSE.value)
+    )
     if not VERBOSE.value:
       # gcsfs logs each retry and its final failure with a traceback; the failure reaches
       # the command, which reports it in one paragraph (storage.cloud_error).
@@ -199,13 +222,22 @@ def run(main: Callable[[list[str]], Any]) -> None:
     raise
 
 
-HELP_FLAGS = ('--help', '-help', '-?', '--helpshort', '-helpshort', '--helpfull',
-              '-helpfull', '--helpxml', '-helpxml')
+HELP_FLAGS = (
+    '--help',
+    '-help',
+    '-?',
+    '--helpshort',
+    '-helpshort',
+    '--helpfull',
+    '-helpfull',
+    '--helpxml',
+    '-helpxml',
+)
 
 
 def _asks_for_help(args: list[str]) -> bool:
   """Whether absl reads one of `args` (before any `--`) as a help flag."""
-  options = args[:args.index('--')] if '--' in args else args
+  options = args[: args.index('--')] if '--' in args else args
   return any(arg in HELP_FLAGS for arg in options)
 
 
@@ -238,9 +270,11 @@ class CheckpointFlags:
 def define_compilation_cache_flag() -> flags.FlagHolder:
   """--compilation_cache_dir, for every command that compiles (once per command)."""
   return flags.DEFINE_string(
-      'compilation_cache_dir', None,
+      'compilation_cache_dir',
+      None,
       'A persistent JAX compilation cache: a directory where compiled programs are kept, so '
-      'that a rerun (a resume, another evaluation) loads them instead of compiling.')
+      'that a rerun (a resume, another evaluation) loads them instead of compiling.',
+  )
 
 
 def use_compilation_cache(directory: str | None) -> None:
@@ -251,6 +285,7 @@ def use_compilation_cache(directory: str | None) -> None:
   paths.require_local(directory, '--compilation_cache_dir', 'the compilation cache')
   paths.check_output_directory(directory, '--compilation_cache_dir')
   import jax
+
   jax.config.update('jax_compilation_cache_dir', directory)
   jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
@@ -264,31 +299,56 @@ def define_checkpoint_flags() -> CheckpointFlags:
   return CheckpointFlags(
       workdir=flags.DEFINE_string('workdir', None, "A training run's work directory."),
       step=flags.DEFINE_string(
-          'step', None, "The checkpoint step (default: the latest), or 'best': the best by "
-          "the run's best_checkpoint_metric (validation BLEU by default)."),
+          'step',
+          None,
+          "The checkpoint step (default: the latest), or 'best': the best by "
+          "the run's best_checkpoint_metric (validation BLEU by default).",
+      ),
       average_last=flags.DEFINE_integer(
-          'average_last', 0, 'Average the parameters of the last N checkpoints (the paper: 5 '
-          'for base, 20 for big); 0: no averaging.'),
+          'average_last',
+          0,
+          'Average the parameters of the last N checkpoints (the paper: 5 '
+          'for base, 20 for big); 0: no averaging.',
+      ),
       beam_size=flags.DEFINE_integer('beam_size', None, 'Beam size; 1 is greedy search.'),
       length_penalty=flags.DEFINE_float('length_penalty', None, 'Length penalty alpha.'),
-      length_penalty_form=flags.DEFINE_enum('length_penalty_form', None,
-                                            list(LENGTH_PENALTY_FORMS),
-                                            'gnmt: ((5+|Y|)/6)^alpha; power: |Y|^alpha.'),
+      length_penalty_form=flags.DEFINE_enum(
+          'length_penalty_form',
+          None,
+          list(LENGTH_PENALTY_FORMS),
+          'gnmt: ((5+|Y|)/6)^alpha; power: |Y|^alpha.',
+      ),
       max_decode_extra_length=flags.DEFINE_integer(
-          'max_decode_extra_length', None, "Each sentence's output limit = its source length "
+          'max_decode_extra_length',
+          None,
+          "Each sentence's output limit = its source length "
           '(in tokens, EOS included) + this, at most max_len with learned positions (the '
-          'paper: 50).'),
+          'paper: 50).',
+      ),
       batch_size=flags.DEFINE_integer('batch_size', None, 'Sentences decoded together.'),
-      sampling=flags.DEFINE_bool('sampling', False, 'Sample each output token instead of '
-                                 'beam search (--temperature, --top_k, --top_p, --seed).'),
-      temperature=flags.DEFINE_float('temperature', None, 'With --sampling: divide the '
-                                     'logits by this (1: the model; 0: greedy).'),
-      top_k=flags.DEFINE_integer('top_k', None, 'With --sampling: only the k most probable '
-                                 'tokens (0: all).'),
-      top_p=flags.DEFINE_float('top_p', None, 'With --sampling: only the nucleus of this '
-                               'probability (1: all).'),
-      seed=flags.DEFINE_integer('seed', None, 'With --sampling: the random seed (the same '
-                                'seed, input and --batch_size give the same samples).'),
+      sampling=flags.DEFINE_bool(
+          'sampling',
+          False,
+          'Sample each output token instead of '
+          'beam search (--temperature, --top_k, --top_p, --seed).',
+      ),
+      temperature=flags.DEFINE_float(
+          'temperature',
+          None,
+          'With --sampling: divide the ' 'logits by this (1: the model; 0: greedy).',
+      ),
+      top_k=flags.DEFINE_integer(
+          'top_k', None, 'With --sampling: only the k most probable ' 'tokens (0: all).'
+      ),
+      top_p=flags.DEFINE_float(
+          'top_p', None, 'With --sampling: only the nucleus of this ' 'probability (1: all).'
+      ),
+      seed=flags.DEFINE_integer(
+          'seed',
+          None,
+          'With --sampling: the random seed (the same '
+          'seed, input and --batch_size give the same samples).',
+      ),
       compilation_cache_dir=define_compilation_cache_flag(),
   )
 
@@ -303,8 +363,7 @@ def check_checkpoint_flags(f: CheckpointFlags) -> None:
     logging.set_verbosity(logging.ERROR)
   if not f.workdir.value:
     fail('--workdir is required: the directory of a training run.')
-  paths.check_input_directory(f.workdir.value, '--workdir', "a training run's work "
-                                'directory')
+  paths.check_input_directory(f.workdir.value, '--workdir', "a training run's work " 'directory')
   if f.step.value is not None and not (f.step.value.isdigit() or f.step.value == 'best'):
     fail(f"--step={f.step.value} must be a step number or 'best'.")
   if f.step.value is not None and f.average_last.value:
@@ -312,8 +371,11 @@ def check_checkpoint_flags(f: CheckpointFlags) -> None:
   if f.average_last.value < 0:
     fail(f'--average_last={f.average_last.value} must be >= 0.')
   if not f.sampling.value:
-    given = [name for name in ('temperature', 'top_k', 'top_p', 'seed')
-             if getattr(f, name).value is not None]
+    given = [
+        name
+        for name in ('temperature', 'top_k', 'top_p', 'seed')
+        if getattr(f, name).value is not None
+    ]
     if given:
       fail(f'--{given[0]} is a sampling option; add --sampling (or drop it for beam search).')
 
@@ -336,12 +398,21 @@ def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
 
   use_compilation_cache(f.compilation_cache_dir.value)
   loaded = translator.load_translator(
-      f.workdir.value, step=checkpoint_step(f), average_last=f.average_last.value,
-      beam_size=f.beam_size.value, length_penalty=f.length_penalty.value,
+      f.workdir.value,
+      step=checkpoint_step(f),
+      average_last=f.average_last.value,
+      beam_size=f.beam_size.value,
+      length_penalty=f.length_penalty.value,
       length_penalty_form=f.length_penalty_form.value,
-      max_decode_extra_length=f.max_decode_extra_length.value, batch_size=f.batch_size.value,
-      n_best=n_best, sampling=f.sampling.value, temperature=f.temperature.value,
-      top_k=f.top_k.value, top_p=f.top_p.value, seed=f.seed.value)
+      max_decode_extra_length=f.max_decode_extra_length.value,
+      batch_size=f.batch_size.value,
+      n_best=n_best,
+      sampling=f.sampling.value,
+      temperature=f.temperature.value,
+      top_k=f.top_k.value,
+      top_p=f.top_p.value,
+      seed=f.seed.value,
+  )
   if not flags.FLAGS['verbosity'].present:
     logging.set_verbosity(logging.WARNING)
   return loaded

@@ -69,18 +69,49 @@ VOCAB_MODEL_TYPES = ('bpe', 'unigram')
 # and how layer norms take their statistics, where files live, how to decode). Any other
 # difference stops the resume.
 # ('shuffle_buffer' is a removed field that older checkpoints still hold.)
-RESUMABLE_FIELDS = frozenset({
-    'num_train_steps', 'log_every_steps', 'eval_every_steps', 'eval_batches',
-    'checkpoint_every_steps', 'keep_checkpoints', 'keep_checkpoint_period',
-    'mesh', 'logical_axis_rules', 'grad_accum_steps', 'remat_policy', 'dtype',
-    'layer_norm_statistics', 'logits_sum', 'post_norm_kernel', 'qkv_projection',
-    'attention_implementation', 'nonfinite', 'max_skipped_steps_in_a_row', 'tfds_data_dir',
-    'text_files', 'vocab_path', 'data_threads', 'prepare_workers', 'prefetch_batches',
-    'shuffle_buffer', 'beam_size', 'length_penalty', 'length_penalty_form',
-    'max_decode_extra_length', 'decode_batch_size', 'checkpoints_to_average',
-    'eval_bleu_sentences', 'best_checkpoint_metric', 'keep_best_checkpoints',
-    'init_from', 'init_from_step', 'init_from_map_vocab', 'profile_steps',
-})
+RESUMABLE_FIELDS = frozenset(
+    {
+        'num_train_steps',
+        'log_every_steps',
+        'eval_every_steps',
+        'eval_batches',
+        'checkpoint_every_steps',
+        'keep_checkpoints',
+        'keep_checkpoint_period',
+        'mesh',
+        'logical_axis_rules',
+        'grad_accum_steps',
+        'remat_policy',
+        'dtype',
+        'layer_norm_statistics',
+        'logits_sum',
+        'post_norm_kernel',
+        'qkv_projection',
+        'attention_implementation',
+        'nonfinite',
+        'max_skipped_steps_in_a_row',
+        'tfds_data_dir',
+        'text_files',
+        'vocab_path',
+        'data_threads',
+        'prepare_workers',
+        'prefetch_batches',
+        'shuffle_buffer',
+        'beam_size',
+        'length_penalty',
+        'length_penalty_form',
+        'max_decode_extra_length',
+        'decode_batch_size',
+        'checkpoints_to_average',
+        'eval_bleu_sentences',
+        'best_checkpoint_metric',
+        'keep_best_checkpoints',
+        'init_from',
+        'init_from_step',
+        'init_from_map_vocab',
+        'profile_steps',
+    }
+)
 
 # Fields added after checkpoints were already being written, with the value that reproduces
 # what a run did before the field existed. A saved config without the field means this value
@@ -261,9 +292,11 @@ def profile_range(config: ml_collections.ConfigDict) -> tuple[int, int] | None:
   if text == '':
     return None
   parts = text.split(':') if isinstance(text, str) else []
-  _require(len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) < int(parts[1]),
-           f"profile_steps={text!r} must be 'A:B' with whole numbers A < B (steps A+1 to B are "
-           "traced, e.g. '10:15'), or '' for none.")
+  _require(
+      len(parts) == 2 and all(p.isdigit() for p in parts) and int(parts[0]) < int(parts[1]),
+      f"profile_steps={text!r} must be 'A:B' with whole numbers A < B (steps A+1 to B are "
+      "traced, e.g. '10:15'), or '' for none.",
+  )
   return int(parts[0]), int(parts[1])
 
 
@@ -274,12 +307,15 @@ def _require(condition: bool, message: str) -> None:
 
 def _int_at_least(config: ml_collections.ConfigDict, name: str, low: int, hint: str) -> None:
   value = config[name]
-  _require(isinstance(value, int) and not isinstance(value, bool) and value >= low,
-           f'{name}={value!r} must be an int >= {low}{hint}; set --config.{name}.')
+  _require(
+      isinstance(value, int) and not isinstance(value, bool) and value >= low,
+      f'{name}={value!r} must be an int >= {low}{hint}; set --config.{name}.',
+  )
 
 
-def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None,
-             training: bool = False) -> None:
+def validate(
+    config: ml_collections.ConfigDict, *, vocab_size: int | None = None, training: bool = False
+) -> None:
   """Checks the fields this module owns (all but the optimizer's and decoding's, which their
   dataclasses check: `config_checks.validate_run` runs all); cheap, run before compiling.
 
@@ -293,78 +329,119 @@ def validate(config: ml_collections.ConfigDict, *, vocab_size: int | None = None
   Raises:
     ConfigError: the first field that cannot work, with what to set instead.
   """
-  for name in ('num_train_steps', 'log_every_steps', 'checkpoint_every_steps',
-               'grad_accum_steps', 'tokens_per_batch', 'max_source_length',
-               'max_target_length', 'decode_batch_size', 'checkpoints_to_average',
-               'data_threads'):
+  for name in (
+      'num_train_steps',
+      'log_every_steps',
+      'checkpoint_every_steps',
+      'grad_accum_steps',
+      'tokens_per_batch',
+      'max_source_length',
+      'max_target_length',
+      'decode_batch_size',
+      'checkpoints_to_average',
+      'data_threads',
+  ):
     _int_at_least(config, name, 1, '')
-  for name in ('eval_every_steps', 'eval_batches', 'keep_checkpoints',
-               'keep_checkpoint_period', 'max_skipped_steps_in_a_row', 'prepare_workers',
-               'prefetch_batches'):
+  for name in (
+      'eval_every_steps',
+      'eval_batches',
+      'keep_checkpoints',
+      'keep_checkpoint_period',
+      'max_skipped_steps_in_a_row',
+      'prepare_workers',
+      'prefetch_batches',
+  ):
     _int_at_least(config, name, 0, ' (0 turns it off)')
   _int_at_least(config, 'eval_bleu_sentences', 0, ' (0 turns it off)')
   _int_at_least(config, 'keep_best_checkpoints', 1, '')
   metric = config.best_checkpoint_metric
-  _require(metric in BEST_CHECKPOINT_METRICS,
-           f'best_checkpoint_metric={metric!r} must be one of '
-           f"{tuple(BEST_CHECKPOINT_METRICS)} ('' keeps no best checkpoint).")
-  _require(metric not in ('bleu', 'chrf') or config.eval_bleu_sentences > 0,
-           f'best_checkpoint_metric={metric!r} needs validation translations, but '
-           'eval_bleu_sentences=0; set --config.eval_bleu_sentences (e.g. 512), or '
-           "--config.best_checkpoint_metric=loss (or '' for none).")
+  _require(
+      metric in BEST_CHECKPOINT_METRICS,
+      f'best_checkpoint_metric={metric!r} must be one of '
+      f"{tuple(BEST_CHECKPOINT_METRICS)} ('' keeps no best checkpoint).",
+  )
+  _require(
+      metric not in ('bleu', 'chrf') or config.eval_bleu_sentences > 0,
+      f'best_checkpoint_metric={metric!r} needs validation translations, but '
+      'eval_bleu_sentences=0; set --config.eval_bleu_sentences (e.g. 512), or '
+      "--config.best_checkpoint_metric=loss (or '' for none).",
+  )
   profile_range(config)
   step = config.init_from_step
-  _require(isinstance(step, str) and (step in ('', 'best') or step.isdigit()),
-           f"init_from_step={step!r} must be '' (the latest), a step number or 'best'.")
-  _require(not step or config.init_from,
-           f'init_from_step={step!r} needs --config.init_from, the work directory to start '
-           'from.')
-  _require(isinstance(config.init_from_map_vocab, bool)
-           and (not config.init_from_map_vocab or config.init_from),
-           f'init_from_map_vocab={config.init_from_map_vocab!r} must be a bool, and True '
-           'only with --config.init_from.')
-  _int_at_least(config, 'vocab_size_target', 8,
-                ' (4 ids are taken by pad, bos, eos, unk; the paper: 37000)')
-  _require(config.vocab_model_type in VOCAB_MODEL_TYPES,
-           f'vocab_model_type={config.vocab_model_type!r} must be one of {VOCAB_MODEL_TYPES}.')
-  _require(config.nonfinite in NONFINITE_MODES,
-           f'nonfinite={config.nonfinite!r} must be one of {NONFINITE_MODES}: '
-           "'skip' drops the update and counts it, 'stop' ends the run.")
-  _require(config.dropout_rng_impl in DROPOUT_RNG_IMPLS,
-           f'dropout_rng_impl={config.dropout_rng_impl!r} must be one of {DROPOUT_RNG_IMPLS}; '
-           "'rbg' is fast, 'threefry2x32' the same on every mesh.")
-  _require(isinstance(config.label_smoothing, (int, float))
-           and 0.0 <= config.label_smoothing < 1.0,
-           f'label_smoothing={config.label_smoothing!r} must be in [0, 1) (the paper: 0.1).')
-  _require(config.attention_implementation in ATTENTION_IMPLEMENTATIONS,
-           f'attention_implementation={config.attention_implementation!r} must be one of '
-           f"{ATTENTION_IMPLEMENTATIONS} ('' lets JAX choose).")
+  _require(
+      isinstance(step, str) and (step in ('', 'best') or step.isdigit()),
+      f"init_from_step={step!r} must be '' (the latest), a step number or 'best'.",
+  )
+  _require(
+      not step or config.init_from,
+      f'init_from_step={step!r} needs --config.init_from, the work directory to start ' 'from.',
+  )
+  _require(
+      isinstance(config.init_from_map_vocab, bool)
+      and (not config.init_from_map_vocab or config.init_from),
+      f'init_from_map_vocab={config.init_from_map_vocab!r} must be a bool, and True '
+      'only with --config.init_from.',
+  )
+  _int_at_least(
+      config, 'vocab_size_target', 8, ' (4 ids are taken by pad, bos, eos, unk; the paper: 37000)'
+  )
+  _require(
+      config.vocab_model_type in VOCAB_MODEL_TYPES,
+      f'vocab_model_type={config.vocab_model_type!r} must be one of {VOCAB_MODEL_TYPES}.',
+  )
+  _require(
+      config.nonfinite in NONFINITE_MODES,
+      f'nonfinite={config.nonfinite!r} must be one of {NONFINITE_MODES}: '
+      "'skip' drops the update and counts it, 'stop' ends the run.",
+  )
+  _require(
+      config.dropout_rng_impl in DROPOUT_RNG_IMPLS,
+      f'dropout_rng_impl={config.dropout_rng_impl!r} must be one of {DROPOUT_RNG_IMPLS}; '
+      "'rbg' is fast, 'threefry2x32' the same on every mesh.",
+  )
+  _require(
+      isinstance(config.label_smoothing, (int, float)) and 0.0 <= config.label_smoothing < 1.0,
+      f'label_smoothing={config.label_smoothing!r} must be in [0, 1) (the paper: 0.1).',
+  )
+  _require(
+      config.attention_implementation in ATTENTION_IMPLEMENTATIONS,
+      f'attention_implementation={config.attention_implementation!r} must be one of '
+      f"{ATTENTION_IMPLEMENTATIONS} ('' lets JAX choose).",
+  )
   boundaries = tuple(config.bucket_boundaries)
-  _require(all(isinstance(b, int) and b > 0 for b in boundaries)
-           and list(boundaries) == sorted(set(boundaries)),
-           f'bucket_boundaries={boundaries!r} must be positive ints in increasing order, '
-           'e.g. (8, 16, 32, 64, 128, 256).')
+  _require(
+      all(isinstance(b, int) and b > 0 for b in boundaries)
+      and list(boundaries) == sorted(set(boundaries)),
+      f'bucket_boundaries={boundaries!r} must be positive ints in increasing order, '
+      'e.g. (8, 16, 32, 64, 128, 256).',
+  )
   longest = max(config.max_source_length, config.max_target_length)
   if config.positional_encoding == 'learned':
-    _require(config.max_len >= longest,
-             f'max_len={config.max_len} is shorter than max_source_length='
-             f'{config.max_source_length}/max_target_length={config.max_target_length}, but '
-             'learned positions have no embedding past max_len (every step would be NaN); '
-             f'set --config.max_len={longest} or lower the lengths.')
+    _require(
+        config.max_len >= longest,
+        f'max_len={config.max_len} is shorter than max_source_length='
+        f'{config.max_source_length}/max_target_length={config.max_target_length}, but '
+        'learned positions have no embedding past max_len (every step would be NaN); '
+        f'set --config.max_len={longest} or lower the lengths.',
+    )
   if training:
-    _require(config.max_len >= longest,
-             f'max_len={config.max_len} is shorter than max_source_length='
-             f'{config.max_source_length}/max_target_length={config.max_target_length}: the '
-             'model would train on sentences up to that length, and then translate (validation '
-             'BLEU, evaluate.py, translate.py) only the first max_len tokens of each source; '
-             f'set --config.max_len={longest} or lower the lengths to {config.max_len}.')
-    _require(config.tokens_per_batch >= longest,
-             f'tokens_per_batch={config.tokens_per_batch} is less than one row of the longest '
-             f'training sentences ({longest} tokens: max_source_length/max_target_length); '
-             'a batch always holds at least one row a data shard, so batches of long '
-             f'sentences would be up to {longest / config.tokens_per_batch:.0f}x the budget. '
-             f'Set --config.tokens_per_batch to at least {longest} (the paper: 25000), or '
-             'lower the lengths.')
+    _require(
+        config.max_len >= longest,
+        f'max_len={config.max_len} is shorter than max_source_length='
+        f'{config.max_source_length}/max_target_length={config.max_target_length}: the '
+        'model would train on sentences up to that length, and then translate (validation '
+        'BLEU, evaluate.py, translate.py) only the first max_len tokens of each source; '
+        f'set --config.max_len={longest} or lower the lengths to {config.max_len}.',
+    )
+    _require(
+        config.tokens_per_batch >= longest,
+        f'tokens_per_batch={config.tokens_per_batch} is less than one row of the longest '
+        f'training sentences ({longest} tokens: max_source_length/max_target_length); '
+        'a batch always holds at least one row a data shard, so batches of long '
+        f'sentences would be up to {longest / config.tokens_per_batch:.0f}x the budget. '
+        f'Set --config.tokens_per_batch to at least {longest} (the paper: 25000), or '
+        'lower the lengths.',
+    )
   TransformerConfig.from_config(config, vocab_size=vocab_size or config.vocab_size_target)
 
 
@@ -429,62 +506,102 @@ class TransformerConfig:
   decode: bool = False  # True: one token a call, reading and writing the key/value cache.
 
   def __post_init__(self):
-    _require(isinstance(self.vocab_size, int) and self.vocab_size > 3,
-             f'vocab_size={self.vocab_size!r} must be an int > 3 (ids 0-3 are '
-             'pad, bos, eos, unk); set --config.vocab_size or train a vocabulary.')
+    _require(
+        isinstance(self.vocab_size, int) and self.vocab_size > 3,
+        f'vocab_size={self.vocab_size!r} must be an int > 3 (ids 0-3 are '
+        'pad, bos, eos, unk); set --config.vocab_size or train a vocabulary.',
+    )
     for name in ('d_model', 'num_heads', 'd_ff', 'max_len'):
       value = getattr(self, name)
-      _require(isinstance(value, int) and value > 0,
-               f'{name}={value!r} must be a positive int; set --config.{name}.')
+      _require(
+          isinstance(value, int) and value > 0,
+          f'{name}={value!r} must be a positive int; set --config.{name}.',
+      )
     for name in ('num_encoder_layers', 'num_decoder_layers'):
       value = getattr(self, name)
-      _require(isinstance(value, int) and value >= 1,
-               f'{name}={value!r} must be an int >= 1; set --config.{name}.')
-    _require(self.d_model % self.num_heads == 0,
-             f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; '
-             'choose num_heads that divides d_model (the paper: 512/8, 1024/16).')
-    _require(self.positional_encoding != 'rope' or self.head_dim % 2 == 0,
-             f'rope needs an even head dimension, got d_model/num_heads={self.head_dim}.')
+      _require(
+          isinstance(value, int) and value >= 1,
+          f'{name}={value!r} must be an int >= 1; set --config.{name}.',
+      )
+    _require(
+        self.d_model % self.num_heads == 0,
+        f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; '
+        'choose num_heads that divides d_model (the paper: 512/8, 1024/16).',
+    )
+    _require(
+        self.positional_encoding != 'rope' or self.head_dim % 2 == 0,
+        f'rope needs an even head dimension, got d_model/num_heads={self.head_dim}.',
+    )
     _require(self.d_model % 2 == 0, f'd_model={self.d_model} must be even.')
     for name in ('dropout_rate', 'attention_dropout_rate'):
       value = getattr(self, name)
-      _require(isinstance(value, (int, float)) and 0.0 <= value < 1.0,
-               f'{name}={value!r} must be in [0, 1); set --config.{name}=0.1 for example.')
-    _require(self.norm_position in NORM_POSITIONS,
-             f'norm_position={self.norm_position!r} is not one of {NORM_POSITIONS}.')
-    _require(self.layer_norm_statistics in LAYER_NORM_STATISTICS,
-             f'layer_norm_statistics={self.layer_norm_statistics!r} is not one of '
-             f'{LAYER_NORM_STATISTICS}.')
-    _require(self.logits_sum in LOGITS_SUMS,
-             f'logits_sum={self.logits_sum!r} is not one of {LOGITS_SUMS}.')
-    _require(self.qkv_projection in QKV_PROJECTIONS[1:],
-             f'qkv_projection={self.qkv_projection!r} is not one of {QKV_PROJECTIONS}.')
-    _require(self.post_norm_kernel in POST_NORM_KERNELS + ('pallas_interpret',),
-             f'post_norm_kernel={self.post_norm_kernel!r} is not one of {POST_NORM_KERNELS}.')
+      _require(
+          isinstance(value, (int, float)) and 0.0 <= value < 1.0,
+          f'{name}={value!r} must be in [0, 1); set --config.{name}=0.1 for example.',
+      )
+    _require(
+        self.norm_position in NORM_POSITIONS,
+        f'norm_position={self.norm_position!r} is not one of {NORM_POSITIONS}.',
+    )
+    _require(
+        self.layer_norm_statistics in LAYER_NORM_STATISTICS,
+        f'layer_norm_statistics={self.layer_norm_statistics!r} is not one of '
+        f'{LAYER_NORM_STATISTICS}.',
+    )
+    _require(
+        self.logits_sum in LOGITS_SUMS,
+        f'logits_sum={self.logits_sum!r} is not one of {LOGITS_SUMS}.',
+    )
+    _require(
+        self.qkv_projection in QKV_PROJECTIONS[1:],
+        f'qkv_projection={self.qkv_projection!r} is not one of {QKV_PROJECTIONS}.',
+    )
+    _require(
+        self.post_norm_kernel in POST_NORM_KERNELS + ('pallas_interpret',),
+        f'post_norm_kernel={self.post_norm_kernel!r} is not one of {POST_NORM_KERNELS}.',
+    )
     if self.post_norm_kernel != 'xla':
-      _require(self.norm_position == 'post',
-               "post_norm_kernel='pallas' fuses a post-norm sub-layer's residual and norm; "
-               f"with norm_position={self.norm_position!r} set post_norm_kernel='xla'.")
-      _require(self.d_model & (self.d_model - 1) == 0,
-               f"post_norm_kernel='pallas' needs a power-of-two d_model (Triton's blocks), "
-               f"got {self.d_model}; set post_norm_kernel='xla'.")
-    _require(self.positional_encoding in POSITIONAL_ENCODINGS,
-             f'positional_encoding={self.positional_encoding!r} is not one of '
-             f'{POSITIONAL_ENCODINGS}; set --config.positional_encoding to one of them.')
-    _require(self.layer_norm_epsilon > 0,
-             f'layer_norm_epsilon={self.layer_norm_epsilon!r} must be > 0.')
-    for name, choices in (('sinusoid_layout', SINUSOID_LAYOUTS), ('activation', ACTIVATIONS),
-                          ('decoder_start', tuple(DECODER_STARTS))):
+      _require(
+          self.norm_position == 'post',
+          "post_norm_kernel='pallas' fuses a post-norm sub-layer's residual and norm; "
+          f"with norm_position={self.norm_position!r} set post_norm_kernel='xla'.",
+      )
+      _require(
+          self.d_model & (self.d_model - 1) == 0,
+          f"post_norm_kernel='pallas' needs a power-of-two d_model (Triton's blocks), "
+          f"got {self.d_model}; set post_norm_kernel='xla'.",
+      )
+    _require(
+        self.positional_encoding in POSITIONAL_ENCODINGS,
+        f'positional_encoding={self.positional_encoding!r} is not one of '
+        f'{POSITIONAL_ENCODINGS}; set --config.positional_encoding to one of them.',
+    )
+    _require(
+        self.layer_norm_epsilon > 0, f'layer_norm_epsilon={self.layer_norm_epsilon!r} must be > 0.'
+    )
+    for name, choices in (
+        ('sinusoid_layout', SINUSOID_LAYOUTS),
+        ('activation', ACTIVATIONS),
+        ('decoder_start', tuple(DECODER_STARTS)),
+    ):
       value = getattr(self, name)
-      _require(value in choices, f'{name}={value!r} is not one of {choices}; set '
-               f'--config.{name} to one of them.')
-    _require(isinstance(self.logits_bias, bool),
-             f'logits_bias={self.logits_bias!r} must be True or False.')
-    _require(self.attention_implementation in (None,) + ATTENTION_IMPLEMENTATIONS[1:],
-             f'attention_implementation={self.attention_implementation!r} must be '
-             "'' (automatic), 'xla' or 'cudnn'.")
-    _require(self.remat_policy in REMAT_POLICIES,
-             f'remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}.')
+      _require(
+          value in choices,
+          f'{name}={value!r} is not one of {choices}; set ' f'--config.{name} to one of them.',
+      )
+    _require(
+        isinstance(self.logits_bias, bool),
+        f'logits_bias={self.logits_bias!r} must be True or False.',
+    )
+    _require(
+        self.attention_implementation in (None,) + ATTENTION_IMPLEMENTATIONS[1:],
+        f'attention_implementation={self.attention_implementation!r} must be '
+        "'' (automatic), 'xla' or 'cudnn'.",
+    )
+    _require(
+        self.remat_policy in REMAT_POLICIES,
+        f'remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}.',
+    )
 
   @property
   def head_dim(self) -> int:
@@ -496,9 +613,14 @@ class TransformerConfig:
     return DECODER_STARTS[self.decoder_start]
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict,
-                  vocab_size: int | None = None, *, platform: str | None = None,
-                  **overrides: Any) -> 'TransformerConfig':
+  def from_config(
+      cls,
+      config: ml_collections.ConfigDict,
+      vocab_size: int | None = None,
+      *,
+      platform: str | None = None,
+      **overrides: Any,
+  ) -> 'TransformerConfig':
     """Validates and freezes the model fields of `config`.
 
     Args:
@@ -515,18 +637,26 @@ class TransformerConfig:
       ConfigError: a field cannot work; the message says which and how to fix it.
     """
     dtype_name = config.dtype
-    _require(dtype_name in DTYPE_CHOICES,
-             f'dtype={dtype_name!r} is not one of {DTYPE_CHOICES}; ' +
-             ('float16 needs loss scaling, which this project does not do: use bfloat16 '
-              '(same speed, float32 range). ' if dtype_name == 'float16' else '') +
-             "'auto' is bfloat16 on GPU/TPU and float32 on CPU.")
+    _require(
+        dtype_name in DTYPE_CHOICES,
+        f'dtype={dtype_name!r} is not one of {DTYPE_CHOICES}; '
+        + (
+            'float16 needs loss scaling, which this project does not do: use bfloat16 '
+            '(same speed, float32 range). '
+            if dtype_name == 'float16'
+            else ''
+        )
+        + "'auto' is bfloat16 on GPU/TPU and float32 on CPU.",
+    )
     platform = platform or jax.default_backend()
     if dtype_name == 'auto':
       dtype_name = 'bfloat16' if platform in ACCELERATOR_PLATFORMS else 'float32'
     attention = kernel_choice.attention_choice(config, platform, dtype_name)
     size = config.vocab_size or vocab_size
-    _require(size is not None and size > 0,
-             'vocab_size is 0 and no tokenizer size was given; set --config.vocab_size.')
+    _require(
+        size is not None and size > 0,
+        'vocab_size is 0 and no tokenizer size was given; set --config.vocab_size.',
+    )
     fields = dict(
         vocab_size=int(size),
         d_model=config.d_model,
@@ -539,11 +669,10 @@ class TransformerConfig:
         norm_position=config.norm_position,
         layer_norm_epsilon=config.layer_norm_epsilon,
         layer_norm_statistics=config.layer_norm_statistics,
-        logits_sum=config.logits_sum or ('linear' if platform in ('gpu', 'cuda')
-                                          else 'reduce'),
+        logits_sum=config.logits_sum or ('linear' if platform in ('gpu', 'cuda') else 'reduce'),
         post_norm_kernel=kernel_choice.post_norm_kernel(config.post_norm_kernel, platform),
-        qkv_projection=config.qkv_projection or ('stacked' if platform in ('gpu', 'cuda')
-                                                  else 'separate'),
+        qkv_projection=config.qkv_projection
+        or ('stacked' if platform in ('gpu', 'cuda') else 'separate'),
         share_embeddings=config.share_embeddings,
         tie_output_embedding=config.tie_output_embedding,
         positional_encoding=config.positional_encoding,

@@ -15,8 +15,9 @@ from transformer_jax import optimizer
 from transformer_jax import translator
 
 
-def validate_run(config: ml_collections.ConfigDict, *, vocab_size: int | None = None,
-                 training: bool = False) -> None:
+def validate_run(
+    config: ml_collections.ConfigDict, *, vocab_size: int | None = None, training: bool = False
+) -> None:
   """Checks every field of a run config (see `config.validate` for the arguments).
 
   Raises:

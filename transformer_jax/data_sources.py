@@ -13,7 +13,6 @@ TFDS data is read through its array_record data sources. Empty or whitespace-onl
 skipped and counted everywhere (`nonblank_pairs`).
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -49,8 +48,9 @@ class ParallelText(Sequence):
     fingerprint: changes when the data does (the token store compares it).
   """
 
-  def __init__(self, records: Sequence[Any], source_key: Any, target_key: Any, name: str,
-               fingerprint: str):
+  def __init__(
+      self, records: Sequence[Any], source_key: Any, target_key: Any, name: str, fingerprint: str
+  ):
     self._records = records
     self._source_key = source_key
     self._target_key = target_key
@@ -93,8 +93,11 @@ def _text(value: Any) -> str:
 
 
 def _default_data_dir(config: ml_collections.ConfigDict) -> str:
-  return (config.tfds_data_dir or os.environ.get('TFDS_DATA_DIR')
-          or os.path.expanduser('~/tensorflow_datasets'))
+  return (
+      config.tfds_data_dir
+      or os.environ.get('TFDS_DATA_DIR')
+      or os.path.expanduser('~/tensorflow_datasets')
+  )
 
 
 def check_prepared(config: ml_collections.ConfigDict) -> None:
@@ -105,16 +108,18 @@ def check_prepared(config: ml_collections.ConfigDict) -> None:
     _tfds_records(config, config.train_split)
 
 
-def _tfds_records(config: ml_collections.ConfigDict,
-                  split: str) -> tuple[Sequence[Any], str | None]:
+def _tfds_records(
+    config: ml_collections.ConfigDict, split: str
+) -> tuple[Sequence[Any], str | None]:
   """The split's records and the prepared dataset's directory (None if unknown)."""
   name = config.dataset
   family = name.split('/')[0].split(':')[0]
   if family in _TFDS_BUILDER_MODULES:
     importlib.import_module(_TFDS_BUILDER_MODULES[family])
   try:
-    records = tfds.data_source(name, split=split, data_dir=config.tfds_data_dir or None,
-                               download=False)
+    records = tfds.data_source(
+        name, split=split, data_dir=config.tfds_data_dir or None, download=False
+    )
   except Exception as e:  # TFDS raises several types for "not there"; all mean the same here.
     data_dir = _default_data_dir(config)
     raise DatasetNotFoundError(
@@ -134,26 +139,31 @@ def _tfds_records(config: ml_collections.ConfigDict,
   return records, data_dir
 
 
-def _text_file_records(config: ml_collections.ConfigDict,
-                       split: str) -> tuple[list[dict[str, str]], str]:
+def _text_file_records(
+    config: ml_collections.ConfigDict, split: str
+) -> tuple[list[dict[str, str]], str]:
   """The split's pairs and a fingerprint of the two files' contents."""
   spec = config.text_files.get(split) if config.text_files else None
   if not spec or spec.count(',') != 1:
     raise DatasetNotFoundError(
         f"dataset='text' needs --config.text_files.{split}='SOURCE_FILE,TARGET_FILE' "
-        f'(got {spec!r}).')
+        f'(got {spec!r}).'
+    )
   paths = [p.strip() for p in spec.split(',')]
   sides = []
   digest = hashlib.sha256()
   for path in paths:
     if not storage.exists(path):
-      raise DatasetNotFoundError(f'Text file {path} (split {split!r}) does not exist; fix '
-                                 f'--config.text_files.{split}.')
+      raise DatasetNotFoundError(
+          f'Text file {path} (split {split!r}) does not exist; fix ' f'--config.text_files.{split}.'
+      )
     sides.append(_read_text_lines(path, split, digest))
   if len(sides[0]) != len(sides[1]):
-    raise DataError(f'{paths[0]} has {len(sides[0])} lines but {paths[1]} has '
-                    f'{len(sides[1])}; parallel files need one sentence per line each, line i '
-                    f'of one translating line i of the other (--config.text_files.{split}).')
+    raise DataError(
+        f'{paths[0]} has {len(sides[0])} lines but {paths[1]} has '
+        f'{len(sides[1])}; parallel files need one sentence per line each, line i '
+        f'of one translating line i of the other (--config.text_files.{split}).'
+    )
   return [{'source': s, 'target': t} for s, t in zip(*sides)], digest.hexdigest()[:16]
 
 
@@ -172,14 +182,18 @@ def _read_text_lines(path: str, split: str, digest: Any = None) -> list[str]:
   if not data.strip():
     raise DataError(f'Text file {path} (split {split!r}) is empty; {fix}.')
   if b'\0' in data:
-    raise DataError(f'Text file {path} (split {split!r}) holds NUL bytes, so it is binary, not '
-                    f'text; {fix} to name plain text files, one sentence a line.')
+    raise DataError(
+        f'Text file {path} (split {split!r}) holds NUL bytes, so it is binary, not '
+        f'text; {fix} to name plain text files, one sentence a line.'
+    )
   try:
     text = data.decode('utf-8')
   except UnicodeDecodeError as e:
-    line = data[:e.start].count(b'\n') + 1
-    raise DataError(f'Text file {path} (split {split!r}) is not UTF-8 (line {line}: {e.reason}); '
-                    f'convert it, e.g. `iconv -f LATIN1 -t UTF-8`, or {fix}.') from None
+    line = data[: e.start].count(b'\n') + 1
+    raise DataError(
+        f'Text file {path} (split {split!r}) is not UTF-8 (line {line}: {e.reason}); '
+        f'convert it, e.g. `iconv -f LATIN1 -t UTF-8`, or {fix}.'
+    ) from None
   lines = text.split('\n')
   if lines[-1] == '':  # A final newline leaves one empty string behind.
     lines.pop()
@@ -200,8 +214,10 @@ def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
   if config.dataset == 'bible_en_es':
     # Built once; on Cloud Storage by process 0, whose upload the others then find.
     builder = multihost.on_process_0_first(
-        lambda: bible_corpus.prepare(config.tfds_data_dir or None), 'Bible corpus',
-        storage.is_remote(config.tfds_data_dir))
+        lambda: bible_corpus.prepare(config.tfds_data_dir or None),
+        'Bible corpus',
+        storage.is_remote(config.tfds_data_dir),
+    )
     records, data_dir = builder.as_data_source(split), builder.data_dir
   else:
     records, data_dir = _tfds_records(config, split)
@@ -209,18 +225,28 @@ def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
     fields = set(records[0])
     for lang in (config.source_lang, config.target_lang):
       if lang not in fields:
-        raise ConfigError(f'{config.dataset} has no language {lang!r} (fields: '
-                          f'{sorted(fields)}); fix --config.source_lang/target_lang.')
-  return ParallelText(records, config.source_lang, config.target_lang, name,
-                      _records_fingerprint(name, records, data_dir))
+        raise ConfigError(
+            f'{config.dataset} has no language {lang!r} (fields: '
+            f'{sorted(fields)}); fix --config.source_lang/target_lang.'
+        )
+  return ParallelText(
+      records,
+      config.source_lang,
+      config.target_lang,
+      name,
+      _records_fingerprint(name, records, data_dir),
+  )
 
 
 def nonblank_pairs(pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
   """The pairs with text on both sides (the rest are counted in the log)."""
   kept = [(s, t) for s, t in (pairs[i] for i in range(len(pairs))) if s.strip() and t.strip()]
   if len(kept) < len(pairs):
-    logging.info('%s: skipped %d pairs with an empty side.', getattr(pairs, 'name', ''),
-                 len(pairs) - len(kept))
+    logging.info(
+        '%s: skipped %d pairs with an empty side.',
+        getattr(pairs, 'name', ''),
+        len(pairs) - len(kept),
+    )
   return kept
 
 

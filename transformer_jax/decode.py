@@ -77,8 +77,13 @@ def cache_lengths(max_decode_len: int, first: int = FIRST_CACHE_LENGTH) -> tuple
   return tuple(lengths) + (max_decode_len,)
 
 
-def _phased_while(cond: Callable[[Any], jax.Array], body: Callable[[Any], Any], init: Any,
-                  max_decode_len: int, grow_cache: GrowCache | None) -> Any:
+def _phased_while(
+    cond: Callable[[Any], jax.Array],
+    body: Callable[[Any], Any],
+    init: Any,
+    max_decode_len: int,
+    grow_cache: GrowCache | None,
+) -> Any:
   """`lax.while_loop(cond, body, init)`, in phases of growing cache when `grow_cache` is
   given (`init.cache` then has `cache_lengths(max_decode_len)[0]` positions). `init` has
   `step` and `cache` fields; the loop ends where the single loop would."""
@@ -91,11 +96,11 @@ def _phased_while(cond: Callable[[Any], jax.Array], body: Callable[[Any], Any], 
     state = lax.while_loop(lambda s, end=length: cond(s) & (s.step < end), body, state)
   return state
 
+
 NEG_INF = float('-inf')
 
 
-def length_penalty(length: jax.Array | int, alpha: float,
-                   form: str = 'gnmt') -> jax.Array:
+def length_penalty(length: jax.Array | int, alpha: float, form: str = 'gnmt') -> jax.Array:
   """The length penalty lp(Y) that beam search divides log-probabilities by.
 
   Args:
@@ -111,7 +116,7 @@ def length_penalty(length: jax.Array | int, alpha: float,
   if form == 'gnmt':
     return ((5.0 + length) / 6.0) ** alpha
   if form == 'power':
-    return length ** alpha
+    return length**alpha
   raise ValueError(f'length_penalty_form={form!r} is not one of {LENGTH_PENALTY_FORMS}.')
 
 
@@ -126,8 +131,10 @@ def tile_beams(tree: PyTree, beam_size: int) -> PyTree:
     The same pytree with those leaves [batch * beam_size, ...], row b * beam_size + j being
     copy j of row b. Leaves with ndim 0 (shared `cache_index` counters) are unchanged.
   """
+
   def tile(x):
     return x if jnp.ndim(x) == 0 else jnp.repeat(x, beam_size, axis=0)
+
   return jax.tree.map(tile, tree)
 
 
@@ -139,11 +146,13 @@ def _take_beams(x: jax.Array, beam_indices: jax.Array) -> jax.Array:
 
 def _gather_cache(cache: PyTree, beam_indices: jax.Array, batch_size: int) -> PyTree:
   """Reorders a [batch * beam, ...] cache so that new beam j of row b is old beam idx[b, j]."""
+
   def gather(x):
     if x.ndim == 0:
       return x
     x = x.reshape((batch_size, -1) + x.shape[1:])  # [batch, beam, ...]
     return _take_beams(x, beam_indices).reshape((-1,) + x.shape[2:])
+
   return jax.tree.map(gather, cache)
 
 
@@ -164,8 +173,9 @@ def top_k_of_rows(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, ja
   if jax.default_backend() != 'cpu' or n < 2 * k * block:
     return lax.top_k(x, k)
   num_blocks = -(-n // block)
-  maxima = lax.reduce_window(x, NEG_INF, lax.max, (1, block), (1, block),
-                             padding=((0, 0), (0, num_blocks * block - n)))  # [rows, blocks]
+  maxima = lax.reduce_window(
+      x, NEG_INF, lax.max, (1, block), (1, block), padding=((0, 0), (0, num_blocks * block - n))
+  )  # [rows, blocks]
   _, blocks = lax.top_k(maxima, k)
   blocks = -lax.top_k(-blocks, k)[0]  # Ascending, so candidates keep the index order.
   indices = (blocks[:, :, None] * block + jnp.arange(block)).reshape(rows, k * block)
@@ -192,15 +202,16 @@ def _check_common(batch_size: int, max_decode_len: int) -> None:
     raise ValueError(f'max_decode_len={max_decode_len} must be >= 1.')
 
 
-def _row_limits(max_lengths: jax.Array | None, batch_size: int,
-                max_decode_len: int) -> jax.Array:
+def _row_limits(max_lengths: jax.Array | None, batch_size: int, max_decode_len: int) -> jax.Array:
   """int32 [batch]: each row's output limit, `max_lengths` clipped to [1, max_decode_len]
   (every row `max_decode_len` when None)."""
   if max_lengths is None:
     return jnp.full((batch_size,), max_decode_len, jnp.int32)
   if jnp.shape(max_lengths) != (batch_size,):
-    raise ValueError(f'max_lengths has shape {jnp.shape(max_lengths)}; it needs one limit a '
-                     f'row, ({batch_size},).')
+    raise ValueError(
+        f'max_lengths has shape {jnp.shape(max_lengths)}; it needs one limit a '
+        f'row, ({batch_size},).'
+    )
   return jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len)
 
 
@@ -244,8 +255,7 @@ def _sampling_loop(
     step_rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
     token = select(logits.at[:, pad_id].set(NEG_INF), step_rng).astype(jnp.int32)
     token = jnp.where(state.finished, pad_id, token)  # [batch]
-    token_log_prob = jnp.take_along_axis(
-        jax.nn.log_softmax(logits), token[:, None], axis=1)[:, 0]
+    token_log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=1)[:, 0]
     return _SamplingState(
         step=state.step + 1,
         tokens=token,
@@ -253,7 +263,8 @@ def _sampling_loop(
         log_probs=state.log_probs + jnp.where(state.finished, 0.0, token_log_prob),
         finished=state.finished | (token == eos_id) | (state.step + 1 >= limits),
         cache=cache,
-        rng=state.rng)
+        rng=state.rng,
+    )
 
   init = _SamplingState(
       step=jnp.array(0, jnp.int32),
@@ -262,7 +273,8 @@ def _sampling_loop(
       log_probs=jnp.zeros((batch_size,), jnp.float32),
       finished=jnp.zeros((batch_size,), bool),
       cache=cache,
-      rng=rng)
+      rng=rng,
+  )
   final = _phased_while(cond, body, init, max_decode_len, grow_cache)
   return final.sequences, final.log_probs
 
@@ -301,8 +313,18 @@ def greedy_search(
       included, padding not).
   """
   return _sampling_loop(
-      tokens_to_logits, cache, lambda logits, _: argmax_of_rows(logits), None,
-      batch_size, max_decode_len, eos_id, bos_id, pad_id, grow_cache, max_lengths)
+      tokens_to_logits,
+      cache,
+      lambda logits, _: argmax_of_rows(logits),
+      None,
+      batch_size,
+      max_decode_len,
+      eos_id,
+      bos_id,
+      pad_id,
+      grow_cache,
+      max_lengths,
+  )
 
 
 def _filter_logits(logits: jax.Array, top_k: int, top_p: float) -> jax.Array:
@@ -383,8 +405,19 @@ def sample(
     logits = _filter_logits(logits / temperature, top_k, top_p)
     return jax.random.categorical(step_rng, logits, axis=-1)
 
-  return _sampling_loop(tokens_to_logits, cache, select, rng, batch_size, max_decode_len,
-                        eos_id, bos_id, pad_id, grow_cache, max_lengths)
+  return _sampling_loop(
+      tokens_to_logits,
+      cache,
+      select,
+      rng,
+      batch_size,
+      max_decode_len,
+      eos_id,
+      bos_id,
+      pad_id,
+      grow_cache,
+      max_lengths,
+  )
 
 
 # --- Beam search. ---
@@ -468,8 +501,9 @@ def beam_search(
   if beam_size < 1:
     raise ValueError(f'beam_size={beam_size} must be >= 1.')
   if length_penalty_form not in LENGTH_PENALTY_FORMS:
-    raise ValueError(f'length_penalty_form={length_penalty_form!r} is not one of '
-                     f'{LENGTH_PENALTY_FORMS}.')
+    raise ValueError(
+        f'length_penalty_form={length_penalty_form!r} is not one of ' f'{LENGTH_PENALTY_FORMS}.'
+    )
 
   def penalty(length):
     return length_penalty(length, alpha, length_penalty_form)
@@ -487,9 +521,11 @@ def beam_search(
     best_alive = jnp.max(state.alive_log_probs, axis=1)  # [batch]
     best_possible = best_alive / jnp.maximum(penalty(state.step + 1), penalty(limits))
     worst_finished = jnp.min(
-        jnp.where(state.finished_flags, state.finished_scores, NEG_INF), axis=1)
-    done = ((best_possible < worst_finished) | (best_alive == NEG_INF)
-            | (state.step >= limits))  # [batch]
+        jnp.where(state.finished_flags, state.finished_scores, NEG_INF), axis=1
+    )
+    done = (
+        (best_possible < worst_finished) | (best_alive == NEG_INF) | (state.step >= limits)
+    )  # [batch]
     return running & ~jnp.all(done)
 
   def body(state: _BeamState) -> _BeamState:
@@ -508,24 +544,27 @@ def beam_search(
     per_beam = min(2 * beam_size, vocab_size)
     beam_top, beam_tokens = top_k_of_rows(shifted.at[:, pad_id].set(NEG_INF), per_beam)
     candidates = state.alive_log_probs[:, :, None] + (beam_top - normalizer).reshape(
-        batch_size, beam_size, per_beam)  # [batch, beam, per_beam]
+        batch_size, beam_size, per_beam
+    )  # [batch, beam, per_beam]
 
     # 2 * beam candidates hold at least `beam` that do not end in EOS (one EOS per beam).
     # The best 2 * beam of a row are among the best 2 * beam of each of its beams.
     top_log_probs, top_picks = lax.top_k(
-        candidates.reshape(batch_size, beam_size * per_beam), 2 * beam_size)
+        candidates.reshape(batch_size, beam_size * per_beam), 2 * beam_size
+    )
     top_beams = top_picks // per_beam  # [batch, 2 * beam]
     top_tokens = jnp.take_along_axis(
-        beam_tokens.reshape(batch_size, beam_size * per_beam), top_picks, axis=1)
+        beam_tokens.reshape(batch_size, beam_size * per_beam), top_picks, axis=1
+    )
     top_seqs = _take_beams(state.alive_seqs, top_beams)  # [batch, 2 * beam, 1 + len]
     top_seqs = jnp.where(positions == step + 1, top_tokens[:, :, None], top_seqs)
     ends = top_tokens == eos_id
 
     alive_log_probs, alive_picks = lax.top_k(
-        jnp.where(ends, NEG_INF, top_log_probs), beam_size)  # [batch, beam]
+        jnp.where(ends, NEG_INF, top_log_probs), beam_size
+    )  # [batch, beam]
     alive_seqs = _take_beams(top_seqs, alive_picks)
-    cache = _gather_cache(cache, jnp.take_along_axis(top_beams, alive_picks, axis=1),
-                          batch_size)
+    cache = _gather_cache(cache, jnp.take_along_axis(top_beams, alive_picks, axis=1), batch_size)
 
     new_flags = ends & (rank < beam_size) & (top_log_probs > NEG_INF)
     new_scores = top_log_probs / penalty(step + 1)
@@ -541,7 +580,8 @@ def beam_search(
         finished_seqs=_take_beams(seqs, finished_picks),
         finished_scores=jnp.take_along_axis(scores, finished_picks, axis=1),
         finished_flags=jnp.take_along_axis(flags, finished_picks, axis=1),
-        cache=cache)
+        cache=cache,
+    )
     if max_lengths is None:
       return new
     # Rows past their own limit keep their state (their cache is never read again).
@@ -549,9 +589,19 @@ def beam_search(
 
     def keep(fresh, kept):
       return jnp.where(active.reshape((-1,) + (1,) * (fresh.ndim - 1)), fresh, kept)
-    return new._replace(**{name: keep(getattr(new, name), getattr(state, name)) for name in (
-        'alive_seqs', 'alive_log_probs', 'finished_seqs', 'finished_scores',
-        'finished_flags')})
+
+    return new._replace(
+        **{
+            name: keep(getattr(new, name), getattr(state, name))
+            for name in (
+                'alive_seqs',
+                'alive_log_probs',
+                'finished_seqs',
+                'finished_scores',
+                'finished_flags',
+            )
+        }
+    )
 
   empty_seqs = jnp.full((batch_size, beam_size, 1 + max_decode_len), pad_id, jnp.int32)
   # All beams start as copies of one; the others get -inf so the first step does not pick
@@ -560,11 +610,13 @@ def beam_search(
       step=jnp.array(0, jnp.int32),
       alive_seqs=empty_seqs.at[:, :, 0].set(bos_id),
       alive_log_probs=jnp.tile(
-          jnp.array([0.0] + [NEG_INF] * (beam_size - 1), jnp.float32), (batch_size, 1)),
+          jnp.array([0.0] + [NEG_INF] * (beam_size - 1), jnp.float32), (batch_size, 1)
+      ),
       finished_seqs=empty_seqs,
       finished_scores=jnp.full((batch_size, beam_size), NEG_INF, jnp.float32),
       finished_flags=jnp.zeros((batch_size, beam_size), bool),
-      cache=tile_beams(cache, beam_size))
+      cache=tile_beams(cache, beam_size),
+  )
   final = _phased_while(cond, body, init, max_decode_len, grow_cache)
 
   # Finished hypotheses (flagged ones first, sorted) fill the first slots; alive beams, all
@@ -573,10 +625,12 @@ def beam_search(
   slots = jnp.arange(beam_size)[None, :]  # [1, beam]
   from_alive = slots >= num_finished  # [batch, beam]
   alive_picks = jnp.clip(slots - num_finished, 0, beam_size - 1)
-  unfinished_scores = (jnp.take_along_axis(final.alive_log_probs, alive_picks, axis=1)
-                       / penalty(limits)[:, None])
+  unfinished_scores = (
+      jnp.take_along_axis(final.alive_log_probs, alive_picks, axis=1) / penalty(limits)[:, None]
+  )
   scores = jnp.where(from_alive, unfinished_scores, final.finished_scores)
-  sequences = jnp.where(from_alive[:, :, None], _take_beams(final.alive_seqs, alive_picks),
-                        final.finished_seqs)[:, :, 1:]
+  sequences = jnp.where(
+      from_alive[:, :, None], _take_beams(final.alive_seqs, alive_picks), final.finished_seqs
+  )[:, :, 1:]
   sequences = jnp.where(scores[:, :, None] > NEG_INF, sequences, pad_id)
   return sequences, scores

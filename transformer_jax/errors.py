@@ -66,12 +66,15 @@ def from_os_error(error: OSError) -> UserError | None:
   """
   where = f' writing {error.filename}' if error.filename else ''
   if error.errno in (errno.ENOSPC, errno.EDQUOT):
-    return DiskFullError(f'No space left on the device{where}: free some space there or '
-                         'point --workdir at a disk with room, then rerun the same command '
-                         '(a training run resumes from its last complete checkpoint).')
+    return DiskFullError(
+        f'No space left on the device{where}: free some space there or '
+        'point --workdir at a disk with room, then rerun the same command '
+        '(a training run resumes from its last complete checkpoint).'
+    )
   if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-    return UserError(f'Permission denied{where} ({error.strerror}); choose a directory you '
-                     'can write to.')
+    return UserError(
+        f'Permission denied{where} ({error.strerror}); choose a directory you ' 'can write to.'
+    )
   return None
 
 
@@ -92,9 +95,11 @@ def find_user_error(error: BaseException) -> UserError | None:
       if found is not None:
         return found
     if 'No space left on device' in str(error):
-      return DiskFullError('No space left on the device of the work directory: free some '
-                           'space or point --workdir at a disk with room, then rerun the '
-                           'same command (a training run resumes from its last complete '
-                           'checkpoint).')
+      return DiskFullError(
+          'No space left on the device of the work directory: free some '
+          'space or point --workdir at a disk with room, then rerun the '
+          'same command (a training run resumes from its last complete '
+          'checkpoint).'
+      )
     error = error.__cause__ or error.__context__
   return None

@@ -44,9 +44,11 @@ from transformer_jax.translator import Translator
 # tensor2tensor's get_ende_bleu.sh: perl -ple 's{(\S)-(\S)}{$1 ##AT##-##AT## $2}g'.
 _COMPOUND = re.compile(r'(\S)-(\S)')
 _TOKENIZE_13A = Tokenizer13a()
-TOKENIZED_BLEU_METHOD = ('13a tokenization, hyphen compound splitting (##AT##-##AT##), BLEU '
-                         "on whitespace tokens (sacrebleu tokenize='none'), as "
-                         "tensor2tensor's get_ende_bleu.sh with 13a in place of Moses")
+TOKENIZED_BLEU_METHOD = (
+    '13a tokenization, hyphen compound splitting (##AT##-##AT##), BLEU '
+    "on whitespace tokens (sacrebleu tokenize='none'), as "
+    "tensor2tensor's get_ende_bleu.sh with 13a in place of Moses"
+)
 
 
 def split_compounds(text: str) -> str:
@@ -62,15 +64,21 @@ def tokenize_for_bleu(text: str) -> str:
 def tokenized_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> float:
   """BLEU in the paper's style (see the module docstring), on detokenized inputs."""
   # force: the input is tokenized on purpose; no "forgot to detokenize" warning.
-  return BLEU(tokenize='none', force=True).corpus_score(
-      [tokenize_for_bleu(h) for h in hypotheses],
-      [[tokenize_for_bleu(r) for r in references]]).score
+  return (
+      BLEU(tokenize='none', force=True)
+      .corpus_score(
+          [tokenize_for_bleu(h) for h in hypotheses], [[tokenize_for_bleu(r) for r in references]]
+      )
+      .score
+  )
 
 
 def _check_lengths(hypotheses: Sequence[str], references: Sequence[str]) -> None:
   if len(hypotheses) != len(references):
-    raise ValueError(f'{len(hypotheses)} hypotheses but {len(references)} references; '
-                     'scoring needs one hypothesis per reference line.')
+    raise ValueError(
+        f'{len(hypotheses)} hypotheses but {len(references)} references; '
+        'scoring needs one hypothesis per reference line.'
+    )
 
 
 def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any]:
@@ -99,8 +107,12 @@ def score(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, Any
   }
 
 
-def paired_bootstrap(hypotheses: Sequence[str], baseline: Sequence[str],
-                     references: Sequence[str], num_samples: int = 1000) -> dict[str, Any]:
+def paired_bootstrap(
+    hypotheses: Sequence[str],
+    baseline: Sequence[str],
+    references: Sequence[str],
+    num_samples: int = 1000,
+) -> dict[str, Any]:
   """Paired bootstrap resampling (Koehn 2004) of this system against a baseline.
 
   Args:
@@ -117,13 +129,18 @@ def paired_bootstrap(hypotheses: Sequence[str], baseline: Sequence[str],
   """
   _check_lengths(hypotheses, references)
   _check_lengths(baseline, references)
-  test = PairedTest([('baseline', list(baseline)), ('system', list(hypotheses))],
-                    {'bleu': BLEU(), 'chrf': CHRF()}, [list(references)], test_type='bs',
-                    n_samples=num_samples)
+  test = PairedTest(
+      [('baseline', list(baseline)), ('system', list(hypotheses))],
+      {'bleu': BLEU(), 'chrf': CHRF()},
+      [list(references)],
+      test_type='bs',
+      n_samples=num_samples,
+  )
   signatures, scores = test()
   out = {}
-  for (metric, signature), results in zip(signatures.items(),
-                                           (v for k, v in scores.items() if k != 'System')):
+  for (metric, signature), results in zip(
+      signatures.items(), (v for k, v in scores.items() if k != 'System')
+  ):
     base, system = results
     out['bleu' if metric.startswith('BLEU') else 'chrf'] = {
         'baseline': float(base.score),
@@ -145,12 +162,15 @@ def result_tag(steps: Sequence[int]) -> str:
 
 def result_paths(directory: str, name: str) -> tuple[str, str]:
   """`<name>.hyp.txt` and `<name>.metrics.json` in `directory`."""
-  return (os.path.join(directory, f'{name}.hyp.txt'),
-          os.path.join(directory, f'{name}.metrics.json'))
+  return (
+      os.path.join(directory, f'{name}.hyp.txt'),
+      os.path.join(directory, f'{name}.metrics.json'),
+  )
 
 
-def write_results(directory: str, name: str, hypotheses: Sequence[str],
-                  metrics: dict[str, Any]) -> tuple[str, str]:
+def write_results(
+    directory: str, name: str, hypotheses: Sequence[str], metrics: dict[str, Any]
+) -> tuple[str, str]:
   """Writes `<name>.hyp.txt` (one line each) and `<name>.metrics.json` together: both
   replace the old pair, or neither does (`storage.write_files`).
 
@@ -160,9 +180,12 @@ def write_results(directory: str, name: str, hypotheses: Sequence[str],
   if not storage.is_remote(directory):
     os.makedirs(directory, exist_ok=True)
   paths = result_paths(directory, name)
-  storage.write_files({
-      paths[0]: ''.join(h + '\n' for h in hypotheses),
-      paths[1]: json.dumps(metrics, indent=2, sort_keys=True) + '\n'})
+  storage.write_files(
+      {
+          paths[0]: ''.join(h + '\n' for h in hypotheses),
+          paths[1]: json.dumps(metrics, indent=2, sort_keys=True) + '\n',
+      }
+  )
   return paths
 
 
@@ -181,9 +204,16 @@ class EvalResult:
   stats: DecodeStats
 
 
-def evaluate(translator: Translator, sources: Sequence[str], references: Sequence[str], *,
-             baseline: Sequence[str] | None = None, bootstrap_samples: int = 1000,
-             show_progress: bool = True, info: dict[str, Any] | None = None) -> EvalResult:
+def evaluate(
+    translator: Translator,
+    sources: Sequence[str],
+    references: Sequence[str],
+    *,
+    baseline: Sequence[str] | None = None,
+    bootstrap_samples: int = 1000,
+    show_progress: bool = True,
+    info: dict[str, Any] | None = None,
+) -> EvalResult:
   """Translates `sources` with a progress bar and scores the output against `references`.
 
   Args:
@@ -202,9 +232,13 @@ def evaluate(translator: Translator, sources: Sequence[str], references: Sequenc
   _check_lengths(sources, references)
   if baseline is not None:
     _check_lengths(baseline, references)
-  with tqdm.tqdm(total=len(sources), unit='sent',
-                 disable=not (show_progress and sys.stderr.isatty()),
-                 desc='Compiling', dynamic_ncols=True) as bar:
+  with tqdm.tqdm(
+      total=len(sources),
+      unit='sent',
+      disable=not (show_progress and sys.stderr.isatty()),
+      desc='Compiling',
+      dynamic_ncols=True,
+  ) as bar:
     tokens_done = 0
 
     def progress(sentences: int, tokens: int) -> None:
@@ -216,17 +250,24 @@ def evaluate(translator: Translator, sources: Sequence[str], references: Sequenc
       elapsed = max(bar.format_dict['elapsed'], 1e-9)
       bar.set_postfix_str(f'{tokens_done / elapsed:.0f} tok/s', refresh=False)
       bar.update(sentences)
+
     hypotheses, stats = translator.translate(sources, progress)
   if stats.truncated:
-    logging.warning('%d source sentences were longer than max_len=%d tokens and were cut '
-                    '(lines %s).', len(stats.truncated), translator.max_source_length,
-                    ', '.join(str(i + 1) for i in stats.truncated[:20]))
+    logging.warning(
+        '%d source sentences were longer than max_len=%d tokens and were cut ' '(lines %s).',
+        len(stats.truncated),
+        translator.max_source_length,
+        ', '.join(str(i + 1) for i in stats.truncated[:20]),
+    )
   if stats.capped:
-    logging.warning('%d sentences had their output limit cut to max_len=%d tokens, below '
-                    'their source length + %d (learned positions end there; lines %s).',
-                    len(stats.capped), translator.max_source_length,
-                    translator.options.max_decode_extra_length,
-                    ', '.join(str(i + 1) for i in stats.capped[:20]))
+    logging.warning(
+        '%d sentences had their output limit cut to max_len=%d tokens, below '
+        'their source length + %d (learned positions end there; lines %s).',
+        len(stats.capped),
+        translator.max_source_length,
+        translator.options.max_decode_extra_length,
+        ', '.join(str(i + 1) for i in stats.capped[:20]),
+    )
   metrics = dict(info or {})
   metrics.update(score(hypotheses, references))
   options: DecodeOptions = translator.options
@@ -243,8 +284,9 @@ def evaluate(translator: Translator, sources: Sequence[str], references: Sequenc
       'tokens_per_second': round(stats.tokens_per_second, 3),
   }
   if baseline is not None:
-    metrics['paired_bootstrap'] = paired_bootstrap(hypotheses, baseline, references,
-                                                   bootstrap_samples)
+    metrics['paired_bootstrap'] = paired_bootstrap(
+        hypotheses, baseline, references, bootstrap_samples
+    )
   metrics['sacrebleu_version'] = sacrebleu.__version__
   return EvalResult(hypotheses, metrics, stats)
 
@@ -262,7 +304,9 @@ def summary(metrics: dict[str, Any]) -> str:
       f"sentences/s, {d['tokens_per_second']:.1f} output tokens/s",
   ]
   for metric, result in metrics.get('paired_bootstrap', {}).items():
-    lines.append(f"paired bootstrap {metric}: baseline {result['baseline']:.2f}, this "
-                 f"{result['system']:.2f} ({result['system_mean']:.2f} +- "
-                 f"{result['system_ci95']:.2f}), p = {result['p_value']:.4f}")
+    lines.append(
+        f"paired bootstrap {metric}: baseline {result['baseline']:.2f}, this "
+        f"{result['system']:.2f} ({result['system_mean']:.2f} +- "
+        f"{result['system_ci95']:.2f}), p = {result['p_value']:.4f}"
+    )
   return '\n'.join(lines)

@@ -52,11 +52,13 @@ def matmul_params(cfg: TransformerConfig) -> MatmulParams:
   decoder_layer = 4 * d * d + 2 * d * d + 2 * d * f
   return MatmulParams(
       source=cfg.num_encoder_layers * encoder_layer + cfg.num_decoder_layers * cross_key_value,
-      target=cfg.num_decoder_layers * decoder_layer + d * cfg.vocab_size)
+      target=cfg.num_decoder_layers * decoder_layer + d * cfg.vocab_size,
+  )
 
 
-def example_flops(cfg: TransformerConfig, source_length: int, target_length: int,
-                  passes: int = TRAINING) -> float:
+def example_flops(
+    cfg: TransformerConfig, source_length: int, target_length: int, passes: int = TRAINING
+) -> float:
   """Model FLOPs of one sentence pair.
 
   Args:
@@ -72,17 +74,24 @@ def example_flops(cfg: TransformerConfig, source_length: int, target_length: int
   s, t, d = source_length, target_length, cfg.d_model
   weights = passes * (p.source * s + p.target * t)
   # Per query token and layer: Q K^T and A V, 2 * kv_length * d FLOPs each, forward.
-  attention_forward = 4 * d * (cfg.num_encoder_layers * s * s
-                               + cfg.num_decoder_layers * (t * t + t * s))
+  attention_forward = (
+      4 * d * (cfg.num_encoder_layers * s * s + cfg.num_decoder_layers * (t * t + t * s))
+  )
   return float(weights + passes // 2 * attention_forward)
 
 
-def batch_flops(cfg: TransformerConfig, source_lengths: Sequence[int],
-                target_lengths: Sequence[int], passes: int = TRAINING) -> float:
+def batch_flops(
+    cfg: TransformerConfig,
+    source_lengths: Sequence[int],
+    target_lengths: Sequence[int],
+    passes: int = TRAINING,
+) -> float:
   """Model FLOPs of a batch, from the non-padding lengths of its sentence pairs."""
   if len(source_lengths) != len(target_lengths):
-    raise ValueError(f'{len(source_lengths)} source lengths but {len(target_lengths)} '
-                     'target lengths; give one of each per sentence pair.')
+    raise ValueError(
+        f'{len(source_lengths)} source lengths but {len(target_lengths)} '
+        'target lengths; give one of each per sentence pair.'
+    )
   return sum(example_flops(cfg, s, t, passes) for s, t in zip(source_lengths, target_lengths))
 
 

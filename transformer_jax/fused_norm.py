@@ -61,16 +61,29 @@ def _forward_kernel(*refs, rate, epsilon, has_keep):
 
 def _backward_kernel(*refs, rate, has_keep):
   if has_keep:
-    (grad_ref, sum_ref, keep_ref, scale_ref, mean_ref, rstd_ref,
-     dx_ref, dy_ref, dscale_ref, dbias_ref) = refs
+    (
+        grad_ref,
+        sum_ref,
+        keep_ref,
+        scale_ref,
+        mean_ref,
+        rstd_ref,
+        dx_ref,
+        dy_ref,
+        dscale_ref,
+        dbias_ref,
+    ) = refs
   else:
     grad_ref, sum_ref, scale_ref, mean_ref, rstd_ref, dx_ref, dy_ref, dscale_ref, dbias_ref = refs
   g = grad_ref[...].astype(jnp.float32)
   rstd = rstd_ref[...][:, None]
   normed = (sum_ref[...].astype(jnp.float32) - mean_ref[...][:, None]) * rstd
   scaled = g * scale_ref[...].astype(jnp.float32)[None, :]
-  dx = rstd * (scaled - jnp.mean(scaled, axis=-1)[:, None]
-               - normed * jnp.mean(scaled * normed, axis=-1)[:, None])
+  dx = rstd * (
+      scaled
+      - jnp.mean(scaled, axis=-1)[:, None]
+      - normed * jnp.mean(scaled * normed, axis=-1)[:, None]
+  )
   dx_ref[...] = dx.astype(dx_ref.dtype)
   if has_keep:
     dy = jnp.where(keep_ref[...] != 0, dx / (1.0 - rate), 0.0)
@@ -89,6 +102,7 @@ def _call(kernel, inputs, outputs, *, interpret):
     outputs: (ShapeDtypeStruct, kind) pairs: 'rows', or 'partial' ([n / BLOCK_ROWS, d], one
       row per block).
   """
+
   def spec(shape, kind):
     if kind == 'whole':
       return pl.BlockSpec(shape, lambda i: (0,) * len(shape))
@@ -96,6 +110,7 @@ def _call(kernel, inputs, outputs, *, interpret):
       return pl.BlockSpec((1, shape[1]), lambda i: (i, 0))
     block = (BLOCK_ROWS,) + tuple(shape[1:])
     return pl.BlockSpec(block, lambda i: (i,) + (0,) * (len(shape) - 1))
+
   rows = inputs[0][0].shape[0]
   return pl.pallas_call(
       kernel,
@@ -120,10 +135,11 @@ def _local_forward(x, y, keep, scale, bias, *, rate, epsilon, interpret):
   row = jax.ShapeDtypeStruct((n, d), x.dtype)
   stat = jax.ShapeDtypeStruct((n,), jnp.float32)
   out, total, mean, rstd = _call(
-      functools.partial(_forward_kernel, rate=rate, epsilon=epsilon,
-                        has_keep=keep is not None),
+      functools.partial(_forward_kernel, rate=rate, epsilon=epsilon, has_keep=keep is not None),
       inputs + [(scale, 'whole'), (bias, 'whole')],
-      [(row, 'rows'), (row, 'rows'), (stat, 'rows'), (stat, 'rows')], interpret=interpret)
+      [(row, 'rows'), (row, 'rows'), (stat, 'rows'), (stat, 'rows')],
+      interpret=interpret,
+  )
   return out[:rows].reshape(shape), total, mean, rstd
 
 
@@ -132,8 +148,7 @@ def _local_backward(grad, total, keep, scale, mean, rstd, *, rate, interpret):
   of the scale and bias gradients."""
   shape, d = grad.shape, grad.shape[-1]
   rows, n = grad.size // d, total.shape[0]
-  inputs = [(jnp.pad(grad.reshape(rows, d), ((0, n - rows), (0, 0))), 'rows'),
-            (total, 'rows')]
+  inputs = [(jnp.pad(grad.reshape(rows, d), ((0, n - rows), (0, 0))), 'rows'), (total, 'rows')]
   if keep is not None:
     inputs.append((jnp.pad(keep.reshape(rows, d), ((0, n - rows), (0, 0))), 'rows'))
   row = jax.ShapeDtypeStruct((n, d), total.dtype)
@@ -142,7 +157,8 @@ def _local_backward(grad, total, keep, scale, mean, rstd, *, rate, interpret):
       functools.partial(_backward_kernel, rate=rate, has_keep=keep is not None),
       inputs + [(scale, 'whole'), (mean, 'rows'), (rstd, 'rows')],
       [(row, 'rows'), (row, 'rows'), (partial, 'partial'), (partial, 'partial')],
-      interpret=interpret)
+      interpret=interpret,
+  )
   unpad = lambda a: a[:rows].reshape(shape)
   return unpad(dx), unpad(dy), dscale, dbias
 
@@ -165,8 +181,12 @@ def _on_rows(fn, spec, in_kinds, out_kinds):
     return fn
   flat = P(tuple(_mesh_axes(spec[:-1])) or None)
   specs = {'x': spec, 'flat': flat, 'whole': P(), None: None}
-  return jax.shard_map(fn, in_specs=tuple(specs[k] for k in in_kinds),
-                       out_specs=tuple(specs[k] for k in out_kinds), check_vma=False)
+  return jax.shard_map(
+      fn,
+      in_specs=tuple(specs[k] for k in in_kinds),
+      out_specs=tuple(specs[k] for k in out_kinds),
+      check_vma=False,
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -177,8 +197,10 @@ def _fused(x, y, keep, scale, bias, rate, epsilon, interpret, spec):
 def _fused_forward(x, y, keep, scale, bias, rate, epsilon, interpret, spec):
   forward = _on_rows(
       functools.partial(_local_forward, rate=rate, epsilon=epsilon, interpret=interpret),
-      spec, ('x', 'x', 'x' if keep is not None else None, 'whole', 'whole'),
-      ('x', 'flat', 'flat', 'flat'))
+      spec,
+      ('x', 'x', 'x' if keep is not None else None, 'whole', 'whole'),
+      ('x', 'flat', 'flat', 'flat'),
+  )
   out, total, mean, rstd = forward(x, y, keep, scale, bias)
   return out, (total, keep, scale, mean, rstd)
 
@@ -188,19 +210,35 @@ def _fused_backward(rate, epsilon, interpret, spec, residuals, grad):
   total, keep, scale, mean, rstd = residuals
   backward = _on_rows(
       functools.partial(_local_backward, rate=rate, interpret=interpret),
-      spec, ('x', 'flat', 'x' if keep is not None else None, 'whole', 'flat', 'flat'),
-      ('x', 'x', 'flat', 'flat'))
+      spec,
+      ('x', 'flat', 'x' if keep is not None else None, 'whole', 'flat', 'flat'),
+      ('x', 'x', 'flat', 'flat'),
+  )
   dx, dy, dscale, dbias = backward(grad, total, keep, scale, mean, rstd)
-  return (dx, dy, None, jnp.sum(dscale, axis=0).astype(scale.dtype),
-          jnp.sum(dbias, axis=0).astype(scale.dtype))
+  return (
+      dx,
+      dy,
+      None,
+      jnp.sum(dscale, axis=0).astype(scale.dtype),
+      jnp.sum(dbias, axis=0).astype(scale.dtype),
+  )
 
 
 _fused.defvjp(_fused_forward, _fused_backward)
 
 
-def residual_layer_norm(x: Array, y: Array, keep: Array | None, scale: Array, bias: Array,
-                        *, rate: float, epsilon: float, interpret: bool,
-                        spec: P | None = None) -> Array:
+def residual_layer_norm(
+    x: Array,
+    y: Array,
+    keep: Array | None,
+    scale: Array,
+    bias: Array,
+    *,
+    rate: float,
+    epsilon: float,
+    interpret: bool,
+    spec: P | None = None,
+) -> Array:
   """LayerNorm(x + Dropout(y)) with float32 statistics, as one kernel each way.
 
   Args:
@@ -221,10 +259,13 @@ def residual_layer_norm(x: Array, y: Array, keep: Array | None, scale: Array, bi
   """
   if spec is not None:
     sizes = jax.sharding.get_abstract_mesh().shape
-    if any(size % math.prod(sizes[a] for a in _mesh_axes([entry]))
-           for size, entry in zip(x.shape, spec)):
+    if any(
+        size % math.prod(sizes[a] for a in _mesh_axes([entry]))
+        for size, entry in zip(x.shape, spec)
+    ):
       spec = None
   if keep is not None:
     keep = keep.astype(jnp.int8)
-  return _fused(x, y.astype(x.dtype), keep, scale, bias, float(rate), float(epsilon),
-                bool(interpret), spec)
+  return _fused(
+      x, y.astype(x.dtype), keep, scale, bias, float(rate), float(epsilon), bool(interpret), spec
+  )

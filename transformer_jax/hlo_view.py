@@ -29,36 +29,88 @@ import math
 import re
 from typing import Any
 
-KINDS = ('matmul', 'attention', 'normalization', 'loss', 'optimizer', 'data movement',
-         'other')
+KINDS = ('matmul', 'attention', 'normalization', 'loss', 'optimizer', 'data movement', 'other')
 
-DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2, 'bf16': 2,
-               's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8, 'f64': 8,
-               'f8e4m3fn': 1, 'f8e5m2': 1, 's4': 1, 'u4': 1}
-COLLECTIVES = ('all-reduce', 'all-gather', 'reduce-scatter', 'all-to-all',
-               'collective-permute', 'collective-broadcast', 'ragged-all-to-all')
+DTYPE_BYTES = {
+    'pred': 1,
+    's8': 1,
+    'u8': 1,
+    's16': 2,
+    'u16': 2,
+    'f16': 2,
+    'bf16': 2,
+    's32': 4,
+    'u32': 4,
+    'f32': 4,
+    's64': 8,
+    'u64': 8,
+    'f64': 8,
+    'f8e4m3fn': 1,
+    'f8e5m2': 1,
+    's4': 1,
+    'u4': 1,
+}
+COLLECTIVES = (
+    'all-reduce',
+    'all-gather',
+    'reduce-scatter',
+    'all-to-all',
+    'collective-permute',
+    'collective-broadcast',
+    'ragged-all-to-all',
+)
 
 # Operations that launch nothing: names, views, the TPU's DMAs between memory spaces
 # (prefetches that overlap the kernels) and the second halves of asynchronous pairs (any
 # `-done`; the `-start` of a collective is counted).
-_NOT_KERNELS = frozenset((
-    'parameter', 'get-tuple-element', 'tuple', 'bitcast', 'constant', 'after-all',
-    'opt-barrier', 'partition-id', 'replica-id', 'add-dependency', 'domain', 'async-update',
-    'copy-start', 'slice-start'))
+_NOT_KERNELS = frozenset(
+    (
+        'parameter',
+        'get-tuple-element',
+        'tuple',
+        'bitcast',
+        'constant',
+        'after-all',
+        'opt-barrier',
+        'partition-id',
+        'replica-id',
+        'add-dependency',
+        'domain',
+        'async-update',
+        'copy-start',
+        'slice-start',
+    )
+)
 _VIEW_CALLS = ('ConcatBitcast',)  # TPU custom calls that only reinterpret a buffer.
-_MOVEMENT = ('transpose', 'copy', 'broadcast', 'concatenate', 'slice', 'pad', 'gather',
-             'scatter', 'reshape', 'rev', 'iota')
+_MOVEMENT = (
+    'transpose',
+    'copy',
+    'broadcast',
+    'concatenate',
+    'slice',
+    'pad',
+    'gather',
+    'scatter',
+    'reshape',
+    'rev',
+    'iota',
+)
 _ARRAY = re.compile(r'\b([a-z]+[0-9]*[a-z0-9]*)\[([\d,]*)\]')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLED = re.compile(r'\b(?:calls|to_apply|body|condition|true_computation|'
-                     r'false_computation)=(%[\w.\-]+(?:,\s*%[\w.\-]+)*)')
+_CALLED = re.compile(
+    r'\b(?:calls|to_apply|body|condition|true_computation|'
+    r'false_computation)=(%[\w.\-]+(?:,\s*%[\w.\-]+)*)'
+)
 _BRANCHES = re.compile(r'branch_computations=\{([^}]*)\}')
 
 
 def arrays(shape_text: str) -> list[tuple[str, tuple[int, ...]]]:
   """(dtype, dims) of every array in a shape (`bf16[8,512]{1,0}` or a tuple of them)."""
-  return [(dtype, tuple(int(d) for d in dims.split(',') if d))
-          for dtype, dims in _ARRAY.findall(shape_text) if dtype in DTYPE_BYTES]
+  return [
+      (dtype, tuple(int(d) for d in dims.split(',') if d))
+      for dtype, dims in _ARRAY.findall(shape_text)
+      if dtype in DTYPE_BYTES
+  ]
 
 
 def shape_bytes(shape_text: str) -> int:
@@ -100,6 +152,7 @@ def _balanced(text: str, start: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Instruction:
   """One line of HLO: `%name = shape opcode(operands), attributes`."""
+
   name: str
   shape: str
   opcode: str
@@ -139,9 +192,8 @@ def parse_instruction(line: str) -> Instruction | None:
   if paren <= 0 or not re.fullmatch(r'[a-z][\w\-]*', rest[:paren]):
     return None
   close = _balanced(rest, paren)
-  operands = tuple(re.findall(r'%([\w.\-]+)', rest[paren + 1:close - 1]))
-  return Instruction(name, shape, rest[:paren], operands, rest[close:],
-                     rest[paren + 1:close - 1])
+  operands = tuple(re.findall(r'%([\w.\-]+)', rest[paren + 1 : close - 1]))
+  return Instruction(name, shape, rest[:paren], operands, rest[close:], rest[paren + 1 : close - 1])
 
 
 def computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -173,8 +225,11 @@ def kind(name: str, opcode: str, op_name: str) -> str:
     return 'attention'  # cuDNN's fused kernel, which the optimizer's rule would miss.
   if 'jvp(' not in op_name:
     return 'optimizer'  # Outside the gradient: the update, norms, checks, metrics.
-  if any(m in primitive for m in _MOVEMENT) or opcode in ('copy', 'transpose') or (
-      name.split('.')[0] in ('copy', 'transpose', 'wrapped_broadcast', 'wrapped_transpose')):
+  if (
+      any(m in primitive for m in _MOVEMENT)
+      or opcode in ('copy', 'transpose')
+      or (name.split('.')[0] in ('copy', 'transpose', 'wrapped_broadcast', 'wrapped_transpose'))
+  ):
     return 'data movement'
   if '/norm/' in op_name or 'final_norm' in op_name:
     return 'normalization'
@@ -188,8 +243,11 @@ def kind(name: str, opcode: str, op_name: str) -> str:
 def instruction_kinds(hlo_text: str) -> dict[str, str]:
   """Instruction name -> kind, for every instruction of a compiled program's HLO text."""
   found, _ = computations(hlo_text)
-  return {i.name: kind(i.name, i.opcode, i.op_name)
-          for instructions in found.values() for i in instructions}
+  return {
+      i.name: kind(i.name, i.opcode, i.op_name)
+      for instructions in found.values()
+      for i in instructions
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +265,7 @@ class Kernel:
     op_name: the JAX operation it came from.
     count: how many times a step runs it.
   """
+
   name: str
   category: str
   kind: str
@@ -230,8 +289,7 @@ def _dot_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
   if instruction.opcode == 'dot':
     contracting = _dims(instruction.attributes, 'lhs_contracting_dims')
   else:  # A cuBLAS call: its dimension numbers are in its backend config.
-    match = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]',
-                      instruction.attributes)
+    match = re.search(r'"lhs_contracting_dimensions"\s*:\s*\[([^\]]*)\]', instruction.attributes)
     contracting = [int(d) for d in re.findall(r'\d+', match.group(1))] if match else []
   return 2.0 * math.prod(out[0][1]) * math.prod(lhs[0][1][d] for d in contracting)
 
@@ -260,16 +318,24 @@ def _convolution_flops(instruction: Instruction, shapes: dict[str, str]) -> floa
   lhs_dilation = _window(instruction.attributes, 'lhs_dilate', spatial, 1)
   rhs_dilation = _window(instruction.attributes, 'rhs_dilate', spatial, 1)
   pads = re.search(r'\bpad=([\d_x-]+)', instruction.attributes)
-  low = ([int(p.split('_')[0]) for p in pads.group(1).split('x')] if pads else [0] * spatial)
+  low = [int(p.split('_')[0]) for p in pads.group(1).split('x')] if pads else [0] * spatial
   positions = 1
   for d in range(spatial):
     extent = (lhs[lhs_labels.index(str(d))] - 1) * lhs_dilation[d]
     positions *= sum(
-        1 for o in range(out[out_labels.index(str(d))]) for k in range(sizes[d])
+        1
+        for o in range(out[out_labels.index(str(d))])
+        for k in range(sizes[d])
         if 0 <= (p := o * strides[d] - low[d] + k * rhs_dilation[d]) <= extent
-        and p % lhs_dilation[d] == 0)
-  return (2.0 * out[out_labels.index('b')] * out[out_labels.index('f')]
-          * rhs[rhs_labels.index('i')] * positions)
+        and p % lhs_dilation[d] == 0
+    )
+  return (
+      2.0
+      * out[out_labels.index('b')]
+      * out[out_labels.index('f')]
+      * rhs[rhs_labels.index('i')]
+      * positions
+  )
 
 
 def _attention_flops(instruction: Instruction, shapes: dict[str, str]) -> float:
@@ -306,8 +372,9 @@ def _trip_count(instruction: Instruction) -> int:
   return int(match.group(1)) if match else 1
 
 
-def kernels(hlo_text: str, logits_elements: int | None = None, vocab: int | None = None
-            ) -> list[Kernel]:
+def kernels(
+    hlo_text: str, logits_elements: int | None = None, vocab: int | None = None
+) -> list[Kernel]:
   """Every kernel the entry computation launches, in order, through loops (times their
   known trip count), calls (GPU command buffers) and the costlier branch of a conditional.
 
@@ -325,8 +392,12 @@ def kernels(hlo_text: str, logits_elements: int | None = None, vocab: int | None
     instructions = found.get(computation, [])
     shapes = {i.name: i.shape for i in instructions}
     for i in instructions:
-      if (i.opcode in _NOT_KERNELS or i.opcode.endswith('-done') or _view_call(i)
-          or _scalar_arithmetic(i, shapes)):
+      if (
+          i.opcode in _NOT_KERNELS
+          or i.opcode.endswith('-done')
+          or _view_call(i)
+          or _scalar_arithmetic(i, shapes)
+      ):
         continue
       if i.opcode == 'while':
         body, condition = _loop_parts(i)
@@ -349,31 +420,38 @@ def kernels(hlo_text: str, logits_elements: int | None = None, vocab: int | None
 
 def _view_call(i: Instruction) -> bool:
   return i.opcode == 'custom-call' and any(
-      f'custom_call_target="{t}"' in i.attributes for t in _VIEW_CALLS)
+      f'custom_call_target="{t}"' in i.attributes for t in _VIEW_CALLS
+  )
 
 
 def _scalar_arithmetic(i: Instruction, shapes: dict[str, str]) -> bool:
   """An unfused operation of scalars on scalars (on a TPU, its scalar unit's work: the
   random keys' arithmetic, the step counter, a loop's condition): no kernel of its own."""
-  return (i.opcode not in ('fusion', 'custom-call', 'while', 'conditional', 'call')
-          and not i.opcode.startswith('async') and i.opcode.removesuffix('-start')
-          not in COLLECTIVES and all(not dims for shape in [i.shape] + [
-              shapes.get(o, '') for o in i.operands] for _, dims in arrays(shape)))
+  return (
+      i.opcode not in ('fusion', 'custom-call', 'while', 'conditional', 'call')
+      and not i.opcode.startswith('async')
+      and i.opcode.removesuffix('-start') not in COLLECTIVES
+      and all(
+          not dims
+          for shape in [i.shape] + [shapes.get(o, '') for o in i.operands]
+          for _, dims in arrays(shape)
+      )
+  )
 
 
 _PART_READERS = ('gather', 'slice', 'dynamic-slice')
 
 
-def _read_bytes(i: Instruction, n: int, shape: str, found: dict[str, list[Instruction]]
-                ) -> int:
+def _read_bytes(i: Instruction, n: int, shape: str, found: dict[str, list[Instruction]]) -> int:
   """Bytes a kernel reads of its operand `n`: all of it, or, where its fused computation
   only gathers or slices that operand, what the gathers and slices take (the label's logit
   of each token, not the logits)."""
   if i.opcode != 'fusion' or not i.called():
     return shape_bytes(shape)
   fused = found.get(i.called()[0], [])
-  parameter = next((p.name for p in fused if p.opcode == 'parameter'
-                    and p.arguments.strip() == str(n)), None)
+  parameter = next(
+      (p.name for p in fused if p.opcode == 'parameter' and p.arguments.strip() == str(n)), None
+  )
   views, users = {parameter}, []
   for u in fused:  # In order: a view's users come after it.
     if views.intersection(u.operands):
@@ -381,8 +459,12 @@ def _read_bytes(i: Instruction, n: int, shape: str, found: dict[str, list[Instru
         views.add(u.name)
       else:
         users.append(u)
-  if not users or any(u.opcode not in _PART_READERS or u.operands[0] not in views
-                      or views.intersection(u.operands[1:]) for u in users):
+  if not users or any(
+      u.opcode not in _PART_READERS
+      or u.operands[0] not in views
+      or views.intersection(u.operands[1:])
+      for u in users
+  ):
     return shape_bytes(shape)
   return sum(shape_bytes(u.shape) for u in users)
 
@@ -393,8 +475,13 @@ def _loop_parts(instruction: Instruction) -> tuple[str, str]:
   return (body.group(1) if body else '', condition.group(1) if condition else '')
 
 
-def _kernel(i: Instruction, shapes: dict[str, str], found: dict[str, list[Instruction]],
-            logits: tuple[float, int], count: int) -> Kernel:
+def _kernel(
+    i: Instruction,
+    shapes: dict[str, str],
+    found: dict[str, list[Instruction]],
+    logits: tuple[float, int],
+    count: int,
+) -> Kernel:
   target = re.search(r'custom_call_target="([^"]*)"', i.attributes)
   target = target.group(1) if target else ''
   base = i.opcode.removesuffix('-start')
@@ -418,15 +505,26 @@ def _kernel(i: Instruction, shapes: dict[str, str], found: dict[str, list[Instru
   size = shape_bytes(i.shape) + sum(reads)
   # The arrays it writes, and those it reads whole.
   touched = [i.shape] + [s for s, read in zip(operands, reads) if read == shape_bytes(s)]
-  touches_logits = any(math.prod(dims) >= logits[0] and max(dims, default=1) >= logits[1]
-                       for s in touched for _, dims in arrays(s))
-  return Kernel(i.name, category, 'matmul' if category == 'matmul' else
-                kind(i.name, i.opcode, i.op_name), flops, size, touches_logits, i.op_name,
-                count)
+  touches_logits = any(
+      math.prod(dims) >= logits[0] and max(dims, default=1) >= logits[1]
+      for s in touched
+      for _, dims in arrays(s)
+  )
+  return Kernel(
+      i.name,
+      category,
+      'matmul' if category == 'matmul' else kind(i.name, i.opcode, i.op_name),
+      flops,
+      size,
+      touches_logits,
+      i.op_name,
+      count,
+  )
 
 
-def roofline(found: list[Kernel], peak_flops: float | None, bandwidth: float | None
-             ) -> dict[str, Any]:
+def roofline(
+    found: list[Kernel], peak_flops: float | None, bandwidth: float | None
+) -> dict[str, Any]:
   """The step's kernels summed, and with a device's rates a roofline estimate of its time.
 
   Each kernel (collectives aside: they move data between devices, at the interconnect's
@@ -453,9 +551,11 @@ def roofline(found: list[Kernel], peak_flops: float | None, bandwidth: float | N
   for k in on_device:
     by_kind[k.kind] += estimate_s(k, peak_flops, bandwidth)
     bound['compute' if k.flops / peak_flops >= k.bytes / bandwidth else 'memory'] += k.count
-  summary.update(estimate_s=sum(by_kind.values()),
-                 estimate_s_by_kind={k: by_kind.get(k, 0.0) for k in KINDS},
-                 kernels_bound_by=bound)
+  summary.update(
+      estimate_s=sum(by_kind.values()),
+      estimate_s_by_kind={k: by_kind.get(k, 0.0) for k in KINDS},
+      kernels_bound_by=bound,
+  )
   return summary
 
 

@@ -40,8 +40,15 @@ _M_ARENA_MAX = -8
 _INT_MAX = 2**31 - 1  # mallopt takes an int.
 
 # JAX's accelerator plugins: where one is installed, JAX's default backend is not the CPU.
-_ACCELERATOR_MODULES = ('libtpu', 'jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_rocm60_plugin',
-                        'jax_rocm7_plugin', 'jax_plugins.xla_cuda12', 'jax_plugins.xla_cuda13')
+_ACCELERATOR_MODULES = (
+    'libtpu',
+    'jax_cuda12_plugin',
+    'jax_cuda13_plugin',
+    'jax_rocm60_plugin',
+    'jax_rocm7_plugin',
+    'jax_plugins.xla_cuda12',
+    'jax_plugins.xla_cuda13',
+)
 
 
 def _runs_on_cpu() -> bool:
@@ -70,7 +77,8 @@ def retain_freed_memory() -> bool:
   if choice not in ('', 'retain', 'system'):
     raise errors.ConfigError(
         f'{ENV_VAR}={os.environ[ENV_VAR]!r} is not one of retain (the default: keep freed '
-        'memory for reuse), system (glibc\'s defaults); set one or unset it.')
+        "memory for reuse), system (glibc's defaults); set one or unset it."
+    )
   if choice == 'system':
     return False
   if platform.system() != 'Linux' or platform.libc_ver()[0] != 'glibc' or not _runs_on_cpu():
@@ -81,5 +89,11 @@ def retain_freed_memory() -> bool:
   except (OSError, AttributeError):
     return False
   mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-  return all(mallopt(param, value) == 1 for param, value in (
-      (_M_ARENA_MAX, 1), (_M_MMAP_THRESHOLD, _INT_MAX), (_M_TRIM_THRESHOLD, _INT_MAX)))
+  return all(
+      mallopt(param, value) == 1
+      for param, value in (
+          (_M_ARENA_MAX, 1),
+          (_M_MMAP_THRESHOLD, _INT_MAX),
+          (_M_TRIM_THRESHOLD, _INT_MAX),
+      )
+  )

@@ -6,7 +6,6 @@ It puts together three modules: `data_sources` (where the parallel text is read)
 other hosts find them on a shared filesystem or the bucket, or make their own copies.
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
@@ -45,6 +44,7 @@ class Datasets:
     train_info: the `TrainData` (counts of kept, dropped and skipped examples).
     eval_text: the validation split's (source, target) texts.
   """
+
   train: Any
   steps_per_epoch: int
   eval_batches: Callable[[], Iterator[Batch]]
@@ -57,13 +57,18 @@ def _tokenized_on_every_host(config, workdir, tokenizer, splits):
   """The token stores of `splits`. Process 0 prepares them first; the others then find them
   ready on a shared filesystem or the bucket, or prepare their own copies on local disks."""
   return multihost.on_process_0_first(
-      lambda: [tokenized(pairs, tokenizer, config, workdir) for pairs in splits],
-      'token stores')
+      lambda: [tokenized(pairs, tokenizer, config, workdir) for pairs in splits], 'token stores'
+  )
 
 
-def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
-                 process_index: int | None = None, process_count: int | None = None,
-                 row_multiple: int = 1) -> Datasets:
+def get_datasets(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    row_multiple: int = 1,
+) -> Datasets:
   """Everything training reads: batches and the vocabulary (the test split is left alone).
 
   Args:
@@ -80,22 +85,42 @@ def get_datasets(config: ml_collections.ConfigDict, workdir: str, *,
   process_index = jax.process_index() if process_index is None else process_index
   process_count = jax.process_count() if process_count is None else process_count
   if config.tokens_per_batch % process_count:
-    logging.warning('tokens_per_batch=%d is not divisible by %d hosts; each gets %d.',
-                    config.tokens_per_batch, process_count,
-                    config.tokens_per_batch // process_count)
+    logging.warning(
+        'tokens_per_batch=%d is not divisible by %d hosts; each gets %d.',
+        config.tokens_per_batch,
+        process_count,
+        config.tokens_per_batch // process_count,
+    )
   train_pairs = open_split(config, config.train_split)
   eval_pairs = open_split(config, config.eval_split)
   tokenizer = multihost.on_process_0_first(
-      lambda: tokenizer_for(config, workdir, train_pairs), 'vocabulary',
-      storage.is_remote(workdir) or storage.is_remote(config.vocab_path))
+      lambda: tokenizer_for(config, workdir, train_pairs),
+      'vocabulary',
+      storage.is_remote(workdir) or storage.is_remote(config.vocab_path),
+  )
   stores = _tokenized_on_every_host(config, workdir, tokenizer, (train_pairs, eval_pairs))
-  info = train_dataset(stores[0], config, process_index=process_index,
-                       process_count=process_count, row_multiple=row_multiple)
+  info = train_dataset(
+      stores[0],
+      config,
+      process_index=process_index,
+      process_count=process_count,
+      row_multiple=row_multiple,
+  )
 
   def make_eval_batches() -> Iterator[Batch]:
-    return eval_batches(stores[1], config, process_index=process_index,
-                        process_count=process_count, row_multiple=row_multiple)
+    return eval_batches(
+        stores[1],
+        config,
+        process_index=process_index,
+        process_count=process_count,
+        row_multiple=row_multiple,
+    )
 
-  return Datasets(train=iter(info.dataset), steps_per_epoch=info.steps_per_epoch,
-                  eval_batches=make_eval_batches,
-                  tokenizer=tokenizer, train_info=info, eval_text=eval_pairs)
+  return Datasets(
+      train=iter(info.dataset),
+      steps_per_epoch=info.steps_per_epoch,
+      eval_batches=make_eval_batches,
+      tokenizer=tokenizer,
+      train_info=info,
+      eval_text=eval_pairs,
+  )

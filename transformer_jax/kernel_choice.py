@@ -25,6 +25,7 @@ class AttentionChoice:
     lengths: feed sequence lengths and a causal flag instead of a dense mask.
     reason: one line for the log.
   """
+
   implementation: str | None
   lengths: bool
   reason: str
@@ -34,6 +35,7 @@ def cudnn_version() -> int | None:
   """The cuDNN library's version as JAX sees it (e.g. 92800), or None without one."""
   try:
     from jax._src.cudnn import fused_attention_stablehlo
+
     return int(fused_attention_stablehlo.check_cudnn_version())
   except Exception:  # No CUDA plugin, no library, or a JAX that moved it: all mean "none".
     return None
@@ -44,13 +46,16 @@ def post_norm_kernel(choice: str, platform: str) -> str:
   if choice != 'pallas' or platform in ('gpu', 'cuda'):
     return choice
   if platform != 'cpu':
-    raise ConfigError(f"post_norm_kernel='pallas' is a Triton kernel for GPUs, not {platform}; "
-                      "set post_norm_kernel='xla' (XLA fuses these ops on TPUs).")
+    raise ConfigError(
+        f"post_norm_kernel='pallas' is a Triton kernel for GPUs, not {platform}; "
+        "set post_norm_kernel='xla' (XLA fuses these ops on TPUs)."
+    )
   return 'pallas_interpret'
 
 
-def attention_choice(config: ml_collections.ConfigDict, platform: str,
-                     dtype_name: str) -> AttentionChoice:
+def attention_choice(
+    config: ml_collections.ConfigDict, platform: str, dtype_name: str
+) -> AttentionChoice:
   """Resolves `config.attention_implementation` for `platform` and the computation dtype.
 
   '' (automatic) takes cuDNN's fused kernel on a GPU when it can serve: a cuDNN library,
@@ -64,10 +69,10 @@ def attention_choice(config: ml_collections.ConfigDict, platform: str,
   if requested == 'xla':
     return AttentionChoice('xla', False, 'XLA attention, as configured')
   if requested == 'cudnn':
-    how = ('a dense mask, as packed rows need' if packed
-           else 'sequence lengths and a causal flag')
-    return AttentionChoice('cudnn', not packed, f'cuDNN fused attention, as configured, fed '
-                           f'{how}')
+    how = 'a dense mask, as packed rows need' if packed else 'sequence lengths and a causal flag'
+    return AttentionChoice(
+        'cudnn', not packed, f'cuDNN fused attention, as configured, fed ' f'{how}'
+    )
   if platform not in ('gpu', 'cuda'):
     return AttentionChoice(None, False, f'XLA attention (automatic on {platform})')
   head_dim = config.d_model // max(1, config.num_heads)
@@ -81,11 +86,13 @@ def attention_choice(config: ml_collections.ConfigDict, platform: str,
   if config.positional_encoding == 'alibi':
     blockers.append('ALiBi bias')
   if packed:
-    blockers.append('packed rows (no segment ids in JAX\'s cuDNN call)')
+    blockers.append("packed rows (no segment ids in JAX's cuDNN call)")
   if not blockers and cudnn_version() is None:
     blockers.append('no cuDNN library found')
   if blockers:
-    return AttentionChoice('xla', False,
-                           'XLA attention: cuDNN cannot serve ' + '; '.join(blockers))
-  return AttentionChoice('cudnn', True, 'cuDNN fused attention (automatic on GPU), fed '
-                         'sequence lengths and a causal flag')
+    return AttentionChoice('xla', False, 'XLA attention: cuDNN cannot serve ' + '; '.join(blockers))
+  return AttentionChoice(
+      'cudnn',
+      True,
+      'cuDNN fused attention (automatic on GPU), fed ' 'sequence lengths and a causal flag',
+  )

@@ -42,13 +42,20 @@ def n_best_line(index: int, hypothesis: Any) -> str:
   """One line of the n-best format (Moses' and Marian's):
   `INDEX ||| TRANSLATION ||| LogProb= LOG_P ||| SCORE`, with INDEX the 0-based input line,
   LOG_P = log P(Y | X) and SCORE = LOG_P / lp(|Y|), what beam search ranks by."""
-  return (f'{index} ||| {hypothesis.text} ||| LogProb= {hypothesis.log_prob:.6g} ||| '
-          f'{hypothesis.score:.6g}')
+  return (
+      f'{index} ||| {hypothesis.text} ||| LogProb= {hypothesis.log_prob:.6g} ||| '
+      f'{hypothesis.score:.6g}'
+  )
 
 
-def translate_lines(translator: Any, lines: Iterable[bytes],
-                    write: Callable[[str], None], warn: Callable[[str], None],
-                    chunk_lines: int = 512, n_best_format: bool = False) -> Any:
+def translate_lines(
+    translator: Any,
+    lines: Iterable[bytes],
+    write: Callable[[str], None],
+    warn: Callable[[str], None],
+    chunk_lines: int = 512,
+    n_best_format: bool = False,
+) -> Any:
   """Translates raw input lines, writing exactly one output line for each, in order (with
   `n_best_format`: exactly `n_best` lines each, as `n_best_line` writes them).
 
@@ -71,30 +78,40 @@ def translate_lines(translator: Any, lines: Iterable[bytes],
     indices).
   """
   from transformer_jax.translator import DecodeStats
+
   total = DecodeStats()
   truncated: list[int] = []
 
   def flush(first: int, texts: list[str]) -> None:
     outputs, stats = translator.translate_n_best(texts)
     for index in stats.truncated:
-      warn(f'line {first + index + 1}: longer than max_len={translator.max_source_length} '
-           f'tokens; translating its first {translator.max_source_length - 1} tokens only.')
+      warn(
+          f'line {first + index + 1}: longer than max_len={translator.max_source_length} '
+          f'tokens; translating its first {translator.max_source_length - 1} tokens only.'
+      )
       truncated.append(first + index)
     for index in stats.capped:
-      warn(f'line {first + index + 1}: its output is limited to max_len='
-           f'{translator.max_source_length} tokens, less than its source length + '
-           f'{translator.options.max_decode_extra_length} (learned positions end there).')
+      warn(
+          f'line {first + index + 1}: its output is limited to max_len='
+          f'{translator.max_source_length} tokens, less than its source length + '
+          f'{translator.options.max_decode_extra_length} (learned positions end there).'
+      )
     for index, error in stats.failed:
-      warn(f'line {first + index + 1}: could not be tokenized ({error}); writing an empty '
-           'line.')
+      warn(f'line {first + index + 1}: could not be tokenized ({error}); writing an empty ' 'line.')
     for index, hypotheses in enumerate(outputs, first):
       if n_best_format:
         for hypothesis in hypotheses:
           write(n_best_line(index, hypothesis) + '\n')
       else:
         write(hypotheses[0].text + '\n')
-    for name in ('sentences', 'source_tokens', 'output_tokens', 'batches', 'compile_seconds',
-                 'decode_seconds'):
+    for name in (
+        'sentences',
+        'source_tokens',
+        'output_tokens',
+        'batches',
+        'compile_seconds',
+        'decode_seconds',
+    ):
       setattr(total, name, getattr(total, name) + getattr(stats, name))
 
   chunk: list[str] = []

@@ -59,6 +59,7 @@ def _boxed_param_shapes(model_config: TransformerConfig) -> PyTree:
   def init():
     tokens = jnp.ones((1, 8), jnp.int32)
     return Transformer(model_config).init(jax.random.key(0), tokens, tokens)['params']
+
   return jax.eval_shape(init)
 
 
@@ -76,15 +77,19 @@ def param_shardings(model_config: TransformerConfig, partitioner: Partitioner) -
 def abstract_params(model_config: TransformerConfig, partitioner: Partitioner) -> PyTree:
   """The parameters as `jax.ShapeDtypeStruct`s with their shardings (to compile for)."""
   boxed = _boxed_param_shapes(model_config)
-  return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                      nn.unbox(boxed), partitioner.tree_shardings(boxed))
+  return jax.tree.map(
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+      nn.unbox(boxed),
+      partitioner.tree_shardings(boxed),
+  )
 
 
 _RETRIES = 2  # Of `load`, when a running training job rotates away the steps it reads.
 
 
-def load(workdir: str, *, step: int | str | None = None,
-         average_last: int = 0) -> InferenceCheckpoint:
+def load(
+    workdir: str, *, step: int | str | None = None, average_last: int = 0
+) -> InferenceCheckpoint:
   """One checkpoint of `workdir`, or the average of its last `average_last`.
 
   Args:
@@ -120,8 +125,9 @@ def _load(workdir: str, step: int | str | None, average_last: int) -> InferenceC
   meta, last = checkpointing.read_meta(workdir, steps[-1] if steps else step)
   config = config_lib.from_saved(meta['config'])
   config_lib.validate(config, vocab_size=meta['vocab_size'])
-  model_config = TransformerConfig.from_config(config, vocab_size=meta['vocab_size'],
-                                               deterministic=True)
+  model_config = TransformerConfig.from_config(
+      config, vocab_size=meta['vocab_size'], deterministic=True
+  )
   partitioner = Partitioner.for_inference(config)
   shardings = param_shardings(model_config, partitioner)
   try:
@@ -137,9 +143,16 @@ def _load(workdir: str, step: int | str | None, average_last: int) -> InferenceC
     raise CheckpointGoneError(
         f'Checkpoint(s) {gone} of {workdir} were deleted while being read: the training '
         'run writing there keeps only its latest checkpoints (keep_checkpoints) and '
-        'rotated them away.') from e
+        'rotated them away.'
+    ) from e
   if not steps:
     steps = meta.get('averaged_steps') or [last]
-  return InferenceCheckpoint(config, model_config, params,
-                             checkpointing.tokenizer_from_meta(meta), last, list(steps),
-                             partitioner)
+  return InferenceCheckpoint(
+      config,
+      model_config,
+      params,
+      checkpointing.tokenizer_from_meta(meta),
+      last,
+      list(steps),
+      partitioner,
+  )

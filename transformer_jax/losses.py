@@ -23,8 +23,9 @@ Array = jax.Array
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def token_losses(logits: Array, targets: Array, label_smoothing: float
-                 ) -> tuple[Array, Array, Array]:
+def token_losses(
+    logits: Array, targets: Array, label_smoothing: float
+) -> tuple[Array, Array, Array]:
   """Per-token label-smoothed and plain cross entropy, computed in float32, and accuracy.
 
   Label smoothing follows Szegedy et al., as the paper cites it: the target distribution is
@@ -77,8 +78,9 @@ def _token_losses_bwd(eps, residuals, cotangents, uniform=True):
   softmax = jnp.exp(logits.astype(jnp.float32) - lse[..., None])
   onehot = jax.nn.one_hot(targets, vocab, dtype=jnp.float32)
   # d smoothed = softmax - (1 - eps) onehot - eps / V;  d nll = softmax - onehot.
-  grad = ((g_smoothed + g_nll)[..., None] * softmax
-          - ((1.0 - eps) * g_smoothed + g_nll)[..., None] * onehot)
+  grad = (g_smoothed + g_nll)[..., None] * softmax - ((1.0 - eps) * g_smoothed + g_nll)[
+      ..., None
+  ] * onehot
   if uniform:  # The smoothing term's -eps / V, unless its sum was given (`given_sums`).
     grad = grad - (eps / vocab) * g_smoothed[..., None]
   return grad.astype(logits.dtype), None
@@ -88,8 +90,9 @@ token_losses.defvjp(_token_losses_fwd, _token_losses_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def token_losses_given_sums(logits: Array, targets: Array, logit_sums: Array,
-                            label_smoothing: float) -> tuple[Array, Array, Array]:
+def token_losses_given_sums(
+    logits: Array, targets: Array, logit_sums: Array, label_smoothing: float
+) -> tuple[Array, Array, Array]:
   """`token_losses` with each token's sum of logits over the vocabulary given.
 
   The logits are linear in the decoder's output y, so their sum over the vocabulary is y
@@ -125,9 +128,13 @@ def _given_sums_bwd(eps, residuals, cotangents):
 token_losses_given_sums.defvjp(_given_sums_fwd, _given_sums_bwd)
 
 
-def compute_metrics(logits: Array, targets: Array, weights: Array,
-                    label_smoothing: float = 0.1, logit_sums: Array | None = None
-                    ) -> dict[str, Array]:
+def compute_metrics(
+    logits: Array,
+    targets: Array,
+    weights: Array,
+    label_smoothing: float = 0.1,
+    logit_sums: Array | None = None,
+) -> dict[str, Array]:
   """Label-smoothed cross entropy (the objective) and plain cross entropy (for perplexity).
 
   Args:
@@ -146,8 +153,7 @@ def compute_metrics(logits: Array, targets: Array, weights: Array,
   if logit_sums is None:
     smoothed, nll, correct = token_losses(logits, targets, label_smoothing)
   else:
-    smoothed, nll, correct = token_losses_given_sums(logits, targets, logit_sums,
-                                                     label_smoothing)
+    smoothed, nll, correct = token_losses_given_sums(logits, targets, logit_sums, label_smoothing)
   weights = weights.astype(jnp.float32)
   return {
       'loss': jnp.sum(smoothed * weights),

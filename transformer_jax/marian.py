@@ -53,11 +53,16 @@ from transformer_jax.tokenizer import write_split_vocabulary
 VOCABULARY_FILE = 'marian_vocab.json'  # In the work directory: `tokenizer.SplitTokenizer`.
 FINETUNE_CONFIG_FILE = 'finetune_config.py'  # In the work directory: train.py --config=.
 # Run config fields the import sets: the model's, and what its vocabulary and data need.
-_RUN_FIELDS = ('source_lang', 'target_lang', 'dataset', 'vocab_path', 'max_source_length',
-               'max_target_length')
+_RUN_FIELDS = (
+    'source_lang',
+    'target_lang',
+    'dataset',
+    'vocab_path',
+    'max_source_length',
+    'max_target_length',
+)
 # How the run decodes: an export records them, and an import of that export restores them.
-DECODING_FIELDS = ('beam_size', 'length_penalty', 'length_penalty_form',
-                   'max_decode_extra_length')
+DECODING_FIELDS = ('beam_size', 'length_penalty', 'length_penalty_form', 'max_decode_extra_length')
 # Hugging Face's Marian layers use nn.LayerNorm's default, and config.json has no field for it.
 MARIAN_LAYER_NORM_EPSILON = 1e-5
 
@@ -73,23 +78,34 @@ def config_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
   Raises:
     ConfigError: the model uses something this project does not have; the message names it.
   """
+
   def need(condition: bool, what: str) -> None:
     if not condition:
       raise ConfigError(f'This Marian model cannot be imported: {what}.')
 
   get = hf_config.get
-  need(get('model_type', 'marian') == 'marian',
-       f"config.json has model_type={get('model_type')!r}, not 'marian'")
+  need(
+      get('model_type', 'marian') == 'marian',
+      f"config.json has model_type={get('model_type')!r}, not 'marian'",
+  )
   activation = get('activation_function', 'swish')
-  need(activation in _ACTIVATIONS,
-       f'activation_function={activation!r} is not one of {sorted(_ACTIVATIONS)}')
-  need(get('scale_embedding', False),
-       'scale_embedding is false (this project always scales embeddings by sqrt(d_model))')
+  need(
+      activation in _ACTIVATIONS,
+      f'activation_function={activation!r} is not one of {sorted(_ACTIVATIONS)}',
+  )
+  need(
+      get('scale_embedding', False),
+      'scale_embedding is false (this project always scales embeddings by sqrt(d_model))',
+  )
   need(not get('normalize_before', False), 'normalize_before is true (pre-norm Marian)')
-  for ours, enc, dec in (('num_heads', 'encoder_attention_heads', 'decoder_attention_heads'),
-                         ('d_ff', 'encoder_ffn_dim', 'decoder_ffn_dim')):
-    need(get(enc) == get(dec), f'{enc}={get(enc)} and {dec}={get(dec)} differ '
-         f'(this project has one {ours})')
+  for ours, enc, dec in (
+      ('num_heads', 'encoder_attention_heads', 'decoder_attention_heads'),
+      ('d_ff', 'encoder_ffn_dim', 'decoder_ffn_dim'),
+  ):
+    need(
+        get(enc) == get(dec),
+        f'{enc}={get(enc)} and {dec}={get(dec)} differ ' f'(this project has one {ours})',
+    )
   pad, start = get('pad_token_id'), get('decoder_start_token_id', get('pad_token_id'))
   # What an export from this project records of itself (Marian has no field for it).
   own = get(EXPORT_KEY) or {}
@@ -124,8 +140,9 @@ def _norm(state: Mapping[str, np.ndarray], name: str) -> dict[str, np.ndarray]:
   return {'norm': {'scale': state[f'{name}.weight'], 'bias': state[f'{name}.bias']}}
 
 
-def _attention(state: Mapping[str, np.ndarray], name: str,
-               config: TransformerConfig) -> dict[str, np.ndarray]:
+def _attention(
+    state: Mapping[str, np.ndarray], name: str, config: TransformerConfig
+) -> dict[str, np.ndarray]:
   d, heads, head_dim = config.d_model, config.num_heads, config.head_dim
   params = {}
   for ours, theirs in (('query', 'q_proj'), ('key', 'k_proj'), ('value', 'v_proj')):
@@ -136,31 +153,38 @@ def _attention(state: Mapping[str, np.ndarray], name: str,
   return params
 
 
-def params_from_state_dict(state: Mapping[str, np.ndarray],
-                           config: TransformerConfig) -> dict[str, Any]:
+def params_from_state_dict(
+    state: Mapping[str, np.ndarray], config: TransformerConfig
+) -> dict[str, Any]:
   """This project's parameter tree from a `MarianMTModel` state dict (numpy arrays).
 
   The token ids stay the model's own: row i of every vocabulary matrix is Marian's id i.
   """
+
   def layer(prefix: str, decoder: bool) -> dict[str, Any]:
     params = {
         'self_attention': _attention(state, f'{prefix}.self_attn', config),
         'self_attention_block': _norm(state, f'{prefix}.self_attn_layer_norm'),
-        'feed_forward': {'wi': _linear(state, f'{prefix}.fc1'),
-                         'wo': _linear(state, f'{prefix}.fc2')},
+        'feed_forward': {
+            'wi': _linear(state, f'{prefix}.fc1'),
+            'wo': _linear(state, f'{prefix}.fc2'),
+        },
         'feed_forward_block': _norm(state, f'{prefix}.final_layer_norm'),
     }
     if decoder:
       params['encoder_decoder_attention'] = _attention(state, f'{prefix}.encoder_attn', config)
-      params['encoder_decoder_attention_block'] = _norm(
-          state, f'{prefix}.encoder_attn_layer_norm')
+      params['encoder_decoder_attention_block'] = _norm(state, f'{prefix}.encoder_attn_layer_norm')
     return params
 
   params: dict[str, Any] = {
-      'encoder': {f'layer_{i}': layer(f'model.encoder.layers.{i}', False)
-                  for i in range(config.num_encoder_layers)},
-      'decoder': {f'layer_{i}': layer(f'model.decoder.layers.{i}', True)
-                  for i in range(config.num_decoder_layers)},
+      'encoder': {
+          f'layer_{i}': layer(f'model.encoder.layers.{i}', False)
+          for i in range(config.num_encoder_layers)
+      },
+      'decoder': {
+          f'layer_{i}': layer(f'model.decoder.layers.{i}', True)
+          for i in range(config.num_decoder_layers)
+      },
   }
   if config.share_embeddings:
     params['shared_embedding'] = {'embedding': state['model.shared.weight']}
@@ -179,9 +203,11 @@ def _read_json(path: str) -> Any:
     with open(path, encoding='utf-8') as f:
       return json.load(f)
   except FileNotFoundError:
-    raise ConfigError(f'{path} does not exist; a Marian model directory has config.json, '
-                      'vocab.json, source.spm, target.spm and the weights '
-                      '(model.safetensors or pytorch_model.bin).') from None
+    raise ConfigError(
+        f'{path} does not exist; a Marian model directory has config.json, '
+        'vocab.json, source.spm, target.spm and the weights '
+        '(model.safetensors or pytorch_model.bin).'
+    ) from None
   except (OSError, ValueError) as e:
     raise ConfigError(f'{path} is not readable JSON ({e}).') from None
 
@@ -191,6 +217,7 @@ def read_state_dict(model_dir: str) -> dict[str, np.ndarray]:
   path = os.path.join(model_dir, 'model.safetensors')
   if os.path.exists(path):
     from safetensors.numpy import load_file
+
     try:
       state = load_file(path)
     except Exception as e:  # A damaged file, any reason.
@@ -202,11 +229,15 @@ def read_state_dict(model_dir: str) -> dict[str, np.ndarray]:
     try:
       import torch
     except ImportError:
-      raise ConfigError(f'{path} is a PyTorch file, which needs torch to read: pip install '
-                        'torch (the CPU build is enough), or save the model with '
-                        'safetensors.') from None
-    state = {k: v.float().numpy() for k, v in
-             torch.load(path, map_location='cpu', weights_only=True).items()}
+      raise ConfigError(
+          f'{path} is a PyTorch file, which needs torch to read: pip install '
+          'torch (the CPU build is enough), or save the model with '
+          'safetensors.'
+      ) from None
+    state = {
+        k: v.float().numpy()
+        for k, v in torch.load(path, map_location='cpu', weights_only=True).items()
+    }
   return {name: np.asarray(value, np.float32) for name, value in state.items()}
 
 
@@ -216,9 +247,11 @@ def vocabulary_order(vocab: Mapping[str, int], hf_config: Mapping[str, Any]) -> 
   size = int(hf_config['vocab_size'])
   ids = sorted(vocab.values())
   if ids != list(range(size)):
-    raise ConfigError(f'vocab.json has {len(vocab)} entries with ids {ids[:3]}...{ids[-3:]}; '
-                      f'config.json says vocab_size={size}: they must be the ids 0 to '
-                      f'{size - 1}, each once.')
+    raise ConfigError(
+        f'vocab.json has {len(vocab)} entries with ids {ids[:3]}...{ids[-3:]}; '
+        f'config.json says vocab_size={size}: they must be the ids 0 to '
+        f'{size - 1}, each once.'
+    )
   specials = {}
   for name, piece in (('pad', '<pad>'), ('eos', '</s>'), ('unk', '<unk>')):
     if piece not in vocab:
@@ -227,8 +260,10 @@ def vocabulary_order(vocab: Mapping[str, int], hf_config: Mapping[str, Any]) -> 
   for name in ('pad', 'eos'):
     given = hf_config.get(f'{name}_token_id')
     if given is not None and given != specials[name]:
-      raise ConfigError(f'config.json has {name}_token_id={given}, but vocab.json puts '
-                        f'{"<pad>" if name == "pad" else "</s>"} at {specials[name]}.')
+      raise ConfigError(
+          f'config.json has {name}_token_id={given}, but vocab.json puts '
+          f'{"<pad>" if name == "pad" else "</s>"} at {specials[name]}.'
+      )
   start = hf_config.get('decoder_start_token_id', specials['pad'])
   taken = {specials['pad'], specials['eos'], specials['unk'], start}
   others = [i for i in range(size) if i not in taken]
@@ -278,10 +313,10 @@ def import_model(model_dir: str, workdir: str, *, imported_from: str | None = No
     with tempfile.TemporaryDirectory() as local:
       storage.download(model_dir, os.path.join(local, 'model'), '--model_dir')
       return import_model(os.path.join(local, 'model'), workdir, imported_from=model_dir)
-  if (storage.is_directory(f'{workdir}/{checkpointing.CHECKPOINT_DIR}')
-      and checkpointing.list_steps(workdir)):
-    raise OutputExistsError(f'{workdir} already has checkpoints; import into a new '
-                            '--workdir.')
+  if storage.is_directory(f'{workdir}/{checkpointing.CHECKPOINT_DIR}') and checkpointing.list_steps(
+      workdir
+  ):
+    raise OutputExistsError(f'{workdir} already has checkpoints; import into a new ' '--workdir.')
   if not storage.is_remote(workdir) and os.path.isdir(workdir) and os.listdir(workdir):
     raise OutputExistsError(f'{workdir} is not empty; import into a new or empty --workdir.')
   hf_config = _read_json(os.path.join(model_dir, 'config.json'))
@@ -291,23 +326,28 @@ def import_model(model_dir: str, workdir: str, *, imported_from: str | None = No
   for side in ('source', 'target'):
     path = os.path.join(model_dir, f'{side}.spm')
     if not os.path.exists(path):
-      raise ConfigError(f'{path} does not exist; a Marian model directory has source.spm and '
-                        'target.spm (SentencePiece models).')
+      raise ConfigError(
+          f'{path} does not exist; a Marian model directory has source.spm and '
+          'target.spm (SentencePiece models).'
+      )
     with open(path, 'rb') as f:
       spm_bytes[side] = f.read()
     try:
       spm.SentencePieceProcessor(model_proto=spm_bytes[side])
     except (RuntimeError, TypeError, ValueError) as e:
-      raise ConfigError(f'{path} is not a SentencePiece model ({" ".join(str(e).split())}); '
-                        'copy it again from the model.') from None
+      raise ConfigError(
+          f'{path} is not a SentencePiece model ({" ".join(str(e).split())}); '
+          'copy it again from the model.'
+      ) from None
   order = np.asarray(vocabulary_order(vocab, hf_config))
   model_config = TransformerConfig(**fields)
   state = read_state_dict(model_dir)
   try:
     params = params_from_state_dict(state, model_config)
   except KeyError as e:
-    raise ConfigError(f'The weights in {model_dir} lack {e}: not a MarianMTModel with this '
-                      'config.json.') from None
+    raise ConfigError(
+        f'The weights in {model_dir} lack {e}: not a MarianMTModel with this ' 'config.json.'
+    ) from None
   params = _reorder_vocabulary(params, order)
   fields['decoder_start'] = _decoder_start(fields, hf_config, params)
 
@@ -317,8 +357,19 @@ def import_model(model_dir: str, workdir: str, *, imported_from: str | None = No
   # no checkpoint, and a retry replaces the files.)
   remote = storage.is_remote(workdir)
   with storage.writing_directory(workdir) as staging:
-    meta = _write_import(staging, workdir, model_dir, storage.resolve(imported_from or model_dir),
-                         hf_config, vocab, order, fields, params, spm_bytes, model_config)
+    meta = _write_import(
+        staging,
+        workdir,
+        model_dir,
+        storage.resolve(imported_from or model_dir),
+        hf_config,
+        vocab,
+        order,
+        fields,
+        params,
+        spm_bytes,
+        model_config,
+    )
     if not remote:
       checkpointing.write_params_checkpoint(staging, 0, params, meta)
   if remote:
@@ -326,17 +377,28 @@ def import_model(model_dir: str, workdir: str, *, imported_from: str | None = No
   return f'{storage.resolve(workdir)}/{checkpointing.CHECKPOINT_DIR}/0'
 
 
-def _write_import(staging: str, workdir: str, model_dir: str, imported_from: str,
-                  hf_config: Mapping[str, Any],
-                  vocab: Mapping[str, int], order: np.ndarray, fields: dict[str, Any],
-                  params: Any, spm_bytes: Mapping[str, bytes],
-                  model_config: TransformerConfig) -> dict[str, Any]:
+def _write_import(
+    staging: str,
+    workdir: str,
+    model_dir: str,
+    imported_from: str,
+    hf_config: Mapping[str, Any],
+    vocab: Mapping[str, int],
+    order: np.ndarray,
+    fields: dict[str, Any],
+    params: Any,
+    spm_bytes: Mapping[str, bytes],
+    model_config: TransformerConfig,
+) -> dict[str, Any]:
   """`import_model`'s vocabulary and fine-tuning config, written into `staging`, naming
   their paths in `workdir`; returns the checkpoint's meta."""
   pieces_by_id = {i: piece for piece, i in vocab.items()}
   tokenizer = write_split_vocabulary(
-      os.path.join(staging, VOCABULARY_FILE), [pieces_by_id[i] for i in order],
-      spm_bytes['source'], spm_bytes['target'])
+      os.path.join(staging, VOCABULARY_FILE),
+      [pieces_by_id[i] for i in order],
+      spm_bytes['source'],
+      spm_bytes['target'],
+  )
   config = config_lib.base_config()
   config.update(fields)
   config.update(imported_decoding(model_dir, hf_config))
@@ -348,14 +410,18 @@ def _write_import(staging: str, workdir: str, model_dir: str, imported_from: str
   config.dataset = 'text'
   config.vocab_path = f'{storage.resolve(workdir)}/{VOCABULARY_FILE}'
   config.max_source_length = config.max_target_length = min(
-      config.max_source_length, model_config.max_len)
+      config.max_source_length, model_config.max_len
+  )
   config_checks.validate_run(config, vocab_size=tokenizer.vocab_size)
   meta = checkpointing.make_meta(config, tokenizer)
   meta['tokenizer']['path'] = config.vocab_path
   meta['imported_from'] = imported_from
-  _write_finetune_config(os.path.join(staging, FINETUNE_CONFIG_FILE), imported_from, workdir,
-                         {name: config[name]
-                          for name in tuple(fields) + _RUN_FIELDS + DECODING_FIELDS})
+  _write_finetune_config(
+      os.path.join(staging, FINETUNE_CONFIG_FILE),
+      imported_from,
+      workdir,
+      {name: config[name] for name in tuple(fields) + _RUN_FIELDS + DECODING_FIELDS},
+  )
   return meta
 
 
@@ -374,13 +440,13 @@ def imported_decoding(model_dir: str, hf_config: Mapping[str, Any]) -> dict[str,
   if isinstance(stated.get('num_beams'), int) and stated['num_beams'] >= 1:
     decoding['beam_size'] = stated['num_beams']
   if isinstance(stated.get('length_penalty'), (int, float)):
-    decoding.update(length_penalty=float(stated['length_penalty']),
-                    length_penalty_form='power')
+    decoding.update(length_penalty=float(stated['length_penalty']), length_penalty_form='power')
   return decoding
 
 
-def _decoder_start(fields: Mapping[str, Any], hf_config: Mapping[str, Any],
-                   params: Mapping[str, Any]) -> str:
+def _decoder_start(
+    fields: Mapping[str, Any], hf_config: Mapping[str, Any], params: Mapping[str, Any]
+) -> str:
   """'zero' for a model that starts from a <pad> whose embedding is zero (OPUS-MT models:
   Marian starts from a zero vector), so that fine-tuning keeps it zero; else as imported."""
   recorded = (hf_config.get(EXPORT_KEY) or {}).get('decoder_start')
@@ -390,8 +456,9 @@ def _decoder_start(fields: Mapping[str, Any], hf_config: Mapping[str, Any],
   return 'pad' if np.any(table[PAD_ID]) else 'zero'
 
 
-def _write_finetune_config(path: str, model_dir: str, workdir: str,
-                           fields: Mapping[str, Any]) -> None:
+def _write_finetune_config(
+    path: str, model_dir: str, workdir: str, fields: Mapping[str, Any]
+) -> None:
   """A config file for train.py that fine-tunes the imported model (`init_from`)."""
   lines = [f'  c.{name} = {value!r}\n' for name, value in fields.items()]
   text = (
@@ -399,17 +466,18 @@ def _write_finetune_config(path: str, model_dir: str, workdir: str,
       f'  python train.py --config={storage.resolve(workdir)}/{FINETUNE_CONFIG_FILE} \\\n'
       '      --config.text_files.train=TRAIN.SRC,TRAIN.TGT \\\n'
       '      --config.text_files.validation=DEV.SRC,DEV.TGT --workdir=NEW_WORKDIR\n\n'
-      'The model fields are the imported model\'s (a change to one that shapes a parameter\n'
-      'is refused); the schedule, batch size and everything else are base_config()\'s, so\n'
+      "The model fields are the imported model's (a change to one that shapes a parameter\n"
+      "is refused); the schedule, batch size and everything else are base_config()'s, so\n"
       'set what a fine-tuning run needs (learning_rate_scale, warmup_steps,\n'
       'num_train_steps, tokens_per_batch) on the command line or in a copy of this file.\n'
       '"""\n\n'
       'from transformer_jax import config as config_lib\n\n\n'
       'def get_config():\n'
       '  c = config_lib.base_config()\n'
-      + ''.join(lines) +
-      f'  c.init_from = {storage.resolve(workdir)!r}\n'
-      '  return c\n')
+      + ''.join(lines)
+      + f'  c.init_from = {storage.resolve(workdir)!r}\n'
+      '  return c\n'
+  )
   storage.write_file(path, text)
 
 
@@ -418,8 +486,9 @@ def _write_finetune_config(path: str, model_dir: str, workdir: str,
 _HF_ACTIVATIONS = {'relu': 'relu', 'swish': 'swish', 'gelu': 'gelu'}
 
 
-def state_dict_from_params(params: Mapping[str, Any], config: TransformerConfig
-                           ) -> dict[str, np.ndarray]:
+def state_dict_from_params(
+    params: Mapping[str, Any], config: TransformerConfig
+) -> dict[str, np.ndarray]:
   """A `MarianMTModel` state dict (float32 numpy) from this project's parameters: the inverse
   of `params_from_state_dict`, with the position tables Marian stores as weights."""
   d = config.d_model
@@ -441,10 +510,14 @@ def state_dict_from_params(params: Mapping[str, Any], config: TransformerConfig
     state[f'{name}.out_proj.bias'] = np.asarray(p['out_bias'])
 
   from transformer_jax.models import sinusoidal_positions
-  table = np.asarray(sinusoidal_positions(np.arange(config.max_len)[None], d,
-                                          config.sinusoid_layout)[0])
-  for stack, layers in (('encoder', config.num_encoder_layers),
-                        ('decoder', config.num_decoder_layers)):
+
+  table = np.asarray(
+      sinusoidal_positions(np.arange(config.max_len)[None], d, config.sinusoid_layout)[0]
+  )
+  for stack, layers in (
+      ('encoder', config.num_encoder_layers),
+      ('decoder', config.num_decoder_layers),
+  ):
     state[f'model.{stack}.embed_positions.weight'] = table
     for i in range(layers):
       p, name = params[stack][f'layer_{i}'], f'model.{stack}.layers.{i}'
@@ -465,23 +538,32 @@ def state_dict_from_params(params: Mapping[str, Any], config: TransformerConfig
     target = np.asarray(params['target_embedding']['embedding'])
   state['model.encoder.embed_tokens.weight'] = source
   state['model.decoder.embed_tokens.weight'] = target
-  state['lm_head.weight'] = (target if config.tie_output_embedding else
-                             np.asarray(params['decoder']['output_projection']['kernel']).T)
-  bias = (np.asarray(params['decoder']['logits_bias']) if config.logits_bias
-          else np.zeros(config.vocab_size, np.float32))
+  state['lm_head.weight'] = (
+      target
+      if config.tie_output_embedding
+      else np.asarray(params['decoder']['output_projection']['kernel']).T
+  )
+  bias = (
+      np.asarray(params['decoder']['logits_bias'])
+      if config.logits_bias
+      else np.zeros(config.vocab_size, np.float32)
+  )
   state['final_logits_bias'] = bias.reshape(1, -1)
   return {name: np.ascontiguousarray(value, np.float32) for name, value in state.items()}
 
 
 def exportable(config: TransformerConfig) -> None:
   """Raises ConfigError unless Marian has everything `config` uses."""
-  for name, value, allowed in (('norm_position', config.norm_position, ('post',)),
-                               ('positional_encoding', config.positional_encoding,
-                                ('sinusoidal',))):
+  for name, value, allowed in (
+      ('norm_position', config.norm_position, ('post',)),
+      ('positional_encoding', config.positional_encoding, ('sinusoidal',)),
+  ):
     if value not in allowed:
-      raise ConfigError(f'This model cannot be exported to Marian: {name}={value!r}, and '
-                        f'Marian has only {allowed[0]!r} (a model trained with another '
-                        f'{name} has nothing to map it to).')
+      raise ConfigError(
+          f'This model cannot be exported to Marian: {name}={value!r}, and '
+          f'Marian has only {allowed[0]!r} (a model trained with another '
+          f'{name} has nothing to map it to).'
+      )
 
 
 def _hf_config(config: TransformerConfig, decoding: Mapping[str, Any]) -> dict[str, Any]:
@@ -489,26 +571,43 @@ def _hf_config(config: TransformerConfig, decoding: Mapping[str, Any]) -> dict[s
   Marian has no field for under EXPORT_KEY."""
   start = exported_id(config.decoder_start_id, config.vocab_size)
   return {
-      'architectures': ['MarianMTModel'], 'model_type': 'marian',
-      'vocab_size': config.vocab_size, 'd_model': config.d_model,
-      'encoder_layers': config.num_encoder_layers, 'decoder_layers': config.num_decoder_layers,
-      'encoder_attention_heads': config.num_heads, 'decoder_attention_heads': config.num_heads,
-      'encoder_ffn_dim': config.d_ff, 'decoder_ffn_dim': config.d_ff,
+      'architectures': ['MarianMTModel'],
+      'model_type': 'marian',
+      'vocab_size': config.vocab_size,
+      'd_model': config.d_model,
+      'encoder_layers': config.num_encoder_layers,
+      'decoder_layers': config.num_decoder_layers,
+      'encoder_attention_heads': config.num_heads,
+      'decoder_attention_heads': config.num_heads,
+      'encoder_ffn_dim': config.d_ff,
+      'decoder_ffn_dim': config.d_ff,
       'activation_function': _HF_ACTIVATIONS[config.activation],
-      'dropout': config.dropout_rate, 'attention_dropout': config.attention_dropout_rate,
-      'activation_dropout': 0.0, 'encoder_layerdrop': 0.0, 'decoder_layerdrop': 0.0,
-      'max_position_embeddings': config.max_len, 'scale_embedding': True,
+      'dropout': config.dropout_rate,
+      'attention_dropout': config.attention_dropout_rate,
+      'activation_dropout': 0.0,
+      'encoder_layerdrop': 0.0,
+      'decoder_layerdrop': 0.0,
+      'max_position_embeddings': config.max_len,
+      'scale_embedding': True,
       'share_encoder_decoder_embeddings': config.share_embeddings,
       'tie_word_embeddings': config.tie_output_embedding,
       'pad_token_id': exported_id(PAD_ID, config.vocab_size),
-      'eos_token_id': exported_id(EOS_ID, config.vocab_size), 'decoder_start_token_id': start,
-      'bos_token_id': None, 'forced_eos_token_id': None, 'init_std': 0.02,
-      'is_encoder_decoder': True, 'use_cache': True, 'num_beams': decoding['beam_size'],
+      'eos_token_id': exported_id(EOS_ID, config.vocab_size),
+      'decoder_start_token_id': start,
+      'bos_token_id': None,
+      'forced_eos_token_id': None,
+      'init_std': 0.02,
+      'is_encoder_decoder': True,
+      'use_cache': True,
+      'num_beams': decoding['beam_size'],
       'max_length': config.max_len,
-      EXPORT_KEY: {'sinusoid_layout': config.sinusoid_layout,
-                   'logits_bias': config.logits_bias, 'decoder_start': config.decoder_start,
-                   'layer_norm_epsilon': config.layer_norm_epsilon,
-                   'decoding': dict(decoding)},
+      EXPORT_KEY: {
+          'sinusoid_layout': config.sinusoid_layout,
+          'logits_bias': config.logits_bias,
+          'decoder_start': config.decoder_start,
+          'layer_norm_epsilon': config.layer_norm_epsilon,
+          'decoding': dict(decoding),
+      },
   }
 
 
@@ -534,12 +633,15 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
     OutputExistsError: `output_dir` already holds a model, or other files.
   """
   from transformer_jax import loading
+
   meta, _ = checkpointing.read_meta(workdir, step)
-  exportable(TransformerConfig.from_config(config_lib.from_saved(meta['config']),
-                                           meta['vocab_size']))
+  exportable(
+      TransformerConfig.from_config(config_lib.from_saved(meta['config']), meta['vocab_size'])
+  )
   if storage.exists(f'{output_dir}/config.json'):
-    raise OutputExistsError(f'{output_dir} already holds a model (config.json); choose a new '
-                            '--output_dir.')
+    raise OutputExistsError(
+        f'{output_dir} already holds a model (config.json); choose a new ' '--output_dir.'
+    )
   if not storage.is_remote(output_dir) and os.path.isdir(output_dir) and os.listdir(output_dir):
     raise OutputExistsError(f'{output_dir} is not empty; choose a new or empty --output_dir.')
   checkpoint = loading.load(workdir, step=step)
@@ -547,16 +649,30 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   # The files appear together, when all are written (a killed export leaves none); on Cloud
   # Storage config.json, which makes a directory a model, comes last.
   with storage.writing_directory(output_dir, last=('config.json',)) as staging:
-    write_model(staging, checkpoint.params, checkpoint.model_config,
-                checkpoint.tokenizer.pieces(), checkpoint.tokenizer.sentencepiece_models(),
-                source_lang=run.source_lang, target_lang=run.target_lang,
-                decoding={name: run[name] for name in DECODING_FIELDS})
+    write_model(
+        staging,
+        checkpoint.params,
+        checkpoint.model_config,
+        checkpoint.tokenizer.pieces(),
+        checkpoint.tokenizer.sentencepiece_models(),
+        source_lang=run.source_lang,
+        target_lang=run.target_lang,
+        decoding={name: run[name] for name in DECODING_FIELDS},
+    )
   return output_dir
 
 
-def write_model(output_dir: str, params: Any, config: TransformerConfig, pieces: list[str],
-                sentencepiece_models: Mapping[str, bytes], *, source_lang: str,
-                target_lang: str, decoding: Mapping[str, Any]) -> str:
+def write_model(
+    output_dir: str,
+    params: Any,
+    config: TransformerConfig,
+    pieces: list[str],
+    sentencepiece_models: Mapping[str, bytes],
+    *,
+    source_lang: str,
+    target_lang: str,
+    decoding: Mapping[str, Any],
+) -> str:
   """Writes `params` of `config` as a Marian model directory in Hugging Face's layout.
 
   <pad> goes last, as in Marian's own vocabularies (`exported_id`); the position table is
@@ -573,6 +689,7 @@ def write_model(output_dir: str, params: Any, config: TransformerConfig, pieces:
   """
   import jax
   from safetensors.numpy import save_file
+
   exportable(config)
   order = np.roll(np.arange(config.vocab_size), -1)  # Marian id j is this project's order[j].
   params = dict(jax.tree.map(np.asarray, jax.device_get(params)))
@@ -587,19 +704,24 @@ def write_model(output_dir: str, params: Any, config: TransformerConfig, pieces:
   start = exported_id(config.decoder_start_id, config.vocab_size)
   if np.any(state['model.decoder.embed_tokens.weight'][start]):
     logging.warning(
-        "CTranslate2 would not translate this export as this project does: its Marian "
-        "converter starts the decoder from a zero vector, and this model starts from the "
+        'CTranslate2 would not translate this export as this project does: its Marian '
+        'converter starts the decoder from a zero vector, and this model starts from the '
         "embedding of %s, which is not zero (Hugging Face's MarianMTModel is exact). Models "
-        "trained with --config.decoder_start=zero export exactly to both.",
-        '<pad>' if config.decoder_start_id == PAD_ID else 'id 1 (<s>)')
+        'trained with --config.decoder_start=zero export exactly to both.',
+        '<pad>' if config.decoder_start_id == PAD_ID else 'id 1 (<s>)',
+    )
   if config.layer_norm_epsilon != MARIAN_LAYER_NORM_EPSILON:
     logging.warning(
         "This model's layer norms add layer_norm_epsilon=%g to the variance; Hugging Face's "
-        "MarianMTModel and CTranslate2 add %g (Marian has no field for it), so their scores "
+        'MarianMTModel and CTranslate2 add %g (Marian has no field for it), so their scores '
         "differ from this project's in the last digits and a close choice of the search may "
-        "differ. Importing this export back restores %g (it is recorded under %r in "
-        "config.json).", config.layer_norm_epsilon, MARIAN_LAYER_NORM_EPSILON,
-        config.layer_norm_epsilon, EXPORT_KEY)
+        'differ. Importing this export back restores %g (it is recorded under %r in '
+        'config.json).',
+        config.layer_norm_epsilon,
+        MARIAN_LAYER_NORM_EPSILON,
+        config.layer_norm_epsilon,
+        EXPORT_KEY,
+    )
   base = config_lib.base_config()
   decoding = {name: base[name] for name in DECODING_FIELDS} | dict(decoding)
   os.makedirs(output_dir, exist_ok=True)
@@ -612,20 +734,38 @@ def write_model(output_dir: str, params: Any, config: TransformerConfig, pieces:
   os.chmod(weights, 0o666 & ~umask)
   hf_config = _hf_config(config, decoding)
   # Hugging Face's length penalty is this project's 'power' form; 'gnmt' has no equivalent.
-  length_penalty = ({'length_penalty': decoding['length_penalty']}
-                    if decoding['length_penalty_form'] == 'power' else {})
+  length_penalty = (
+      {'length_penalty': decoding['length_penalty']}
+      if decoding['length_penalty_form'] == 'power'
+      else {}
+  )
   files = {
       'config.json': hf_config,
       'generation_config.json': {
-          key: hf_config[key] for key in ('decoder_start_token_id', 'eos_token_id',
-                                           'pad_token_id', 'forced_eos_token_id')} | {
+          key: hf_config[key]
+          for key in (
+              'decoder_start_token_id',
+              'eos_token_id',
+              'pad_token_id',
+              'forced_eos_token_id',
+          )
+      }
+      | {
           'bad_words_ids': [[hf_config['pad_token_id']]],
-          'max_length': config.max_len, 'num_beams': decoding['beam_size']} | length_penalty,
+          'max_length': config.max_len,
+          'num_beams': decoding['beam_size'],
+      }
+      | length_penalty,
       'vocab.json': {pieces[i]: j for j, i in enumerate(order)},
       'tokenizer_config.json': {
-          'tokenizer_class': 'MarianTokenizer', 'source_lang': source_lang,
-          'target_lang': target_lang, 'model_max_length': config.max_len,
-          'eos_token': '</s>', 'unk_token': '<unk>', 'pad_token': '<pad>'},
+          'tokenizer_class': 'MarianTokenizer',
+          'source_lang': source_lang,
+          'target_lang': target_lang,
+          'model_max_length': config.max_len,
+          'eos_token': '</s>',
+          'unk_token': '<unk>',
+          'pad_token': '<pad>',
+      },
   }
   for name, content in files.items():
     with open(os.path.join(output_dir, name), 'w', encoding='utf-8') as f:

@@ -54,11 +54,19 @@ def _summary_writer_class() -> type:
         del sys.modules[name]
   return tensorboardX.SummaryWriter
 
-def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str, float],
-                    skipped_total: int, timed: Mapping[str, float] | None = None,
-                    seconds: float = 0.0, flops: float = 0.0,
-                    peak_flops: float | None = None,
-                    data_wait_seconds: float | None = None) -> dict[str, float]:
+
+def summarize_train(
+    sums: Mapping[str, float],
+    *,
+    steps: int,
+    last: Mapping[str, float],
+    skipped_total: int,
+    timed: Mapping[str, float] | None = None,
+    seconds: float = 0.0,
+    flops: float = 0.0,
+    peak_flops: float | None = None,
+    data_wait_seconds: float | None = None,
+) -> dict[str, float]:
   """Means and rates of one logging interval of training.
 
   Args:
@@ -96,10 +104,12 @@ def summarize_train(sums: Mapping[str, float], *, steps: int, last: Mapping[str,
 def summarize_eval(sums: Mapping[str, float]) -> dict[str, float]:
   """Loss (label-smoothed, as trained), perplexity and accuracy over evaluation batches."""
   tokens = max(sums['tokens'], 1.0)
-  return {'loss': sums['loss'] / tokens,
-          'perplexity': math.exp(min(sums['nll'] / tokens, 100.0)),
-          'accuracy': sums['correct'] / tokens,
-          'tokens': sums['tokens']}
+  return {
+      'loss': sums['loss'] / tokens,
+      'perplexity': math.exp(min(sums['nll'] / tokens, 100.0)),
+      'accuracy': sums['correct'] / tokens,
+      'tokens': sums['tokens'],
+  }
 
 
 def sum_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
@@ -114,8 +124,9 @@ def sum_metrics(metrics: Sequence[Mapping[str, Any]]) -> dict[str, float]:
 class MetricsWriter:
   """Progress display, TensorBoard event files and `metrics.jsonl` for one run."""
 
-  def __init__(self, workdir: str, *, total_steps: int, start_step: int, enabled: bool,
-               config: Any = None):
+  def __init__(
+      self, workdir: str, *, total_steps: int, start_step: int, enabled: bool, config: Any = None
+  ):
     """Opens the outputs; with `enabled=False` (processes other than 0) does nothing.
 
     `config` (a `ConfigDict`), if given, goes to TensorBoard as text at `start_step`.
@@ -141,8 +152,10 @@ class MetricsWriter:
       # through tensorboardX's own gs:// writer, which uploads once more when it is
       # collected: at the end of the process, when the run's last upload is long done.
       self._tb_local = tempfile.mkdtemp(prefix='transformer_jax_tensorboard_')
-    self._tb = _summary_writer_class()(self._tb_local if self._tb_remote else tensorboard,
-                             filename_suffix=f'.{uuid.uuid4().hex[:8]}')
+    self._tb = _summary_writer_class()(
+        self._tb_local if self._tb_remote else tensorboard,
+        filename_suffix=f'.{uuid.uuid4().hex[:8]}',
+    )
     if config is not None:
       # Indented four spaces: Markdown code, so TensorBoard keeps the layout.
       text = '\n'.join('    ' + line for line in str(config).splitlines())
@@ -150,8 +163,9 @@ class MetricsWriter:
     self._start_time = time.time()
     self._start_step = start_step
     if sys.stderr.isatty():
-      self._bar = tqdm.tqdm(total=total_steps, initial=start_step, unit='step',
-                            dynamic_ncols=True, file=sys.stderr)
+      self._bar = tqdm.tqdm(
+          total=total_steps, initial=start_step, unit='step', dynamic_ncols=True, file=sys.stderr
+      )
 
   def _truncate_after(self, step: int) -> None:
     if not storage.exists(self._jsonl_path):
@@ -181,8 +195,7 @@ class MetricsWriter:
     for name, value in values.items():
       self._tb.add_scalar(f'{split}/{name}', value, step)
     self._flush_tensorboard()
-    row = json.dumps({'step': step, 'split': split, 'time': round(time.time(), 3),
-                      **values}) + '\n'
+    row = json.dumps({'step': step, 'split': split, 'time': round(time.time(), 3), **values}) + '\n'
     if storage.is_remote(self._jsonl_path):
       # Cloud Storage has no append (gcsfs's append mode replaces the object): the object is
       # rewritten with every row so far, one upload each.
@@ -201,18 +214,31 @@ class MetricsWriter:
         return
       done = step - self._start_step
       eta = (self._total - step) * (time.time() - self._start_time) / max(done, 1)
-      logging.info('step %d/%d  loss %.4f  ppl %.2f  lr %.3g  |g| %.3g  %.0f tok/s  '
-                   'pad %.0f%%  data wait %.0f%%  skipped %d  ETA %s', step, self._total,
-                   values['loss'], values['perplexity'], values['learning_rate'],
-                   values['grad_norm'], rate, 100 * values['padding_share'],
-                   100 * values.get('data_wait_share', float('nan')),
-                   values['skipped_steps'], _duration(eta))
+      logging.info(
+          'step %d/%d  loss %.4f  ppl %.2f  lr %.3g  |g| %.3g  %.0f tok/s  '
+          'pad %.0f%%  data wait %.0f%%  skipped %d  ETA %s',
+          step,
+          self._total,
+          values['loss'],
+          values['perplexity'],
+          values['learning_rate'],
+          values['grad_norm'],
+          rate,
+          100 * values['padding_share'],
+          100 * values.get('data_wait_share', float('nan')),
+          values['skipped_steps'],
+          _duration(eta),
+      )
     else:
-      message = (f'step {step}: {split} loss {values["loss"]:.4f}  perplexity '
-                 f'{values["perplexity"]:.2f}  accuracy {values["accuracy"]:.3f}')
+      message = (
+          f'step {step}: {split} loss {values["loss"]:.4f}  perplexity '
+          f'{values["perplexity"]:.2f}  accuracy {values["accuracy"]:.3f}'
+      )
       if 'bleu' in values:
-        message += (f'  sacreBLEU {values["bleu"]:.2f}  chrF {values["chrf"]:.2f}  '
-                    f'({values["translate_seconds"]:.0f}s translating)')
+        message += (
+            f'  sacreBLEU {values["bleu"]:.2f}  chrF {values["chrf"]:.2f}  '
+            f'({values["translate_seconds"]:.0f}s translating)'
+        )
       if self._bar is not None:
         self._bar.write(message)
       else:

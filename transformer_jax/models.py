@@ -24,8 +24,14 @@ Array = jax.Array
 
 # The keys of a training batch: `Transformer.__call__`'s arguments, so a batch is applied as
 # `model.apply(variables, **batch)`. Every array is int32 [rows, length].
-BATCH_KEYS = ('inputs', 'targets', 'inputs_positions', 'targets_positions',
-              'inputs_segmentation', 'targets_segmentation')
+BATCH_KEYS = (
+    'inputs',
+    'targets',
+    'inputs_positions',
+    'targets_positions',
+    'inputs_segmentation',
+    'targets_segmentation',
+)
 
 _REMAT_POLICIES = {
     'full': None,  # Save nothing: recompute the whole layer in the backward pass.
@@ -34,8 +40,7 @@ _REMAT_POLICIES = {
 }
 
 
-def sinusoidal_positions(positions: Array, d_model: int,
-                         layout: str = 'interleaved') -> Array:
+def sinusoidal_positions(positions: Array, d_model: int, layout: str = 'interleaved') -> Array:
   """The paper's PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same).
 
   'interleaved' lays them out as the paper writes them; 'concatenated' puts all the sines
@@ -72,15 +77,18 @@ class Embed(nn.Module):
   def setup(self):
     cfg = self.config
     # N(0, d^-1/2) so that the sqrt(d)-scaled embeddings have unit variance.
-    normal = nn.initializers.normal(stddev=cfg.d_model ** -0.5)
+    normal = nn.initializers.normal(stddev=cfg.d_model**-0.5)
 
     def init(rng, shape, dtype):
       table = normal(rng, shape, dtype)
       return table.at[PAD_ID].set(0) if self._zero_pad else table
 
     self.embedding = self.param(
-        'embedding', nn.with_logical_partitioning(init, ('vocab', 'embed')),
-        (cfg.vocab_size, cfg.d_model), cfg.param_dtype)
+        'embedding',
+        nn.with_logical_partitioning(init, ('vocab', 'embed')),
+        (cfg.vocab_size, cfg.d_model),
+        cfg.param_dtype,
+    )
 
   @property
   def _zero_pad(self) -> bool:
@@ -115,12 +123,16 @@ class AddPositions(nn.Module):
   def __call__(self, x: Array, positions: Array) -> Array:
     cfg = self.config
     if cfg.positional_encoding == 'sinusoidal':
-      return x + sinusoidal_positions(positions, cfg.d_model,
-                                      cfg.sinusoid_layout).astype(cfg.dtype)
+      return x + sinusoidal_positions(positions, cfg.d_model, cfg.sinusoid_layout).astype(cfg.dtype)
     if cfg.positional_encoding == 'learned':
-      table = self.param('position_embedding', nn.with_logical_partitioning(
-          nn.initializers.normal(stddev=cfg.d_model ** -0.5), (None, 'embed')),
-                         (cfg.max_len, cfg.d_model), cfg.param_dtype)
+      table = self.param(
+          'position_embedding',
+          nn.with_logical_partitioning(
+              nn.initializers.normal(stddev=cfg.d_model**-0.5), (None, 'embed')
+          ),
+          (cfg.max_len, cfg.d_model),
+          cfg.param_dtype,
+      )
       return x + jnp.take(jnp.asarray(table, cfg.dtype), positions, axis=0)
     return x  # RoPE and ALiBi act inside attention.
 
@@ -133,9 +145,14 @@ def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:
   """Layer normalisation with statistics in float32 and logically named parameters, in one
   pass over the input or two (`config.layer_norm_statistics`)."""
   return nn.LayerNorm(
-      epsilon=config.layer_norm_epsilon, dtype=config.dtype, param_dtype=config.param_dtype,
+      epsilon=config.layer_norm_epsilon,
+      dtype=config.dtype,
+      param_dtype=config.param_dtype,
       use_fast_variance=config.layer_norm_statistics == 'one_pass',
-      scale_init=_NORM_SCALE_INIT, bias_init=_NORM_BIAS_INIT, name=name)
+      scale_init=_NORM_SCALE_INIT,
+      bias_init=_NORM_BIAS_INIT,
+      name=name,
+  )
 
 
 class DropoutMask(nn.Module):
@@ -165,9 +182,16 @@ class FusedResidualNorm(nn.Module):
     if not mesh.empty and mesh.size > 1:
       spec = jax.sharding.PartitionSpec(*nn.logical_to_mesh_axes(('batch', 'length')), None)
     return fused_norm.residual_layer_norm(
-        x.astype(cfg.dtype), y, keep, scale, bias, rate=cfg.dropout_rate,
-        epsilon=cfg.layer_norm_epsilon, interpret=cfg.post_norm_kernel == 'pallas_interpret',
-        spec=spec)
+        x.astype(cfg.dtype),
+        y,
+        keep,
+        scale,
+        bias,
+        rate=cfg.dropout_rate,
+        epsilon=cfg.layer_norm_epsilon,
+        interpret=cfg.post_norm_kernel == 'pallas_interpret',
+        spec=spec,
+    )
 
 
 _ACTIVATIONS = {
@@ -187,9 +211,13 @@ class FeedForward(nn.Module):
   def __call__(self, x: Array) -> Array:
     cfg = self.config
     dense = lambda features, axes, name: nn.Dense(
-        features, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name,
+        features,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        name=name,
         kernel_init=nn.with_logical_partitioning(nn.initializers.xavier_uniform(), axes),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]))
+        bias_init=nn.with_logical_partitioning(nn.initializers.zeros_init(), axes[1:]),
+    )
     h = _ACTIVATIONS[cfg.activation](dense(cfg.d_ff, ('embed', 'mlp'), 'wi')(x))
     h = nn.with_logical_constraint(h, ('batch', 'length', 'mlp'))
     y = dense(cfg.d_model, ('mlp', 'embed'), 'wo')(h)  # [batch, length, d_model]
@@ -227,7 +255,8 @@ class EncoderLayer(nn.Module):
     cfg = self.config
     attention = MultiHeadAttention(cfg, is_self_attention=True, name='self_attention')
     x = SubLayer(cfg, name='self_attention_block')(
-        x, lambda h: attention(h, h, mask, positions, positions))
+        x, lambda h: attention(h, h, mask, positions, positions)
+    )
     x = SubLayer(cfg, name='feed_forward_block')(x, FeedForward(cfg, name='feed_forward'))
     return nn.with_logical_constraint(x, ('batch', 'length', 'embed'))
 
@@ -238,18 +267,28 @@ class DecoderLayer(nn.Module):
   config: TransformerConfig
 
   @nn.compact
-  def __call__(self, y: Array, encoded: Array | None, self_mask: Array | None,
-               cross_mask: Array | None, positions: Array,
-               decode_index: Array | None = None) -> Array:
+  def __call__(
+      self,
+      y: Array,
+      encoded: Array | None,
+      self_mask: Array | None,
+      cross_mask: Array | None,
+      positions: Array,
+      decode_index: Array | None = None,
+  ) -> Array:
     cfg = self.config
-    self_attention = MultiHeadAttention(cfg, is_self_attention=True, in_decoder=True,
-                                        name='self_attention')
-    cross_attention = MultiHeadAttention(cfg, is_self_attention=False, in_decoder=True,
-                                         name='encoder_decoder_attention')
+    self_attention = MultiHeadAttention(
+        cfg, is_self_attention=True, in_decoder=True, name='self_attention'
+    )
+    cross_attention = MultiHeadAttention(
+        cfg, is_self_attention=False, in_decoder=True, name='encoder_decoder_attention'
+    )
     y = SubLayer(cfg, name='self_attention_block')(
-        y, lambda h: self_attention(h, h, self_mask, positions, positions, decode_index))
+        y, lambda h: self_attention(h, h, self_mask, positions, positions, decode_index)
+    )
     y = SubLayer(cfg, name='encoder_decoder_attention_block')(
-        y, lambda h: cross_attention(h, encoded, cross_mask))
+        y, lambda h: cross_attention(h, encoded, cross_mask)
+    )
     y = SubLayer(cfg, name='feed_forward_block')(y, FeedForward(cfg, name='feed_forward'))
     return nn.with_logical_constraint(y, ('batch', 'length', 'embed'))
 
@@ -289,8 +328,14 @@ class Decoder(nn.Module):
   embed: Embed
 
   @nn.compact
-  def __call__(self, decoder_inputs: Array, encoded: Array | None, positions: Array | None,
-               self_mask: Array | None, cross_mask: Array | None) -> Array:
+  def __call__(
+      self,
+      decoder_inputs: Array,
+      encoded: Array | None,
+      positions: Array | None,
+      self_mask: Array | None,
+      cross_mask: Array | None,
+  ) -> Array:
     """Decoder inputs [batch, length] -> logits [batch, length, vocab].
 
     In a decode step (`config.decode` and a cache exists) `decoder_inputs` is [batch, 1],
@@ -310,8 +355,7 @@ class Decoder(nn.Module):
     y = nn.with_logical_constraint(y, ('batch', 'length', 'embed'))
     layer = _layer_class(DecoderLayer, cfg)
     for i in range(cfg.num_decoder_layers):
-      y = layer(cfg, name=f'layer_{i}')(y, encoded, self_mask, cross_mask, positions,
-                                        decode_index)
+      y = layer(cfg, name=f'layer_{i}')(y, encoded, self_mask, cross_mask, positions, decode_index)
     if cfg.norm_position == 'pre':
       y = layer_norm(cfg, 'final_norm')(y)
     if cfg.tie_output_embedding:
@@ -319,29 +363,46 @@ class Decoder(nn.Module):
       column_sums = self.embed.attend_sums
     else:
       projection = nn.Dense(
-          cfg.vocab_size, use_bias=False, dtype=cfg.dtype, param_dtype=cfg.param_dtype,
+          cfg.vocab_size,
+          use_bias=False,
+          dtype=cfg.dtype,
+          param_dtype=cfg.param_dtype,
           kernel_init=nn.with_logical_partitioning(
-              nn.initializers.xavier_uniform(), ('embed', 'vocab')),
-          name='output_projection')
+              nn.initializers.xavier_uniform(), ('embed', 'vocab')
+          ),
+          name='output_projection',
+      )
       logits = projection(y)
-      column_sums = lambda: jnp.sum(jnp.asarray(nn.meta.unbox(
-          projection.variables['params']['kernel']), cfg.dtype).astype(jnp.float32), axis=1)
+      column_sums = lambda: jnp.sum(
+          jnp.asarray(nn.meta.unbox(projection.variables['params']['kernel']), cfg.dtype).astype(
+              jnp.float32
+          ),
+          axis=1,
+      )
     bias_sum = 0.0
     if cfg.logits_bias:
-      bias = self.param('logits_bias', nn.with_logical_partitioning(
-          nn.initializers.zeros_init(), ('vocab',)), (cfg.vocab_size,), cfg.param_dtype)
+      bias = self.param(
+          'logits_bias',
+          nn.with_logical_partitioning(nn.initializers.zeros_init(), ('vocab',)),
+          (cfg.vocab_size,),
+          cfg.param_dtype,
+      )
       logits = logits + jnp.asarray(bias, cfg.dtype)
       bias_sum = jnp.sum(jnp.asarray(bias, cfg.dtype).astype(jnp.float32))
     if self.is_mutable_collection('logit_sums'):
       # Each token's logits summed over the vocabulary, from their linear map of y
       # (`losses.token_losses_given_sums`): no pass over the logits.
-      self.sow('logit_sums', 'sums',
-               jnp.einsum('bld,d->bl', y.astype(jnp.float32), column_sums()) + bias_sum)
+      self.sow(
+          'logit_sums',
+          'sums',
+          jnp.einsum('bld,d->bl', y.astype(jnp.float32), column_sums()) + bias_sum,
+      )
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
 
 
-def _default_positions_and_segments(tokens: Array, positions: Array | None,
-                                    segmentation: Array | None) -> tuple[Array, Array]:
+def _default_positions_and_segments(
+    tokens: Array, positions: Array | None, segmentation: Array | None
+) -> tuple[Array, Array]:
   """Unpacked rows: positions 0..length-1, segment 1 on real tokens and 0 on padding."""
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
@@ -390,20 +451,30 @@ class Transformer(nn.Module):
     self.encoder = Encoder(cfg, source_embed)
     self.decoder = Decoder(cfg, target_embed)
 
-  def encode(self, inputs: Array, inputs_positions: Array | None = None,
-             inputs_segmentation: Array | None = None) -> Array:
+  def encode(
+      self,
+      inputs: Array,
+      inputs_positions: Array | None = None,
+      inputs_segmentation: Array | None = None,
+  ) -> Array:
     """[batch, source_length] ids -> [batch, source_length, d_model]."""
     positions, segments = _default_positions_and_segments(
-        inputs, inputs_positions, inputs_segmentation)
+        inputs, inputs_positions, inputs_segmentation
+    )
     if self.config.attention_lengths and not self.config.decode:
       lengths = _lengths(segments)
       return self.encoder(inputs, positions, Lengths(lengths, lengths))
     return self.encoder(inputs, positions, _attention_mask(segments, segments))
 
-  def decode(self, encoded: Array | None, inputs: Array | None, targets: Array,
-             targets_positions: Array | None = None,
-             inputs_segmentation: Array | None = None,
-             targets_segmentation: Array | None = None) -> Array:
+  def decode(
+      self,
+      encoded: Array | None,
+      inputs: Array | None,
+      targets: Array,
+      targets_positions: Array | None = None,
+      inputs_segmentation: Array | None = None,
+      targets_segmentation: Array | None = None,
+  ) -> Array:
     """Logits for `targets` given the encoder output.
 
     Training and scoring: `targets` [batch, target_length] are the unshifted targets; this
@@ -427,13 +498,15 @@ class Transformer(nn.Module):
       causal = nn.make_causal_mask(targets, dtype=jnp.bool_)
       return self.decoder(targets, encoded, positions, causal, source_mask)
     positions, target_segments = _default_positions_and_segments(
-        targets, targets_positions, targets_segmentation)
+        targets, targets_positions, targets_segmentation
+    )
     _, source_segments = _default_positions_and_segments(inputs, None, inputs_segmentation)
     decoder_inputs = shift_right(targets, target_segments, cfg.decoder_start_id)
     if cfg.attention_lengths:
       source, target = _lengths(source_segments), _lengths(target_segments)
-      return self.decoder(decoder_inputs, encoded, positions, Lengths(target, target, True),
-                          Lengths(target, source))
+      return self.decoder(
+          decoder_inputs, encoded, positions, Lengths(target, target, True), Lengths(target, source)
+      )
     causal = nn.make_causal_mask(targets, dtype=jnp.bool_)
     self_mask = _attention_mask(target_segments, target_segments) & causal
     cross_mask = _attention_mask(target_segments, source_segments)
@@ -460,12 +533,17 @@ class Transformer(nn.Module):
     dummy = jnp.zeros((inputs.shape[0], max_decode_length), jnp.int32)
     return self.decode(encoded, inputs, dummy)
 
-  def __call__(self, inputs: Array, targets: Array,
-               inputs_positions: Array | None = None,
-               targets_positions: Array | None = None,
-               inputs_segmentation: Array | None = None,
-               targets_segmentation: Array | None = None) -> Array:
+  def __call__(
+      self,
+      inputs: Array,
+      targets: Array,
+      inputs_positions: Array | None = None,
+      targets_positions: Array | None = None,
+      inputs_segmentation: Array | None = None,
+      targets_segmentation: Array | None = None,
+  ) -> Array:
     """Training-time forward pass: [batch, target_length, vocab] logits."""
     encoded = self.encode(inputs, inputs_positions, inputs_segmentation)
-    return self.decode(encoded, inputs, targets, targets_positions, inputs_segmentation,
-                       targets_segmentation)
+    return self.decode(
+        encoded, inputs, targets, targets_positions, inputs_segmentation, targets_segmentation
+    )

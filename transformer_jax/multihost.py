@@ -34,9 +34,13 @@ from jax.experimental import multihost_utils
 from transformer_jax.errors import LaunchError
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, heartbeat_timeout_seconds: int = 100,
-               exit_now: Callable[[str], NoReturn] | None = None) -> None:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    heartbeat_timeout_seconds: int = 100,
+    exit_now: Callable[[str], NoReturn] | None = None,
+) -> None:
   """Joins this process to the job (call before anything touches a device).
 
   Args:
@@ -56,7 +60,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       coordinator port is in use.
   """
   launcher, coordinator_address, num_processes, process_id = _detect(
-      coordinator_address, num_processes, process_id, heartbeat_timeout_seconds)
+      coordinator_address, num_processes, process_id, heartbeat_timeout_seconds
+  )
   if process_id == 0:
     _check_port_free(coordinator_address)
   # CPU devices of different processes talk through gloo (unused on GPU and TPU).
@@ -77,18 +82,27 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
           f'{heartbeat_timeout_seconds} s: the coordinator at {coordinator_address} (started by '
           'process 0) did not answer, or not every process connected to it. If process 0 '
           'failed, its log says why; otherwise check that all processes were started and can '
-          'reach that host and port, or give them longer with --heartbeat_timeout_seconds.')
+          'reach that host and port, or give them longer with --heartbeat_timeout_seconds.'
+      )
 
-  threading.Thread(target=give_up_unless_joined, daemon=True,
-                   name='join_watchdog').start()
+  threading.Thread(target=give_up_unless_joined, daemon=True, name='join_watchdog').start()
   jax.distributed.initialize(
-      coordinator_address=coordinator_address, num_processes=num_processes,
-      process_id=process_id, initialization_timeout=heartbeat_timeout_seconds + 60,
-      heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+      coordinator_address=coordinator_address,
+      num_processes=num_processes,
+      process_id=process_id,
+      initialization_timeout=heartbeat_timeout_seconds + 60,
+      heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+  )
   joined.set()
-  logging.info('Process %d of %d joined the job (%s, coordinator %s); %d local / %d global '
-               'devices.', jax.process_index(), jax.process_count(), launcher,
-               coordinator_address, jax.local_device_count(), jax.device_count())
+  logging.info(
+      'Process %d of %d joined the job (%s, coordinator %s); %d local / %d global ' 'devices.',
+      jax.process_index(),
+      jax.process_count(),
+      launcher,
+      coordinator_address,
+      jax.local_device_count(),
+      jax.device_count(),
+  )
 
 
 def _detect(coordinator_address, num_processes, process_id, timeout_s):
@@ -97,28 +111,42 @@ def _detect(coordinator_address, num_processes, process_id, timeout_s):
   coordinator_address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
   launcher = 'flags'
   if None in (coordinator_address, num_processes, process_id):
-    found = [env for env in _clusters.ClusterEnv._cluster_types
-             if not env.opt_in_only_method and env.is_env_present()]
+    found = [
+        env
+        for env in _clusters.ClusterEnv._cluster_types
+        if not env.opt_in_only_method and env.is_env_present()
+    ]
     if found:
       launcher = found[0].name
       # Local device ids are left to jax.distributed (JAX_LOCAL_DEVICE_IDS, else one GPU
       # per process under a launcher); a non-None value here keeps them out of this call.
       coordinator_address, num_processes, process_id, _ = (
           _clusters.ClusterEnv.auto_detect_unset_distributed_params(
-              coordinator_address, num_processes, process_id, (), None, timeout_s))
-  missing = [flag for flag, value in (('--coordinator_address', coordinator_address),
-                                      ('--num_processes', num_processes),
-                                      ('--process_id', process_id)) if value is None]
+              coordinator_address, num_processes, process_id, (), None, timeout_s
+          )
+      )
+  missing = [
+      flag
+      for flag, value in (
+          ('--coordinator_address', coordinator_address),
+          ('--num_processes', num_processes),
+          ('--process_id', process_id),
+      )
+      if value is None
+  ]
   if missing:
     raise LaunchError(
         '--distributed found no launcher to learn the job from: this process was not started '
         'by SLURM (srun), Open MPI (mpirun) or on a Cloud TPU VM, and the flags do not say it '
         f'all ({", ".join(missing)} missing). Start every process with srun or mpirun, or '
-        'give each one --coordinator_address=HOST:PORT (process 0\'s host) --num_processes=N '
-        '--process_id=I; without --distributed, train.py uses this machine\'s devices alone.')
+        "give each one --coordinator_address=HOST:PORT (process 0's host) --num_processes=N "
+        "--process_id=I; without --distributed, train.py uses this machine's devices alone."
+    )
   if not 0 <= process_id < num_processes:
-    raise LaunchError(f'--process_id={process_id} is not one of the job\'s {num_processes} '
-                      f'processes (0 to {num_processes - 1}).')
+    raise LaunchError(
+        f"--process_id={process_id} is not one of the job's {num_processes} "
+        f'processes (0 to {num_processes - 1}).'
+    )
   return launcher, coordinator_address, num_processes, process_id
 
 
@@ -138,11 +166,12 @@ def _check_port_free(coordinator_address: str) -> None:
     if e.errno != errno.EADDRINUSE:
       return  # Not ours to judge (no IPv6, say): jax.distributed reports what it finds.
     raise LaunchError(
-        f'Port {bind_port} on this host is in use, so process 0 cannot start the job\'s '
-        f'coordinator there ({coordinator_address}): another job\'s coordinator, or a run that '
+        f"Port {bind_port} on this host is in use, so process 0 cannot start the job's "
+        f"coordinator there ({coordinator_address}): another job's coordinator, or a run that "
         'is still exiting, holds it. Wait for that one, or choose a free port for every process: '
         '--coordinator_address=HOST:PORT, or JAX_COORDINATOR_PORT=PORT in the environment '
-        'under SLURM or Open MPI.') from e
+        'under SLURM or Open MPI.'
+    ) from e
 
 
 def check_processes_agree(values: dict[str, str], timeout_s: int) -> None:
@@ -160,24 +189,32 @@ def check_processes_agree(values: dict[str, str], timeout_s: int) -> None:
   if me == 0:
     differences = []
     for other in range(1, jax.process_count()):
-      theirs = json.loads(client.blocking_key_value_get(f'transformer_jax/launch/{other}',
-                                                        timeout_ms))
+      theirs = json.loads(
+          client.blocking_key_value_get(f'transformer_jax/launch/{other}', timeout_ms)
+      )
       fields = [k for k in sorted(set(values) | set(theirs)) if values.get(k) != theirs.get(k)]
       if fields:
-        differences.append(f'process {other} has ' + ', '.join(
-            f'{k}={theirs.get(k, "(none)")} where process 0 has {values.get(k, "(none)")}'
-            for k in fields[:4]) + (f' and {len(fields) - 4} more' if len(fields) > 4 else ''))
+        differences.append(
+            f'process {other} has '
+            + ', '.join(
+                f'{k}={theirs.get(k, "(none)")} where process 0 has {values.get(k, "(none)")}'
+                for k in fields[:4]
+            )
+            + (f' and {len(fields) - 4} more' if len(fields) > 4 else '')
+        )
     client.key_value_set('transformer_jax/launch/verdict', json.dumps(differences))
   else:
-    differences = json.loads(client.blocking_key_value_get('transformer_jax/launch/verdict',
-                                                           timeout_ms))
+    differences = json.loads(
+        client.blocking_key_value_get('transformer_jax/launch/verdict', timeout_ms)
+    )
   if differences:
     raise LaunchError(
         'The processes of this job were not started with the same config and work directory: '
-        + '; '.join(differences[:3]) + (f'; and {len(differences) - 3} more processes'
-                                         if len(differences) > 3 else '')
+        + '; '.join(differences[:3])
+        + (f'; and {len(differences) - 3} more processes' if len(differences) > 3 else '')
         + '. Every process must get the same --config file, --config.* overrides and --workdir; '
-        'check the launch line for a per-process variable or a file that differs between hosts.')
+        'check the launch line for a per-process variable or a file that differs between hosts.'
+    )
 
 
 class StopSignal:
@@ -203,10 +240,15 @@ class StopSignal:
     if signum == signal.SIGINT:
       if self._requested.is_set():
         raise KeyboardInterrupt  # The second Ctrl-C: stop now, without saving.
-      print('Ctrl-C: saving a checkpoint after this step, then stopping (press Ctrl-C again '
-            'to stop at once, without saving).', file=sys.stderr, flush=True)
-    logging.warning('Received signal %d: saving a checkpoint after this step, then '
-                    'stopping.', signum)
+      print(
+          'Ctrl-C: saving a checkpoint after this step, then stopping (press Ctrl-C again '
+          'to stop at once, without saving).',
+          file=sys.stderr,
+          flush=True,
+      )
+    logging.warning(
+        'Received signal %d: saving a checkpoint after this step, then ' 'stopping.', signum
+    )
     if self._signum is None:
       self._signum = signum
     self._requested.set()

@@ -46,25 +46,39 @@ class OptimizerConfig:
 
   def __post_init__(self):
     checks = (
-        (isinstance(self.warmup_steps, int) and self.warmup_steps >= 1,
-         f'warmup_steps={self.warmup_steps!r} must be an int >= 1 (the paper: 4000).'),
-        (self.learning_rate_scale > 0,
-         f'learning_rate_scale={self.learning_rate_scale!r} must be > 0 (1.0 is the '
-         "paper's schedule)."),
-        (self.schedule in SCHEDULES,
-         f'lr_schedule={self.schedule!r} must be one of {SCHEDULES} (\'rsqrt\': the paper).'),
-        (isinstance(self.cooldown_steps, int)
-         and 0 <= self.cooldown_steps <= max(self.num_train_steps, 0),
-         f'lr_cooldown_steps={self.cooldown_steps!r} must be an int in [0, num_train_steps='
-         f'{self.num_train_steps}] (0: the paper\'s schedule, no cooldown).'),
-        (0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
-         f'adam_b1={self.b1!r} and adam_b2={self.b2!r} must be in [0, 1) (the paper: '
-         '0.9, 0.98).'),
+        (
+            isinstance(self.warmup_steps, int) and self.warmup_steps >= 1,
+            f'warmup_steps={self.warmup_steps!r} must be an int >= 1 (the paper: 4000).',
+        ),
+        (
+            self.learning_rate_scale > 0,
+            f'learning_rate_scale={self.learning_rate_scale!r} must be > 0 (1.0 is the '
+            "paper's schedule).",
+        ),
+        (
+            self.schedule in SCHEDULES,
+            f"lr_schedule={self.schedule!r} must be one of {SCHEDULES} ('rsqrt': the paper).",
+        ),
+        (
+            isinstance(self.cooldown_steps, int)
+            and 0 <= self.cooldown_steps <= max(self.num_train_steps, 0),
+            f'lr_cooldown_steps={self.cooldown_steps!r} must be an int in [0, num_train_steps='
+            f"{self.num_train_steps}] (0: the paper's schedule, no cooldown).",
+        ),
+        (
+            0.0 <= self.b1 < 1.0 and 0.0 <= self.b2 < 1.0,
+            f'adam_b1={self.b1!r} and adam_b2={self.b2!r} must be in [0, 1) (the paper: '
+            '0.9, 0.98).',
+        ),
         (self.eps > 0, f'adam_eps={self.eps!r} must be > 0 (the paper: 1e-9).'),
-        (self.weight_decay >= 0,
-         f'weight_decay={self.weight_decay!r} must be >= 0 (0 disables it).'),
-        (self.grad_clip_norm >= 0,
-         f'grad_clip_norm={self.grad_clip_norm!r} must be >= 0 (0 disables clipping).'),
+        (
+            self.weight_decay >= 0,
+            f'weight_decay={self.weight_decay!r} must be >= 0 (0 disables it).',
+        ),
+        (
+            self.grad_clip_norm >= 0,
+            f'grad_clip_norm={self.grad_clip_norm!r} must be >= 0 (0 disables clipping).',
+        ),
     )
     for ok, message in checks:
       if not ok:
@@ -92,9 +106,14 @@ class OptimizerConfig:
     )
 
 
-def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0,
-                           num_train_steps: int = 0, cooldown_steps: int = 0,
-                           after_warmup: str = 'rsqrt') -> optax.Schedule:
+def learning_rate_schedule(
+    d_model: int,
+    warmup_steps: int,
+    scale: float = 1.0,
+    num_train_steps: int = 0,
+    cooldown_steps: int = 0,
+    after_warmup: str = 'rsqrt',
+) -> optax.Schedule:
   """The paper's schedule as an optax schedule of the update count.
 
   optax counts updates from 0 and the paper counts steps from 1, so update `count` uses
@@ -121,15 +140,18 @@ def learning_rate_schedule(d_model: int, warmup_steps: int, scale: float = 1.0,
   Returns:
     A function from the update count (int array) to the learning rate (float32).
   """
+
   def schedule(count: jax.Array) -> jax.Array:
     count = jnp.asarray(count, jnp.float32)
     step = count + 1.0
-    after = (jax.lax.rsqrt(step) if after_warmup == 'rsqrt'
-             else jnp.float32(float(warmup_steps) ** -0.5))
-    rate = (scale * d_model ** -0.5) * jnp.minimum(after, step * float(warmup_steps) ** -1.5)
+    after = (
+        jax.lax.rsqrt(step) if after_warmup == 'rsqrt' else jnp.float32(float(warmup_steps) ** -0.5)
+    )
+    rate = (scale * d_model**-0.5) * jnp.minimum(after, step * float(warmup_steps) ** -1.5)
     if cooldown_steps:
       rate *= jnp.clip((num_train_steps - count) / cooldown_steps, 0.0, 1.0)
     return rate
+
   return schedule
 
 
@@ -138,8 +160,7 @@ def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def create_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation,
-                                                     optax.Schedule]:
+def create_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """Adam (or AdamW) with the paper's schedule, after optional global-norm clipping.
 
   Args:
@@ -148,11 +169,18 @@ def create_optimizer(cfg: OptimizerConfig) -> tuple[optax.GradientTransformation
   Returns:
     (the optax transformation, its learning-rate schedule, for logging).
   """
-  schedule = learning_rate_schedule(cfg.d_model, cfg.warmup_steps, cfg.learning_rate_scale,
-                                    cfg.num_train_steps, cfg.cooldown_steps, cfg.schedule)
+  schedule = learning_rate_schedule(
+      cfg.d_model,
+      cfg.warmup_steps,
+      cfg.learning_rate_scale,
+      cfg.num_train_steps,
+      cfg.cooldown_steps,
+      cfg.schedule,
+  )
   if cfg.weight_decay > 0:
-    adam = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                       weight_decay=cfg.weight_decay, mask=_decay_mask)
+    adam = optax.adamw(
+        schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=_decay_mask
+    )
   else:
     adam = optax.adam(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
   if cfg.grad_clip_norm > 0:

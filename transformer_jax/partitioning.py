@@ -55,20 +55,23 @@ def mesh_shape(mesh_config: Mapping[str, int], num_devices: int) -> tuple[int, .
   if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
     raise ConfigError(
         f'config.mesh={dict(zip(MESH_AXES, sizes))} is invalid: sizes must be positive, '
-        'with at most one -1 (meaning "all remaining devices").')
+        'with at most one -1 (meaning "all remaining devices").'
+    )
   known = math.prod(s for s in sizes if s != -1)
   if -1 in sizes:
     if num_devices % known:
       raise ConfigError(
           f'config.mesh={dict(zip(MESH_AXES, sizes))}: the fixed axes ({known} devices) '
           f'do not divide the {num_devices} devices of this job; choose sizes whose '
-          f'product divides {num_devices}, e.g. --config.mesh.fsdp=1 --config.mesh.tensor=1.')
+          f'product divides {num_devices}, e.g. --config.mesh.fsdp=1 --config.mesh.tensor=1.'
+      )
     sizes[sizes.index(-1)] = num_devices // known
   elif known != num_devices:
     raise ConfigError(
         f'config.mesh={dict(zip(MESH_AXES, sizes))} needs {known} devices but this job has '
         f'{num_devices}; set one axis to -1 (e.g. --config.mesh.data=-1) or make the '
-        f'product {num_devices}.')
+        f'product {num_devices}.'
+    )
   return tuple(sizes)
 
 
@@ -81,14 +84,18 @@ def normalize_rules(rules: Sequence[Sequence[Any]]) -> LogicalRules:
   normalized = []
   for rule in rules:
     if len(rule) != 2 or not isinstance(rule[0], str):
-      raise ConfigError(f'logical_axis_rules entry {rule!r} must be (logical_name, '
-                        'mesh_axes), e.g. ("mlp", "tensor").')
+      raise ConfigError(
+          f'logical_axis_rules entry {rule!r} must be (logical_name, '
+          'mesh_axes), e.g. ("mlp", "tensor").'
+      )
     name, target = rule
     axes = (target,) if isinstance(target, str) else tuple(target or ())
     bad = [a for a in axes if a not in MESH_AXES]
     if bad:
-      raise ConfigError(f'logical_axis_rules maps {name!r} onto unknown mesh axes {bad}; '
-                        f'the mesh axes are {MESH_AXES}.')
+      raise ConfigError(
+          f'logical_axis_rules maps {name!r} onto unknown mesh axes {bad}; '
+          f'the mesh axes are {MESH_AXES}.'
+      )
     if target is None or isinstance(target, str):
       normalized.append((name, target))
     else:
@@ -109,8 +116,9 @@ class Partitioner:
     self.rules = rules
 
   @classmethod
-  def from_config(cls, config: ml_collections.ConfigDict,
-                  devices: Sequence[jax.Device] | None = None) -> 'Partitioner':
+  def from_config(
+      cls, config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None
+  ) -> 'Partitioner':
     """Builds the mesh of `config.mesh` over all devices of the job (every host).
 
     Args:
@@ -137,11 +145,18 @@ class Partitioner:
     try:
       return cls.from_config(config)
     except ConfigError as e:
-      logging.warning('The training mesh does not fit here (%s); decoding with the batch '
-                      'split over all %d devices instead.', e, jax.device_count())
-      data_parallel = ml_collections.ConfigDict({
-          'mesh': {'data': -1, 'fsdp': 1, 'tensor': 1},
-          'logical_axis_rules': config.logical_axis_rules})
+      logging.warning(
+          'The training mesh does not fit here (%s); decoding with the batch '
+          'split over all %d devices instead.',
+          e,
+          jax.device_count(),
+      )
+      data_parallel = ml_collections.ConfigDict(
+          {
+              'mesh': {'data': -1, 'fsdp': 1, 'tensor': 1},
+              'logical_axis_rules': config.logical_axis_rules,
+          }
+      )
       return cls.from_config(data_parallel)
 
   # --- Shardings. ---
@@ -200,7 +215,8 @@ class Partitioner:
       raise ConfigError(
           f'The batch is split into {shards} pieces (the mesh axes that the "batch" rule '
           f'names), which {hosts} hosts cannot share evenly; make data*fsdp a multiple of '
-          'the number of hosts.')
+          'the number of hosts.'
+      )
     return shards // hosts * grad_accum_steps
 
   # --- Placement. ---
@@ -211,8 +227,9 @@ class Partitioner:
     Each host passes its own rows; the global batch is their concatenation in host order.
     """
     sharding = self.batch_sharding
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v))
-            for k, v in batch.items()}
+    return {
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()
+    }
 
   @contextlib.contextmanager
   def activate(self) -> Iterator[None]:
@@ -223,5 +240,7 @@ class Partitioner:
   def describe(self) -> str:
     """One line for the log: the mesh shape and the device kind."""
     shape = ', '.join(f'{k}={v}' for k, v in self.mesh.shape.items())
-    return (f'mesh ({shape}) over {self.mesh.size} {self.device_kind} devices '
-            f'on {self.num_hosts} host(s)')
+    return (
+        f'mesh ({shape}) over {self.mesh.size} {self.device_kind} devices '
+        f'on {self.num_hosts} host(s)'
+    )

@@ -33,16 +33,19 @@ def check_scheme(path: str, flag: str) -> None:
   """Refuses URLs of schemes other than gs:// (their writes are untested here)."""
   match = storage.SCHEME.match(path)
   if match and match['scheme'] != 'gs':
-    raise PathError(f'{storage.describe(flag, path)}: {match["scheme"]}:// paths are not '
-                    'supported; give a local path or a Cloud Storage path (gs://BUCKET/...).')
+    raise PathError(
+        f'{storage.describe(flag, path)}: {match["scheme"]}:// paths are not '
+        'supported; give a local path or a Cloud Storage path (gs://BUCKET/...).'
+    )
 
 
 def require_local(path: str, flag: str, what: str) -> None:
   """Refuses a gs:// `path` where `what` must be on a local disk."""
   check_scheme(path, flag)
   if storage.is_remote(path):
-    raise PathError(f'{storage.describe(flag, path)}: {what} cannot be on Cloud Storage; give a '
-                    'local path.')
+    raise PathError(
+        f'{storage.describe(flag, path)}: {what} cannot be on Cloud Storage; give a ' 'local path.'
+    )
 
 
 def same_path(a: str, b: str) -> bool:
@@ -64,7 +67,8 @@ def check_not_input(path: str, flag: str, inputs: Inputs) -> None:
       raise PathError(
           f'{storage.describe(flag, path)} is also {storage.describe(input_flag, input_path)}: '
           'writing the output would destroy the input before it is read. Write the output to '
-          'another path.')
+          'another path.'
+      )
 
 
 def _probe(directory: str, flag: str, path: str) -> None:
@@ -87,7 +91,8 @@ def _probe(directory: str, flag: str, path: str) -> None:
       raise from_os_error(e) from None
     raise PathError(
         f'{storage.describe(flag, path)}: cannot create files in {directory} ({e.strerror}); '
-        'choose a directory you can write to.') from None
+        'choose a directory you can write to.'
+    ) from None
 
 
 def check_input_file(path: str, flag: str) -> str:
@@ -151,16 +156,19 @@ def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str
   directory = os.path.dirname(os.path.abspath(path))
   if not os.path.isdir(directory):
     what = 'is not a directory' if os.path.exists(directory) else 'does not exist'
-    raise PathError(f'{storage.describe(flag, path)}: its directory {directory} {what}; create it '
-                    f'first (mkdir -p {directory}) or choose another path.')
+    raise PathError(
+        f'{storage.describe(flag, path)}: its directory {directory} {what}; create it '
+        f'first (mkdir -p {directory}) or choose another path.'
+    )
   check_not_input(path, flag, inputs or {})
   _probe(directory, flag, path)
   storage.clean_directory(directory)
   return path
 
 
-def check_output_directory(path: str, flag: str, inputs: Inputs | None = None, *,
-                           create: bool = True) -> str:
+def check_output_directory(
+    path: str, flag: str, inputs: Inputs | None = None, *, create: bool = True
+) -> str:
   """Checks that the directory `path` can be written (creating it and its parents, unless
   `create` is False), and cleans up after a killed writer there.
 
@@ -181,15 +189,18 @@ def check_output_directory(path: str, flag: str, inputs: Inputs | None = None, *
     storage.clean_directory(storage.resolve(path))
     return path
   if os.path.exists(path) and not os.path.isdir(path):
-    raise PathError(f'{storage.describe(flag, path)} is a file; give a directory (it is created if '
-                    'missing).')
+    raise PathError(
+        f'{storage.describe(flag, path)} is a file; give a directory (it is created if ' 'missing).'
+    )
   check_not_input(path, flag, inputs or {})
   existing = os.path.abspath(path)
   while not os.path.isdir(existing):
     parent = os.path.dirname(existing)
     if os.path.exists(existing) or parent == existing:
-      raise PathError(f'{storage.describe(flag, path)}: {existing} is a file, not a directory; '
-                      'choose another path.')
+      raise PathError(
+          f'{storage.describe(flag, path)}: {existing} is a file, not a directory; '
+          'choose another path.'
+      )
     existing = parent
   _probe(existing, flag, path)
   if create:
@@ -197,7 +208,8 @@ def check_output_directory(path: str, flag: str, inputs: Inputs | None = None, *
       os.makedirs(path, exist_ok=True)
     except OSError as e:
       raise from_os_error(e) or PathError(
-          f'{storage.describe(flag, path)}: cannot create it ({e.strerror}).') from None
+          f'{storage.describe(flag, path)}: cannot create it ({e.strerror}).'
+      ) from None
   if os.path.isdir(path):
     storage.clean_directory(path)
   return path

@@ -60,8 +60,9 @@ class DevicePrefetcher(grain.DatasetIterator):
   def _start(self) -> None:
     self._stop = threading.Event()
     self._queue = queue.Queue(maxsize=self._size)
-    self._thread = threading.Thread(target=self._produce, args=(self._queue, self._stop),
-                                    name='device-prefetch', daemon=True)
+    self._thread = threading.Thread(
+        target=self._produce, args=(self._queue, self._stop), name='device-prefetch', daemon=True
+    )
     self._thread.start()
 
   def __next__(self) -> tuple[Batch, Any]:

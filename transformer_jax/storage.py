@@ -49,8 +49,9 @@ from transformer_jax.errors import PathError
 STALE_AFTER_S = 3600.0  # Another host's temporaries older than this belong to a dead run.
 
 
-_TEMPORARY = re.compile(r'^\.(?P<name>.+)\.(?P<kind>tmp|commit)-(?P<pid>\d+)-[0-9a-f]{8}-'
-                        r'(?P<host>.*)$')
+_TEMPORARY = re.compile(
+    r'^\.(?P<name>.+)\.(?P<kind>tmp|commit)-(?P<pid>\d+)-[0-9a-f]{8}-' r'(?P<host>.*)$'
+)
 
 
 SCHEME = re.compile(r'^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://')
@@ -88,6 +89,7 @@ def split_path(path: str) -> tuple[str, str]:
 
 def as_epath(path: str) -> Any:
   from etils import epath
+
   return epath.Path(path)
 
 
@@ -107,19 +109,24 @@ def local_cache(url: str) -> str:
   reads files, token stores are memory-mapped, datasets are prepared on a local disk):
   $TRANSFORMER_JAX_CACHE (default ~/.cache/transformer_jax)/<a hash of the URL>."""
   root = os.environ.get('TRANSFORMER_JAX_CACHE') or os.path.join(
-      os.path.expanduser('~'), '.cache', 'transformer_jax')
+      os.path.expanduser('~'), '.cache', 'transformer_jax'
+  )
   return os.path.join(root, hashlib.sha256(resolve(url).encode()).hexdigest()[:16])
 
 
 def _gcsfs() -> Any:
   import gcsfs
+
   return gcsfs.GCSFileSystem()
 
 
 def _relative_files(local: str) -> list[str]:
   """The files below the local directory `local`, as sorted '/'-separated relative names."""
-  return sorted(os.path.relpath(os.path.join(root, name), local).replace(os.sep, '/')
-                for root, _, names in os.walk(local) for name in names)
+  return sorted(
+      os.path.relpath(os.path.join(root, name), local).replace(os.sep, '/')
+      for root, _, names in os.walk(local)
+      for name in names
+  )
 
 
 def upload(local: str, remote: str, flag: str, *, last: tuple[str, ...] = ()) -> None:
@@ -137,8 +144,9 @@ def upload(local: str, remote: str, flag: str, *, last: tuple[str, ...] = ()) ->
       fs.put_file(source, target)
 
 
-def rename_directory(source: str, target: str, *, mark: str | None = None,
-                     flag: str = 'the path') -> None:
+def rename_directory(
+    source: str, target: str, *, mark: str | None = None, flag: str = 'the path'
+) -> None:
   """Renames the directory `source` to `target`. Locally one rename. On Cloud Storage, where a
   rename is a copy and a delete of every object, safe to kill at any point: every object is
   copied to `target` first (`source` stays whole: a rerun copies again), then `mark` (a name
@@ -153,7 +161,7 @@ def rename_directory(source: str, target: str, *, mark: str | None = None,
     marker = f'{source.removeprefix("gs://")}/{mark}' if mark else None
     for name in objects:
       if name != marker:
-        fs.copy(name, target.removeprefix('gs://') + name[len(source) - len('gs://'):])
+        fs.copy(name, target.removeprefix('gs://') + name[len(source) - len('gs://') :])
     if marker in objects:
       fs.rm(marker)
     fs.rm(source, recursive=True)
@@ -182,7 +190,7 @@ def download(remote: str, local: str, flag: str) -> None:
 
 
 def _bucket(path: str) -> str:
-  return 'gs://' + path[len('gs://'):].split('/', 1)[0]
+  return 'gs://' + path[len('gs://') :].split('/', 1)[0]
 
 
 def cloud_error(error: BaseException, path: str, flag: str = 'the path') -> PathError:
@@ -195,17 +203,23 @@ def cloud_error(error: BaseException, path: str, flag: str = 'the path') -> Path
   if isinstance(error, ImportError):
     return PathError(f'{where}: gs:// paths need gcsfs; pip install "transformer-jax[gcs]".')
   if isinstance(error, PermissionError) or code in (401, 403):
-    return PathError(f'{where}: Cloud Storage refused access to {bucket} ({detail}); sign in '
-                     'with `gcloud auth application-default login` (or set '
-                     'GOOGLE_APPLICATION_CREDENTIALS), and make sure this account may write '
-                     f'objects there (roles/storage.objectAdmin on {bucket}).')
+    return PathError(
+        f'{where}: Cloud Storage refused access to {bucket} ({detail}); sign in '
+        'with `gcloud auth application-default login` (or set '
+        'GOOGLE_APPLICATION_CREDENTIALS), and make sure this account may write '
+        f'objects there (roles/storage.objectAdmin on {bucket}).'
+    )
   if isinstance(error, FileNotFoundError) or code == 404:
-    return PathError(f'{where}: the bucket {bucket} does not exist (or this account cannot see '
-                     f'it); create it (gcloud storage buckets create {bucket}) or correct the '
-                     'name.')
+    return PathError(
+        f'{where}: the bucket {bucket} does not exist (or this account cannot see '
+        f'it); create it (gcloud storage buckets create {bucket}) or correct the '
+        'name.'
+    )
   if isinstance(error, (OSError, ConnectionError, TimeoutError)) or 'connect' in detail.lower():
-    return PathError(f'{where}: cannot reach Cloud Storage for {bucket} ({detail}); check the '
-                     'network (and STORAGE_EMULATOR_HOST, if it is set).')
+    return PathError(
+        f'{where}: cannot reach Cloud Storage for {bucket} ({detail}); check the '
+        'network (and STORAGE_EMULATOR_HOST, if it is set).'
+    )
   return PathError(f'{where}: Cloud Storage failed for {bucket} ({detail}).')
 
 
@@ -275,8 +289,7 @@ def writing(path: str, mode: str = 'w') -> Iterator[IO[Any]]:
     return
   tmp = temporary_path(path)
   try:
-    with open(tmp, mode, **({} if 'b' in mode else {'encoding': 'utf-8', 'newline': '\n'})
-              ) as f:
+    with open(tmp, mode, **({} if 'b' in mode else {'encoding': 'utf-8', 'newline': '\n'})) as f:
       yield f
       f.flush()
       os.fsync(f.fileno())
@@ -329,14 +342,16 @@ def _check_only(remote: str, local: str) -> None:
   """Raises `OutputExistsError` if the gs:// directory `remote` holds objects other than
   the files of `local` (those are a killed upload's, which this one replaces)."""
   mine = set(_relative_files(local))
-  prefix = resolve(remote)[len('gs://'):] + '/'
+  prefix = resolve(remote)[len('gs://') :] + '/'
   with cloud_errors(remote, 'the output directory'):
-    found = {name[len(prefix):] for name in _gcsfs().find(resolve(remote))
-             if name.startswith(prefix)}
+    found = {
+        name[len(prefix) :] for name in _gcsfs().find(resolve(remote)) if name.startswith(prefix)
+    }
   if found - mine:
     raise OutputExistsError(
         f'{remote} is not empty (it holds {sorted(found - mine)[0]}); give a new or empty '
-        f'directory, or delete it: gcloud storage rm -r {resolve(remote)}')
+        f'directory, or delete it: gcloud storage rm -r {resolve(remote)}'
+    )
 
 
 def write_file(path: str, data: str | bytes) -> None:
@@ -378,19 +393,22 @@ def file_stats(directory: str) -> list[tuple[str, int, int]]:
   directory, sorted by name; [] if there is no such directory."""
   if is_remote(directory):
     with cloud_errors(directory):
-      entries = [p for p in as_epath(directory).iterdir() if p.is_file()] if as_epath(
-          directory).is_dir() else []
+      entries = (
+          [p for p in as_epath(directory).iterdir() if p.is_file()]
+          if as_epath(directory).is_dir()
+          else []
+      )
       stats = [(p.name, p.stat()) for p in entries]
     return sorted((name, stat.length, int(stat.mtime * 1e9)) for name, stat in stats)
   if not os.path.isdir(directory):
     return []
-  return sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
-                for e in os.scandir(directory) if e.is_file())
+  return sorted(
+      (e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(directory) if e.is_file()
+  )
 
 
 def _join(directory: str, name: str) -> str:
-  return posixpath.join(directory, name) if is_remote(directory) else os.path.join(directory,
-                                                                                  name)
+  return posixpath.join(directory, name) if is_remote(directory) else os.path.join(directory, name)
 
 
 def write_files(files: Mapping[str, str | bytes]) -> None:
@@ -416,8 +434,9 @@ def write_files(files: Mapping[str, str | bytes]) -> None:
         f.flush()
         os.fsync(f.fileno())
     journal = temporary_path(paths[0], 'commit')
-    write_file(journal, json.dumps({split_path(t)[1]: split_path(p)[1]
-                                    for p, t in temporaries.items()}))
+    write_file(
+        journal, json.dumps({split_path(t)[1]: split_path(p)[1] for p, t in temporaries.items()})
+    )
   except BaseException:
     for tmp in temporaries.values():
       with contextlib.suppress(OSError):

@@ -88,8 +88,8 @@ class TokenStore:
     indices = np.asarray(indices, np.int64)
     lengths = np.zeros((rows, 2), np.int64)
     starts = np.zeros((rows, 2), np.int64)
-    lengths[:len(indices)] = self.lengths[indices]
-    starts[:len(indices)] = self.starts[indices]
+    lengths[: len(indices)] = self.lengths[indices]
+    starts[: len(indices)] = self.starts[indices]
     columns = np.arange(length, dtype=np.int64)
     batch = {}
     for side, name, ids in ((0, 'inputs', self.source), (1, 'targets', self.target)):
@@ -101,8 +101,7 @@ class TokenStore:
       batch[f'{name}_segmentation'] = real.astype(np.int32)
     return batch
 
-  def packed_batch(self, indices: np.ndarray, row_of: np.ndarray, rows: int,
-                   length: int) -> Batch:
+  def packed_batch(self, indices: np.ndarray, row_of: np.ndarray, rows: int, length: int) -> Batch:
     """A packed batch: example `indices[i]` goes to row `row_of[i]`, after the examples
     before it in that row (in the order given). Vectorized: no loop over examples."""
     indices = np.asarray(indices, np.int64)
@@ -160,16 +159,22 @@ def _fresh(directory: str, expected: dict[str, Any]) -> tuple[bool, str]:
     return False, 'it does not exist yet'
   except (OSError, ValueError) as e:
     return False, f'its meta.json is unreadable ({e})'
-  for key, what in (('format', 'the store format'), ('data', 'the data'),
-                    ('vocabulary', 'the vocabulary'), ('examples', 'the number of examples')):
+  for key, what in (
+      ('format', 'the store format'),
+      ('data', 'the data'),
+      ('vocabulary', 'the vocabulary'),
+      ('examples', 'the number of examples'),
+  ):
     if meta.get(key) != expected[key]:
-      return False, (f'{what} changed ({meta.get(key)!r} when it was made, '
-                     f'{expected[key]!r} now)')
+      return False, (
+          f'{what} changed ({meta.get(key)!r} when it was made, ' f'{expected[key]!r} now)'
+      )
   return True, ''
 
 
-def _encode_range(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, start: int,
-                  end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _encode_range(
+    pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, start: int, end: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Ids of pairs [start, end): (source ids, target ids, lengths [n, 2]; 0 for a blank side)."""
   sources, targets, lengths = [], [], np.zeros((end - start, 2), np.int32)
   dtype = id_dtype(tokenizer.vocab_size)
@@ -199,8 +204,9 @@ _WORKER: dict[str, Any] = {}
 def _init_worker(pairs, tokenizer: Tokenizer | str) -> None:
   """What `_write_part` reads; a spawned worker gets the tokenizer's path and loads it."""
   _WORKER['pairs'] = pairs
-  _WORKER['tokenizer'] = (tokenizer if isinstance(tokenizer, Tokenizer)
-                          else load_tokenizer(tokenizer))
+  _WORKER['tokenizer'] = (
+      tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+  )
 
 
 def _write_part(task: tuple[str, int, int]) -> int:
@@ -217,8 +223,8 @@ def _write_part(task: tuple[str, int, int]) -> int:
 def _write_parts_in_processes(pairs, tokenizer: Tokenizer, tasks: list, workers: int) -> int:
   context = multiprocessing.get_context('spawn')  # JAX's threads do not survive fork.
   with concurrent.futures.ProcessPoolExecutor(
-      workers, mp_context=context, initializer=_init_worker,
-      initargs=(pairs, tokenizer.model_path)) as pool:
+      workers, mp_context=context, initializer=_init_worker, initargs=(pairs, tokenizer.model_path)
+  ) as pool:
     return sum(pool.map(_write_part, tasks))
 
 
@@ -226,9 +232,16 @@ def _part_path(parts_dir: str, k: int, count: int) -> str:
   return os.path.join(parts_dir, f'part-{k:05d}-of-{count:05d}.npz')
 
 
-def prepare(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, directory: str, *,
-            data_fingerprint: str, workers: int = 1, host_index: int = 0,
-            host_count: int = 1) -> TokenStore | None:
+def prepare(
+    pairs: Sequence[tuple[str, str]],
+    tokenizer: Tokenizer,
+    directory: str,
+    *,
+    data_fingerprint: str,
+    workers: int = 1,
+    host_index: int = 0,
+    host_count: int = 1,
+) -> TokenStore | None:
   """Encodes `pairs` into a store at `directory`, unless a fresh one is there (a stale one is
   replaced).
 
@@ -272,49 +285,74 @@ def prepare(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, directory: s
       # `if __name__ == '__main__':` guard makes them fail) and unpickle the pairs (which a
       # test's mocked data source does not survive). Parts already written stay; a real
       # problem with the data raises again below, in this process.
-      logging.warning('Tokenizing worker processes failed (%s: %s); tokenizing in this '
-                      'process instead. A script that prepares data on several processes '
-                      "needs an `if __name__ == '__main__':` guard.", type(e).__name__, e)
+      logging.warning(
+          'Tokenizing worker processes failed (%s: %s); tokenizing in this '
+          'process instead. A script that prepares data on several processes '
+          "needs an `if __name__ == '__main__':` guard.",
+          type(e).__name__,
+          e,
+      )
       _init_worker(pairs, tokenizer)
       done = sum(_write_part(task) for task in tasks if not os.path.exists(task[0]))
   seconds = time.perf_counter() - start
   if done:
-    logging.info('Tokenized %d pairs of %s in %.1f s (%.0f pairs/s with %d processes).',
-                 done, getattr(pairs, 'name', 'the split'), seconds, done / seconds, workers)
+    logging.info(
+        'Tokenized %d pairs of %s in %.1f s (%.0f pairs/s with %d processes).',
+        done,
+        getattr(pairs, 'name', 'the split'),
+        seconds,
+        done / seconds,
+        workers,
+    )
   paths = [_part_path(parts_dir, k, count) for k in range(count)]
   missing = [p for p in paths if not os.path.exists(p)]
   if missing:
-    logging.info('%d of %d parts of %s are not written yet (other hosts).', len(missing),
-                 count, directory)
+    logging.info(
+        '%d of %d parts of %s are not written yet (other hosts).', len(missing), count, directory
+    )
     return None
   return _merge(paths, directory, expected, parts_dir, tokenizer.vocab_size)
 
 
 def _expected(pairs, tokenizer: Tokenizer, data_fingerprint: str) -> dict[str, Any]:
-  return {'format': FORMAT, 'data': data_fingerprint, 'vocabulary': tokenizer.fingerprint,
-          'examples': len(pairs)}
+  return {
+      'format': FORMAT,
+      'data': data_fingerprint,
+      'vocabulary': tokenizer.fingerprint,
+      'examples': len(pairs),
+  }
 
 
-def _merge(paths: list[str], directory: str, expected: dict[str, Any], parts_dir: str,
-           vocab_size: int) -> TokenStore:
+def _merge(
+    paths: list[str], directory: str, expected: dict[str, Any], parts_dir: str, vocab_size: int
+) -> TokenStore:
   parts = [np.load(p) for p in paths]
   lengths = np.concatenate([p['lengths'] for p in parts])
   tmp = f'{directory}.{uuid.uuid4().hex}.tmp'
   os.makedirs(tmp)
   dtype = id_dtype(vocab_size)
   for side, name in ((0, 'source'), (1, 'target')):
-    out = np.lib.format.open_memmap(os.path.join(tmp, f'{name}.npy'), mode='w+', dtype=dtype,
-                                    shape=(int(lengths[:, side].sum(dtype=np.int64)),))
+    out = np.lib.format.open_memmap(
+        os.path.join(tmp, f'{name}.npy'),
+        mode='w+',
+        dtype=dtype,
+        shape=(int(lengths[:, side].sum(dtype=np.int64)),),
+    )
     at = 0
     for part in parts:
       ids = part[name]
-      out[at:at + len(ids)] = ids
+      out[at : at + len(ids)] = ids
       at += len(ids)
     out.flush()
     del out
   np.save(os.path.join(tmp, 'lengths.npy'), lengths)
-  meta = dict(expected, dtype=dtype.name, tokens=[int(x) for x in lengths.sum(axis=0)],
-              blank=int((lengths == 0).any(axis=1).sum()), created=time.time())
+  meta = dict(
+      expected,
+      dtype=dtype.name,
+      tokens=[int(x) for x in lengths.sum(axis=0)],
+      blank=int((lengths == 0).any(axis=1).sum()),
+      created=time.time(),
+  )
   with open(os.path.join(tmp, 'meta.json'), 'w') as f:
     json.dump(meta, f, indent=1)
   if _fresh(directory, expected)[0]:  # Another process merged the same parts first.
@@ -330,8 +368,14 @@ def _merge(paths: list[str], directory: str, expected: dict[str, Any], parts_dir
   return TokenStore.open(directory)
 
 
-def open_or_prepare(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, directory: str,
-                    *, data_fingerprint: str, workers: int = 1) -> TokenStore:
+def open_or_prepare(
+    pairs: Sequence[tuple[str, str]],
+    tokenizer: Tokenizer,
+    directory: str,
+    *,
+    data_fingerprint: str,
+    workers: int = 1,
+) -> TokenStore:
   """The store of `pairs` at `directory`, prepared first when it is missing or stale.
 
   Raises:
@@ -344,14 +388,14 @@ def open_or_prepare(pairs: Sequence[tuple[str, str]], tokenizer: Tokenizer, dire
   if why != 'it does not exist yet':
     logging.warning('Rebuilding the token ids at %s: %s.', directory, why)
   else:
-    logging.info('Tokenizing %s once into %s.', getattr(pairs, 'name', 'the split'),
-                 directory)
+    logging.info('Tokenizing %s once into %s.', getattr(pairs, 'name', 'the split'), directory)
   try:
-    store = prepare(pairs, tokenizer, directory, data_fingerprint=data_fingerprint,
-                    workers=workers)
+    store = prepare(pairs, tokenizer, directory, data_fingerprint=data_fingerprint, workers=workers)
   except PermissionError as e:
-    raise DataError(f'Cannot write the token ids to {directory} ({e}); make the directory '
-                    'beside the vocabulary writable, or set --config.vocab_path to a copy '
-                    'in a writable directory.') from e
+    raise DataError(
+        f'Cannot write the token ids to {directory} ({e}); make the directory '
+        'beside the vocabulary writable, or set --config.vocab_path to a copy '
+        'in a writable directory.'
+    ) from e
   assert store is not None  # One host, every part.
   return store

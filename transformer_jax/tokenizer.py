@@ -42,7 +42,8 @@ class Tokenizer:
       raise ConfigError(
           f'{model_path} has special ids (pad, bos, eos, unk) = {ids}, the project needs '
           f'{(PAD_ID, BOS_ID, EOS_ID, UNK_ID)}; delete it (or clear --config.vocab_path) '
-          'to train a matching one.')
+          'to train a matching one.'
+      )
     with open(model_path, 'rb') as f:
       self.fingerprint = hashlib.sha256(f.read()).hexdigest()[:16]
 
@@ -114,20 +115,28 @@ class SplitTokenizer(Tokenizer):
       if bundle.get('format') != SPLIT_FORMAT:
         raise ValueError(f'format {bundle.get("format")!r} is not {SPLIT_FORMAT!r}')
       self._pieces = list(bundle['pieces'])
-      self._model_bytes = {side: base64.b64decode(bundle[f'{side}_model'])
-                           for side in ('source', 'target')}
-      self._models = {side: spm.SentencePieceProcessor(model_proto=model)
-                      for side, model in self._model_bytes.items()}
+      self._model_bytes = {
+          side: base64.b64decode(bundle[f'{side}_model']) for side in ('source', 'target')
+      }
+      self._models = {
+          side: spm.SentencePieceProcessor(model_proto=model)
+          for side, model in self._model_bytes.items()
+      }
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
-      raise ConfigError(f'{model_path} is not a readable split vocabulary ({e}); import the '
-                        'model again to rewrite it.') from None
+      raise ConfigError(
+          f'{model_path} is not a readable split vocabulary ({e}); import the '
+          'model again to rewrite it.'
+      ) from None
     expected = {PAD_ID: '<pad>', EOS_ID: '</s>', UNK_ID: '<unk>'}
     if any(self._pieces[i] != piece for i, piece in expected.items()):
-      raise ConfigError(f'{model_path} has pieces {self._pieces[:4]} at ids 0-3; the project '
-                        'needs <pad> at 0, </s> at 2 and <unk> at 3.')
+      raise ConfigError(
+          f'{model_path} has pieces {self._pieces[:4]} at ids 0-3; the project '
+          'needs <pad> at 0, </s> at 2 and <unk> at 3.'
+      )
     self._ids = {piece: i for i, piece in enumerate(self._pieces)}
-    self._skipped = {PAD_ID, EOS_ID, UNK_ID} | ({BOS_ID} if self._pieces[BOS_ID] == '<s>'
-                                                else set())
+    self._skipped = {PAD_ID, EOS_ID, UNK_ID} | (
+        {BOS_ID} if self._pieces[BOS_ID] == '<s>' else set()
+    )
 
   @property
   def vocab_size(self) -> int:
@@ -146,9 +155,12 @@ class SplitTokenizer(Tokenizer):
     # A leading language code (">>fr<<" in multilingual models) is one piece of its own.
     codes = [_LANGUAGE_CODE.match(text) for text in texts]
     pieces = self._models[side].encode(
-        [_LANGUAGE_CODE.sub('', text) for text in texts], out_type=str)
-    return [[self._ids.get(p, UNK_ID) for p in ([code.group(0)] if code else []) + row]
-            + [EOS_ID] for code, row in zip(codes, pieces)]
+        [_LANGUAGE_CODE.sub('', text) for text in texts], out_type=str
+    )
+    return [
+        [self._ids.get(p, UNK_ID) for p in ([code.group(0)] if code else []) + row] + [EOS_ID]
+        for code, row in zip(codes, pieces)
+    ]
 
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids` up to the first EOS, without special pieces, by the target model."""
@@ -158,14 +170,18 @@ class SplitTokenizer(Tokenizer):
     return self._models['target'].decode_pieces(pieces).replace('\u2581', ' ').strip()
 
 
-def write_split_vocabulary(path: str, pieces: Sequence[str], source_model: bytes,
-                           target_model: bytes) -> SplitTokenizer:
+def write_split_vocabulary(
+    path: str, pieces: Sequence[str], source_model: bytes, target_model: bytes
+) -> SplitTokenizer:
   """Writes a `SplitTokenizer` file atomically and loads it."""
   directory = os.path.dirname(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
-  data = {'format': SPLIT_FORMAT, 'pieces': list(pieces),
-          'source_model': base64.b64encode(source_model).decode('ascii'),
-          'target_model': base64.b64encode(target_model).decode('ascii')}
+  data = {
+      'format': SPLIT_FORMAT,
+      'pieces': list(pieces),
+      'source_model': base64.b64encode(source_model).decode('ascii'),
+      'target_model': base64.b64encode(target_model).decode('ascii'),
+  }
   storage.write_file(path, json.dumps(data, ensure_ascii=False))
   return SplitTokenizer(path)
 
@@ -177,8 +193,9 @@ def load_tokenizer(path: str) -> Tokenizer:
   return SplitTokenizer(path) if is_json else Tokenizer(path)
 
 
-def train_tokenizer(sentences: Iterable[str], model_path: str, *, vocab_size: int,
-                    model_type: str = 'bpe') -> Tokenizer:
+def train_tokenizer(
+    sentences: Iterable[str], model_path: str, *, vocab_size: int, model_type: str = 'bpe'
+) -> Tokenizer:
   """Trains a SentencePiece model on `sentences` and writes it atomically to `model_path`.
 
   Args:
@@ -194,8 +211,10 @@ def train_tokenizer(sentences: Iterable[str], model_path: str, *, vocab_size: in
     raise ConfigError(f"vocab_model_type={model_type!r} must be 'bpe' or 'unigram'.")
   sentences = [s for s in (s.strip() for s in sentences) if s]
   if not sentences:
-    raise DataError(f'No non-empty sentence to train the vocabulary {model_path} on; the '
-                    'training split is empty or blank.')
+    raise DataError(
+        f'No non-empty sentence to train the vocabulary {model_path} on; the '
+        'training split is empty or blank.'
+    )
   directory = os.path.dirname(os.path.abspath(model_path))
   os.makedirs(directory, exist_ok=True)
   with tempfile.TemporaryDirectory(dir=directory) as tmp:
@@ -206,7 +225,10 @@ def train_tokenizer(sentences: Iterable[str], model_path: str, *, vocab_size: in
           model_prefix=prefix,
           vocab_size=vocab_size,
           model_type=model_type,
-          pad_id=PAD_ID, bos_id=BOS_ID, eos_id=EOS_ID, unk_id=UNK_ID,
+          pad_id=PAD_ID,
+          bos_id=BOS_ID,
+          eos_id=EOS_ID,
+          unk_id=UNK_ID,
           character_coverage=1.0,
           # Small corpora cannot fill a large vocabulary; take what they give.
           hard_vocab_limit=False,
@@ -215,18 +237,26 @@ def train_tokenizer(sentences: Iterable[str], model_path: str, *, vocab_size: in
           minloglevel=2,
       )
     except RuntimeError as e:  # SentencePiece reports a bad size or corpus this way.
-      raise ConfigError(f'SentencePiece cannot train a {vocab_size}-piece {model_type} '
-                        f'vocabulary on this data ({e}); set --config.vocab_size_target to a '
-                        'size the corpus supports (the paper: 37000 for WMT14 En-De).') from None
+      raise ConfigError(
+          f'SentencePiece cannot train a {vocab_size}-piece {model_type} '
+          f'vocabulary on this data ({e}); set --config.vocab_size_target to a '
+          'size the corpus supports (the paper: 37000 for WMT14 En-De).'
+      ) from None
     os.replace(prefix + '.model', model_path)  # Atomic: readers never see half a file.
   tokenizer = Tokenizer(model_path)
-  logging.info('Trained a %s vocabulary of %d pieces on %d sentences: %s', model_type,
-               tokenizer.vocab_size, len(sentences), model_path)
+  logging.info(
+      'Trained a %s vocabulary of %d pieces on %d sentences: %s',
+      model_type,
+      tokenizer.vocab_size,
+      len(sentences),
+      model_path,
+  )
   return tokenizer
 
 
-def load_or_train_tokenizer(model_path: str, sentences_fn, *, vocab_size: int,
-                            model_type: str = 'bpe') -> Tokenizer:
+def load_or_train_tokenizer(
+    model_path: str, sentences_fn, *, vocab_size: int, model_type: str = 'bpe'
+) -> Tokenizer:
   """Loads `model_path`, or trains it on `sentences_fn()` first when it does not exist.
 
   Args:
@@ -238,5 +268,4 @@ def load_or_train_tokenizer(model_path: str, sentences_fn, *, vocab_size: int,
   if os.path.exists(model_path):
     logging.info('Loading the vocabulary %s', model_path)
     return load_tokenizer(model_path)
-  return train_tokenizer(sentences_fn(), model_path, vocab_size=vocab_size,
-                         model_type=model_type)
+  return train_tokenizer(sentences_fn(), model_path, vocab_size=vocab_size, model_type=model_type)

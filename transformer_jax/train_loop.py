@@ -78,8 +78,13 @@ class TrainResult:
   interrupted: bool = False
 
 
-def evaluate(eval_step: Callable, params: Any, batches: Iterable[Mapping[str, np.ndarray]],
-             partitioner: Partitioner, max_batches: int = 0) -> dict[str, float]:
+def evaluate(
+    eval_step: Callable,
+    params: Any,
+    batches: Iterable[Mapping[str, np.ndarray]],
+    partitioner: Partitioner,
+    max_batches: int = 0,
+) -> dict[str, float]:
   """Validation metrics over `batches` (the first `max_batches`, or all when 0)."""
   outputs = []
   for i, batch in enumerate(batches):
@@ -96,14 +101,24 @@ class ValidationTranslation:
   """sacreBLEU and chrF of a fixed validation subset, translated with the current
   parameters (compiled once per shape, on the training mesh)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, datasets: input_pipeline.Datasets,
-               model_config: TransformerConfig, params: Any, partitioner: Partitioner):
+  def __init__(
+      self,
+      config: ml_collections.ConfigDict,
+      datasets: input_pipeline.Datasets,
+      model_config: TransformerConfig,
+      params: Any,
+      partitioner: Partitioner,
+  ):
     pairs = data_sources.spread_subset(datasets.eval_text, config.eval_bleu_sentences)
     self.sources = [s for s, _ in pairs]
     self.references = [t for _, t in pairs]
     self.translator = translator_lib.Translator(
-        model_config, params, datasets.tokenizer,
-        translator_lib.DecodeOptions.from_config(config), partitioner)
+        model_config,
+        params,
+        datasets.tokenizer,
+        translator_lib.DecodeOptions.from_config(config),
+        partitioner,
+    )
 
   def __call__(self, params: Any) -> tuple[dict[str, float], str]:
     """The metrics (bleu, chrf, translate_seconds) and a Markdown table of samples."""
@@ -112,13 +127,17 @@ class ValidationTranslation:
     hypotheses, _ = self.translator.translate(self.sources)
     scores = evaluation.score(hypotheses, self.references)
     rows = ['| source | reference | translation |', '|---|---|---|']
-    for source, reference, hypothesis in list(zip(self.sources, self.references,
-                                                  hypotheses))[:SAMPLE_TRANSLATIONS]:
-      cells = (' '.join(text.replace('|', '\\|').split()) for text in
-               (source, reference, hypothesis))
+    for source, reference, hypothesis in list(zip(self.sources, self.references, hypotheses))[
+        :SAMPLE_TRANSLATIONS
+    ]:
+      cells = (
+          ' '.join(text.replace('|', '\\|').split()) for text in (source, reference, hypothesis)
+      )
       rows.append('| ' + ' | '.join(cells) + ' |')
-    return ({'bleu': scores['bleu'], 'chrf': scores['chrf'],
-             'translate_seconds': time.time() - start}, '\n'.join(rows))
+    return (
+        {'bleu': scores['bleu'], 'chrf': scores['chrf'], 'translate_seconds': time.time() - start},
+        '\n'.join(rows),
+    )
 
 
 def _peak_flops(partitioner: Partitioner) -> float | None:
@@ -126,8 +145,12 @@ def _peak_flops(partitioner: Partitioner) -> float | None:
   return peak * partitioner.mesh.size if peak else None
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       stop_signal: multihost.StopSignal | None = None) -> TrainResult:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    stop_signal: multihost.StopSignal | None = None,
+) -> TrainResult:
   """Trains (or resumes training) the model of `config`, writing everything to `workdir`.
 
   Args:
@@ -153,8 +176,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   # Every field, checked now with a stand-in vocabulary size: building the real vocabulary
   # can take minutes.
   config_checks.validate_run(config, training=True)
-  paths.check_output_directory(workdir, '--workdir',
-                                 {'--config.init_from': config.init_from})
+  paths.check_output_directory(workdir, '--workdir', {'--config.init_from': config.init_from})
   lock = _lock_workdir(workdir)
   try:
     return _train_and_evaluate(config, workdir, stop_signal)
@@ -201,14 +223,16 @@ def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
     busy = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
     if busy and error is None:
       raise workdir_lock.WorkdirBusyError(
-          f'{workdir} is in use by another training job (process 0 says more).')
+          f'{workdir} is in use by another training job (process 0 says more).'
+      )
   if error is not None:
     raise error
   return lock
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                        stop_signal: multihost.StopSignal | None) -> TrainResult:
+def _train_and_evaluate(
+    config: ml_collections.ConfigDict, workdir: str, stop_signal: multihost.StopSignal | None
+) -> TrainResult:
   """`train_and_evaluate` once the work directory is checked and locked."""
   config, init_source = _init_source(config)
   partitioner = Partitioner.from_config(config)
@@ -220,57 +244,100 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   # store are built for a config that will never train here.
   saved = checkpointing.newest_readable_meta(workdir)
   if saved is not None:
-    checkpointing.check_config_matches(saved['config'], config,
-                                       os.path.join(workdir, checkpointing.CHECKPOINT_DIR))
+    checkpointing.check_config_matches(
+        saved['config'], config, os.path.join(workdir, checkpointing.CHECKPOINT_DIR)
+    )
   datasets = input_pipeline.get_datasets(
-      config, workdir, process_index=jax.process_index(),
-      process_count=jax.process_count(), row_multiple=rows_multiple)
-  model_config = TransformerConfig.from_config(config,
-                                               vocab_size=datasets.tokenizer.vocab_size)
-  logging.info('Attention: %s.', kernel_choice.attention_choice(
-      config, jax.default_backend(), np.dtype(model_config.dtype).name).reason)
+      config,
+      workdir,
+      process_index=jax.process_index(),
+      process_count=jax.process_count(),
+      row_multiple=rows_multiple,
+  )
+  model_config = TransformerConfig.from_config(config, vocab_size=datasets.tokenizer.vocab_size)
+  logging.info(
+      'Attention: %s.',
+      kernel_choice.attention_choice(
+          config, jax.default_backend(), np.dtype(model_config.dtype).name
+      ).reason,
+  )
   checkpointer = checkpointing.Checkpointer(
-      workdir, save_every=config.checkpoint_every_steps,
-      final_step=config.num_train_steps, keep=config.keep_checkpoints,
+      workdir,
+      save_every=config.checkpoint_every_steps,
+      final_step=config.num_train_steps,
+      keep=config.keep_checkpoints,
       keep_period=config.keep_checkpoint_period,
       best_metric=config.best_checkpoint_metric if config.eval_every_steps else '',
-      keep_best=config.keep_best_checkpoints)
+      keep_best=config.keep_best_checkpoints,
+  )
   own_signal = stop_signal is None
   stop_signal = stop_signal or multihost.StopSignal()
   writer = batches = profiler = None
   with checkpointer.reporting_full_disk():  # One message, whichever write fails.
     try:
-      batches = prefetch.DevicePrefetcher(datasets.train, partitioner.shard_batch,
-                                          config.prefetch_batches)
-      state = _restore_or_initialize(config, checkpointer, datasets, batches, model_config,
-                                     optimizer_config, partitioner, init_source)
+      batches = prefetch.DevicePrefetcher(
+          datasets.train, partitioner.shard_batch, config.prefetch_batches
+      )
+      state = _restore_or_initialize(
+          config,
+          checkpointer,
+          datasets,
+          batches,
+          model_config,
+          optimizer_config,
+          partitioner,
+          init_source,
+      )
       tx, schedule = optimizer.create_optimizer(optimizer_config)
       _, shardings = train_steps.abstract_state(model_config, tx, partitioner)
       step_config = train_steps.StepConfig.from_config(config, model_config)
       train_step = train_steps.jit_train_step(step_config, tx, schedule, partitioner, shardings)
-      eval_step = train_steps.jit_eval_step(model_config, config.label_smoothing, partitioner,
-                                          shardings.params)
+      eval_step = train_steps.jit_eval_step(
+          model_config, config.label_smoothing, partitioner, shardings.params
+      )
       start = int(state.step)
-      writer = metrics_writer.MetricsWriter(workdir, total_steps=config.num_train_steps,
-                                            start_step=start, enabled=jax.process_index() == 0,
-                                            config=config)
-      to_do = (f'training steps {start + 1} to {config.num_train_steps}'
-               if start < config.num_train_steps else
-               f'the run is already finished (step {start} of num_train_steps='
-               f'{config.num_train_steps}): nothing to train; raise '
-               '--config.num_train_steps to train on')
-      writer.log(f'{train_steps.count_params(state.params):,} parameters; '
-                 f'{datasets.steps_per_epoch} steps an epoch; {to_do}.')
+      writer = metrics_writer.MetricsWriter(
+          workdir,
+          total_steps=config.num_train_steps,
+          start_step=start,
+          enabled=jax.process_index() == 0,
+          config=config,
+      )
+      to_do = (
+          f'training steps {start + 1} to {config.num_train_steps}'
+          if start < config.num_train_steps
+          else f'the run is already finished (step {start} of num_train_steps='
+          f'{config.num_train_steps}): nothing to train; raise '
+          '--config.num_train_steps to train on'
+      )
+      writer.log(
+          f'{train_steps.count_params(state.params):,} parameters; '
+          f'{datasets.steps_per_epoch} steps an epoch; {to_do}.'
+      )
       meta = checkpointing.make_meta(config, datasets.tokenizer)
       validation = None
       if config.eval_every_steps and config.eval_bleu_sentences:
-        validation = ValidationTranslation(config, datasets, model_config, state.params,
-                                           partitioner)
+        validation = ValidationTranslation(
+            config, datasets, model_config, state.params, partitioner
+        )
       profiler = StepProfiler(config, workdir, writer)
       with partitioner.activate():
-        return _train_loop(config, state, datasets, batches, partitioner, train_step,
-                           eval_step, checkpointer, meta, writer, stop_signal, model_config,
-                           profiler, validation)
+        return _train_loop(
+            config,
+            state,
+            datasets,
+            batches,
+            partitioner,
+            train_step,
+            eval_step,
+            checkpointer,
+            meta,
+            writer,
+            stop_signal,
+            model_config,
+            profiler,
+            validation,
+        )
     finally:
       if profiler is not None:
         profiler.stop()
@@ -287,14 +354,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 @dataclasses.dataclass(frozen=True)
 class _InitSource:
   """The checkpoint a fine-tuning run (`config.init_from`) takes its parameters from."""
+
   workdir: str
   step: int
   tokenizer: Tokenizer  # The checkpoint's vocabulary.
   map_vocab: bool  # The run has its own vocabulary, mapped by piece (`_map_vocabulary`).
 
 
-def _init_source(config: ml_collections.ConfigDict
-                 ) -> tuple[ml_collections.ConfigDict, _InitSource | None]:
+def _init_source(
+    config: ml_collections.ConfigDict,
+) -> tuple[ml_collections.ConfigDict, _InitSource | None]:
   """Checks `config.init_from` against the config, before anything is compiled.
 
   Returns the config with `vocab_path` set to the checkpoint's vocabulary (when it was
@@ -309,19 +378,21 @@ def _init_source(config: ml_collections.ConfigDict
   step = config.init_from_step
   try:
     meta, step = checkpointing.read_meta(
-        config.init_from, int(step) if step.isdigit() else (step or None))
+        config.init_from, int(step) if step.isdigit() else (step or None)
+    )
   except CheckpointNotFoundError as e:
-    raise CheckpointNotFoundError(f'--config.init_from has no checkpoint to start from: {e}'
-                                  ) from e
+    raise CheckpointNotFoundError(f'--config.init_from has no checkpoint to start from: {e}') from e
   where = f'init_from={config.init_from!r} (step {step})'
   tokenizer = checkpointing.tokenizer_from_meta(meta)
   if config.init_from_map_vocab:
     pass  # The run's own vocabulary; the embeddings are mapped by piece.
   elif config.vocab_path:
     if not storage.exists(config.vocab_path) or storage.is_directory(config.vocab_path):
-      raise ConfigError(f'vocab_path={config.vocab_path!r} does not exist; leave '
-                        "--config.vocab_path empty to take the vocabulary of "
-                        f'{where}.')
+      raise ConfigError(
+          f'vocab_path={config.vocab_path!r} does not exist; leave '
+          '--config.vocab_path empty to take the vocabulary of '
+          f'{where}.'
+      )
     with storage.open_file(config.vocab_path) as f:
       if hashlib.sha256(f.read()).hexdigest() != meta['tokenizer']['sha256']:
         raise ConfigError(
@@ -329,27 +400,35 @@ def _init_source(config: ml_collections.ConfigDict
             f'embeddings are rows of {meta["tokenizer"]["path"]}; leave --config.vocab_path '
             "empty to take the checkpoint's vocabulary, or set "
             '--config.init_from_map_vocab=True to map the embeddings of the pieces both '
-            'vocabularies have.')
+            'vocabularies have.'
+        )
   else:
     config = config.copy_and_resolve_references()
     with config.unlocked():
       config.vocab_path = tokenizer.model_path
   vocab_size = meta['vocab_size']
-  source = TransformerConfig.from_config(config_lib.from_saved(meta['config']),
-                                         vocab_size=vocab_size)
+  source = TransformerConfig.from_config(
+      config_lib.from_saved(meta['config']), vocab_size=vocab_size
+  )
   target = TransformerConfig.from_config(config, vocab_size=vocab_size)
   shapes = loading.param_shapes(source)
   if loading.param_shapes(target) != shapes:
-    changed = [f'{field.name}: checkpoint {getattr(source, field.name)!r}, this run '
-               f'{getattr(target, field.name)!r}'
-               for field in dataclasses.fields(TransformerConfig)
-               if getattr(source, field.name) != getattr(target, field.name)
-               and loading.param_shapes(dataclasses.replace(
-                   source, **{field.name: getattr(target, field.name)})) != shapes]
+    changed = [
+        f'{field.name}: checkpoint {getattr(source, field.name)!r}, this run '
+        f'{getattr(target, field.name)!r}'
+        for field in dataclasses.fields(TransformerConfig)
+        if getattr(source, field.name) != getattr(target, field.name)
+        and loading.param_shapes(
+            dataclasses.replace(source, **{field.name: getattr(target, field.name)})
+        )
+        != shapes
+    ]
     raise ConfigError(
         f'The model of this run has parameters of other shapes than {where}; these fields '
-        'change them:\n  ' + '\n  '.join(changed or ['(several together)'])
-        + "\nSet them to the checkpoint's values to fine-tune it.")
+        'change them:\n  '
+        + '\n  '.join(changed or ['(several together)'])
+        + "\nSet them to the checkpoint's values to fine-tune it."
+    )
   return config, _InitSource(config.init_from, step, tokenizer, config.init_from_map_vocab)
 
 
@@ -361,9 +440,14 @@ def _map_vocabulary(params: Any, fresh: Any, old: Tokenizer, new: Tokenizer) -> 
   new_pieces = new.pieces()
   rows = np.array([index.get(piece, 0) for piece in new_pieces])
   known = np.array([piece in index for piece in new_pieces])
-  logging.info('Mapping the vocabulary: %d of this run\'s %d pieces are in the checkpoint\'s '
-               '%d and keep their embeddings; the other %d start random.', known.sum(),
-               len(new_pieces), old.vocab_size, (~known).sum())
+  logging.info(
+      "Mapping the vocabulary: %d of this run's %d pieces are in the checkpoint's "
+      '%d and keep their embeddings; the other %d start random.',
+      known.sum(),
+      len(new_pieces),
+      old.vocab_size,
+      (~known).sum(),
+  )
 
   def map_leaf(param, init):
     if param.shape == init.shape:
@@ -372,36 +456,45 @@ def _map_vocabulary(params: Any, fresh: Any, old: Tokenizer, new: Tokenizer) -> 
     shape = [1] * param.ndim
     shape[axis] = -1
     # Under jit, so that arrays spread over several hosts can be mapped too.
-    return jax.jit(lambda p, i: jnp.where(known.reshape(shape), jnp.take(p, rows, axis=axis),
-                                          i), out_shardings=init.sharding)(param, init)
+    return jax.jit(
+        lambda p, i: jnp.where(known.reshape(shape), jnp.take(p, rows, axis=axis), i),
+        out_shardings=init.sharding,
+    )(param, init)
+
   return jax.tree.map(map_leaf, params, fresh)
 
 
-def _restore_or_initialize(config: ml_collections.ConfigDict,
-                           checkpointer: checkpointing.Checkpointer,
-                           datasets: input_pipeline.Datasets,
-                           batches: prefetch.DevicePrefetcher, model_config: TransformerConfig,
-                           optimizer_config: optimizer.OptimizerConfig,
-                           partitioner: Partitioner,
-                           init_source: _InitSource | None = None) -> train_steps.TrainState:
+def _restore_or_initialize(
+    config: ml_collections.ConfigDict,
+    checkpointer: checkpointing.Checkpointer,
+    datasets: input_pipeline.Datasets,
+    batches: prefetch.DevicePrefetcher,
+    model_config: TransformerConfig,
+    optimizer_config: optimizer.OptimizerConfig,
+    partitioner: Partitioner,
+    init_source: _InitSource | None = None,
+) -> train_steps.TrainState:
   """The latest checkpoint's state (after checking its config), or a fresh one: random
   parameters, or those of `init_source` with a fresh optimizer state and step 0."""
   tx, _ = optimizer.create_optimizer(optimizer_config)
   abstract, shardings = train_steps.abstract_state(model_config, tx, partitioner)
   steps = checkpointer.steps()
   if not steps:
-    state = train_steps.create_train_state(config.seed, model_config, tx, partitioner,
-                                           shardings)
+    state = train_steps.create_train_state(config.seed, model_config, tx, partitioner, shardings)
     if init_source is None:
       return state
-    params, _ = checkpointing.restore_params(init_source.workdir, init_source.step,
-                                             shardings=shardings.params)
+    params, _ = checkpointing.restore_params(
+        init_source.workdir, init_source.step, shardings=shardings.params
+    )
     if init_source.map_vocab:
-      params = _map_vocabulary(params, state.params, init_source.tokenizer,
-                               datasets.tokenizer)
+      params = _map_vocabulary(params, state.params, init_source.tokenizer, datasets.tokenizer)
     params = jax.tree.map(lambda p, a: p.astype(a.dtype), params, state.params)
-    logging.info('Fine-tuning: parameters from %s, step %d; optimizer, schedule and data '
-                 'order start afresh.', init_source.workdir, init_source.step)
+    logging.info(
+        'Fine-tuning: parameters from %s, step %d; optimizer, schedule and data '
+        'order start afresh.',
+        init_source.workdir,
+        init_source.step,
+    )
     return state.replace(params=params)
   damaged = []
   for step in reversed(steps):  # The newest intact checkpoint.
@@ -413,31 +506,46 @@ def _restore_or_initialize(config: ml_collections.ConfigDict,
             f'The checkpoint at step {step} was trained with a {saved["vocab_size"]}-piece '
             f'vocabulary, but {datasets.tokenizer.model_path} has '
             f'{datasets.tokenizer.vocab_size}; point --config.vocab_path at the original '
-            f'model ({saved["tokenizer"]["path"]}) or use a new --workdir.')
+            f'model ({saved["tokenizer"]["path"]}) or use a new --workdir.'
+        )
       state = checkpointer.restore(step, abstract, batches, saved.get('checksums'))
     except CheckpointError as e:
       damaged.append((step, e))
       continue
     for bad, error in damaged:
       path = checkpointer.set_aside(bad)
-      logging.warning('Checkpoint %d is damaged, so training resumes from %d, the newest '
-                      'intact one; the damaged one is kept as %s. (%s)', bad, step, path,
-                      error)
+      logging.warning(
+          'Checkpoint %d is damaged, so training resumes from %d, the newest '
+          'intact one; the damaged one is kept as %s. (%s)',
+          bad,
+          step,
+          path,
+          error,
+      )
     logging.info('Resumed from the checkpoint at step %d.', step)
     return state
   raise CheckpointError(
       f'Every checkpoint in {checkpointer.directory} ({steps}) is damaged; the newest: '
-      f'{damaged[0][1]}')
+      f'{damaged[0][1]}'
+  )
 
 
-def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState,
-                datasets: input_pipeline.Datasets, batches: prefetch.DevicePrefetcher,
-                partitioner: Partitioner,
-                train_step: Callable, eval_step: Callable,
-                checkpointer: checkpointing.Checkpointer, meta: Mapping[str, Any],
-                writer: metrics_writer.MetricsWriter, stop_signal: multihost.StopSignal,
-                model_config: TransformerConfig, profiler: StepProfiler,
-                validation: ValidationTranslation | None = None) -> TrainResult:
+def _train_loop(
+    config: ml_collections.ConfigDict,
+    state: train_steps.TrainState,
+    datasets: input_pipeline.Datasets,
+    batches: prefetch.DevicePrefetcher,
+    partitioner: Partitioner,
+    train_step: Callable,
+    eval_step: Callable,
+    checkpointer: checkpointing.Checkpointer,
+    meta: Mapping[str, Any],
+    writer: metrics_writer.MetricsWriter,
+    stop_signal: multihost.StopSignal,
+    model_config: TransformerConfig,
+    profiler: StepProfiler,
+    validation: ValidationTranslation | None = None,
+) -> TrainResult:
   """Steps from `state.step` to `config.num_train_steps` (or to a stop signal)."""
   start = int(state.step)
   peak = _peak_flops(partitioner)
@@ -464,25 +572,33 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
     else:
       # Model FLOPs of the real tokens; other hosts' batches are taken to be alike.
       flops += jax.process_count() * model_flops.batch_flops(
-          model_config, (batch['inputs_segmentation'] > 0).sum(axis=1),
-          (batch['targets_segmentation'] > 0).sum(axis=1))
+          model_config,
+          (batch['inputs_segmentation'] > 0).sum(axis=1),
+          (batch['targets_segmentation'] > 0).sum(axis=1),
+      )
     if config.nonfinite == 'stop' and not float(metrics['finite']):
       raise NonFiniteError(
           f'The loss or gradient at step {done} is not finite (the update was not applied; '
           f'latest checkpoint: {checkpointer.latest_step() or "none"}). Lower '
           '--config.learning_rate_scale, set --config.grad_clip_norm, or use '
-          "--config.nonfinite=skip to drop such updates.")
+          '--config.nonfinite=skip to drop such updates.'
+      )
     stopped = stop_signal.should_stop(done)
     writer.step_done(done)
 
     if done % config.log_every_steps == 0 or done == config.num_train_steps or stopped:
       fetched = jax.device_get(pending)
       summary = metrics_writer.summarize_train(
-          metrics_writer.sum_metrics(fetched), steps=len(fetched), last=fetched[-1],
+          metrics_writer.sum_metrics(fetched),
+          steps=len(fetched),
+          last=fetched[-1],
           skipped_total=int(state.skipped_steps),
           timed=metrics_writer.sum_metrics(fetched[untimed:]),
-          seconds=time.time() - interval_start, flops=flops, peak_flops=peak,
-          data_wait_seconds=batches.take_wait_seconds())
+          seconds=time.time() - interval_start,
+          flops=flops,
+          peak_flops=peak,
+          data_wait_seconds=batches.take_wait_seconds(),
+      )
       writer.write(done, 'train', summary)
       pending, untimed, flops, interval_start = [], 0, 0.0, time.time()
       for m in fetched:
@@ -495,13 +611,16 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
             f'saved (latest checkpoint: {checkpointer.latest_step() or "none"}). Start a new '
             'run (another --workdir) with a lower --config.learning_rate_scale or a '
             '--config.grad_clip_norm, or raise --config.max_skipped_steps_in_a_row to '
-            'resume this one as it is.')
+            'resume this one as it is.'
+        )
 
-    if config.eval_every_steps and (done % config.eval_every_steps == 0
-                                    or done == config.num_train_steps):
+    if config.eval_every_steps and (
+        done % config.eval_every_steps == 0 or done == config.num_train_steps
+    ):
       eval_start = time.time()
-      eval_metrics = evaluate(eval_step, state.params, datasets.eval_batches(), partitioner,
-                              config.eval_batches)
+      eval_metrics = evaluate(
+          eval_step, state.params, datasets.eval_batches(), partitioner, config.eval_batches
+      )
       if validation is not None:
         translation_metrics, samples = validation(state.params)
         eval_metrics.update(translation_metrics)
@@ -514,12 +633,17 @@ def _train_loop(config: ml_collections.ConfigDict, state: train_steps.TrainState
     if stopped or checkpointer.should_save(done):
       _save(checkpointer, state, batches, meta, writer)
     if stopped:
-      logging.info('Stop requested: saving step %d on process %d, then exiting.', done,
-                   jax.process_index())
+      logging.info(
+          'Stop requested: saving step %d on process %d, then exiting.', done, jax.process_index()
+      )
       writer.log(f'Stop requested: saved step {done}; rerun the same command to resume.')
       break
-  return TrainResult(state=state, stopped_early=stopped, eval_metrics=eval_metrics,
-                     interrupted=stopped and stop_signal.interrupted)
+  return TrainResult(
+      state=state,
+      stopped_early=stopped,
+      eval_metrics=eval_metrics,
+      interrupted=stopped and stop_signal.interrupted,
+  )
 
 
 class StepProfiler:
@@ -528,12 +652,13 @@ class StepProfiler:
   process under <workdir>/profile (a gs:// work directory: traced to the local cache, then
   uploaded)."""
 
-  def __init__(self, config: ml_collections.ConfigDict, workdir: str,
-               writer: metrics_writer.MetricsWriter):
+  def __init__(
+      self, config: ml_collections.ConfigDict, workdir: str, writer: metrics_writer.MetricsWriter
+  ):
     self._range = config_lib.profile_range(config)
     self._target = storage.resolve(workdir) + '/profile'
     self._remote = storage.is_remote(workdir)
-    self._directory = (storage.local_cache(self._target) if self._remote else self._target)
+    self._directory = storage.local_cache(self._target) if self._remote else self._target
     self._writer = writer
     self._active = False
 
@@ -556,15 +681,21 @@ class StepProfiler:
     jax.profiler.stop_trace()
     if self._remote:
       storage.upload(self._directory, self._target, '--config.profile_steps')
-    self._writer.log(f'Traced steps {self._first} to {self._range[1]} into {self._target}: '
-                     f'view with `tensorboard --logdir={self._target}` (the Profile tab) or '
-                     'at ui.perfetto.dev (the .trace.json.gz files).')
+    self._writer.log(
+        f'Traced steps {self._first} to {self._range[1]} into {self._target}: '
+        f'view with `tensorboard --logdir={self._target}` (the Profile tab) or '
+        'at ui.perfetto.dev (the .trace.json.gz files).'
+    )
 
 
-def _save(checkpointer: checkpointing.Checkpointer, state: train_steps.TrainState,
-          data_iterator: Any, meta: Mapping[str, Any],
-          writer: metrics_writer.MetricsWriter,
-          metrics: Mapping[str, float] | None = None) -> None:
+def _save(
+    checkpointer: checkpointing.Checkpointer,
+    state: train_steps.TrainState,
+    data_iterator: Any,
+    meta: Mapping[str, Any],
+    writer: metrics_writer.MetricsWriter,
+    metrics: Mapping[str, float] | None = None,
+) -> None:
   """Saves `state` (with its validation `metrics`, if given) unless it holds a non-finite
   value (then raises)."""
   step = int(state.step)
@@ -574,7 +705,7 @@ def _save(checkpointer: checkpointing.Checkpointer, state: train_steps.TrainStat
     raise NonFiniteError(
         f'The parameters or optimizer state at step {step} are not finite; no checkpoint '
         f'was written (latest checkpoint: {checkpointer.latest_step() or "none"}). Lower '
-        '--config.learning_rate_scale or set --config.grad_clip_norm.')
+        '--config.learning_rate_scale or set --config.grad_clip_norm.'
+    )
   checkpointer.save(state, data_iterator, meta, force=True, metrics=metrics)
   writer.log(f'Saving checkpoint {step} (asynchronously).')
-

@@ -43,7 +43,6 @@ Batch = Mapping[str, Array]
 Metrics = dict[str, Array]
 
 
-
 @flax.struct.dataclass
 class TrainState:
   """Everything a step changes; all of it goes into the checkpoint.
@@ -82,13 +81,22 @@ class StepConfig:
   @classmethod
   def from_config(cls, config: Any, model: TransformerConfig) -> 'StepConfig':
     """The step settings of a run config (`config.base_config` fields)."""
-    return cls(model, seed=config.seed, dropout_rng_impl=config.dropout_rng_impl,
-               label_smoothing=config.label_smoothing,
-               grad_accum_steps=config.grad_accum_steps)
+    return cls(
+        model,
+        seed=config.seed,
+        dropout_rng_impl=config.dropout_rng_impl,
+        label_smoothing=config.label_smoothing,
+        grad_accum_steps=config.grad_accum_steps,
+    )
 
 
-def batch_metrics(model: Transformer, params: Any, batch: Batch, label_smoothing: float,
-                  dropout_key: Array | None = None) -> Metrics:
+def batch_metrics(
+    model: Transformer,
+    params: Any,
+    batch: Batch,
+    label_smoothing: float,
+    dropout_key: Array | None = None,
+) -> Metrics:
   """The loss and metric sums of one batch; the train and eval steps both call this.
 
   Args:
@@ -105,14 +113,12 @@ def batch_metrics(model: Transformer, params: Any, batch: Batch, label_smoothing
   inputs = {k: batch[k] for k in BATCH_KEYS}
   logit_sums = None
   if model.config.logits_sum == 'linear':
-    logits, state = model.apply({'params': params}, **inputs, rngs=rngs,
-                                mutable=['logit_sums'])
+    logits, state = model.apply({'params': params}, **inputs, rngs=rngs, mutable=['logit_sums'])
     logit_sums = state['logit_sums']['decoder']['sums'][0]
   else:
     logits = model.apply({'params': params}, **inputs, rngs=rngs)  # [rows, length, vocab]
   weights = batch['targets'] != PAD_ID
-  return losses.compute_metrics(logits, batch['targets'], weights, label_smoothing,
-                                logit_sums)
+  return losses.compute_metrics(logits, batch['targets'], weights, label_smoothing, logit_sums)
 
 
 def _microbatches(batch: Batch, k: int) -> Batch:
@@ -121,15 +127,22 @@ def _microbatches(batch: Batch, k: int) -> Batch:
   Strided rather than contiguous, so each device's rows split into k local microbatches
   and the reshape moves no data between devices.
   """
+
   def split(x):
     rows = x.shape[0]
     return x.reshape((rows // k, k) + x.shape[1:]).swapaxes(0, 1)
+
   return jax.tree.map(split, batch)
 
 
-def train_step(state: TrainState, batch: Batch, *, cfg: StepConfig,
-               tx: optax.GradientTransformation,
-               schedule: optax.Schedule) -> tuple[TrainState, Metrics]:
+def train_step(
+    state: TrainState,
+    batch: Batch,
+    *,
+    cfg: StepConfig,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+) -> tuple[TrainState, Metrics]:
   """One optimizer step on one batch (split into microbatches if configured).
 
   Returns:
@@ -138,8 +151,7 @@ def train_step(state: TrainState, batch: Batch, *, cfg: StepConfig,
     counts 'source_tokens' and 'slots' (rows x length of both sides, for padding share).
   """
   model = Transformer(cfg.model)
-  step_key = jax.random.fold_in(jax.random.key(cfg.seed, impl=cfg.dropout_rng_impl),
-                                state.step)
+  step_key = jax.random.fold_in(jax.random.key(cfg.seed, impl=cfg.dropout_rng_impl), state.step)
 
   def loss_fn(params, microbatch, key):
     sums = batch_metrics(model, params, microbatch, cfg.label_smoothing, key)
@@ -150,16 +162,24 @@ def train_step(state: TrainState, batch: Batch, *, cfg: StepConfig,
   if k == 1:
     grads, sums = grad_fn(state.params, batch, step_key)
   else:
+
     def accumulate(carry, xs):
       index, microbatch = xs
       grads, sums = grad_fn(state.params, microbatch, jax.random.fold_in(step_key, index))
       return jax.tree.map(jnp.add, carry, (grads, sums)), None
 
-    zeros = jax.tree.map(jnp.zeros_like, (state.params, jax.eval_shape(
-        lambda: loss_fn(state.params, jax.tree.map(lambda x: x[0], _microbatches(batch, k)),
-                        step_key)[1])))
-    (grads, sums), _ = jax.lax.scan(
-        accumulate, zeros, (jnp.arange(k), _microbatches(batch, k)))
+    zeros = jax.tree.map(
+        jnp.zeros_like,
+        (
+            state.params,
+            jax.eval_shape(
+                lambda: loss_fn(
+                    state.params, jax.tree.map(lambda x: x[0], _microbatches(batch, k)), step_key
+                )[1]
+            ),
+        ),
+    )
+    (grads, sums), _ = jax.lax.scan(accumulate, zeros, (jnp.arange(k), _microbatches(batch, k)))
 
   # The mean over the batch's tokens: one division for the whole batch.
   grads = jax.tree.map(lambda g: g / jnp.maximum(sums['tokens'], 1.0), grads)
@@ -172,7 +192,8 @@ def train_step(state: TrainState, batch: Batch, *, cfg: StepConfig,
       step=state.step + 1,
       params=keep(new_params, state.params),
       opt_state=keep(new_opt_state, state.opt_state),
-      skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32))
+      skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+  )
 
   metrics = dict(sums)
   metrics['grad_norm'] = grad_norm
@@ -184,8 +205,9 @@ def train_step(state: TrainState, batch: Batch, *, cfg: StepConfig,
   return new_state, metrics
 
 
-def eval_step(params: Any, batch: Batch, *, model_config: TransformerConfig,
-              label_smoothing: float) -> Metrics:
+def eval_step(
+    params: Any, batch: Batch, *, model_config: TransformerConfig, label_smoothing: float
+) -> Metrics:
   """Metric sums of one evaluation batch, dropout off."""
   model = Transformer(dataclasses.replace(model_config, deterministic=True))
   return batch_metrics(model, params, batch, label_smoothing)
@@ -199,18 +221,25 @@ def _example_batch(rows: int = 1, length: int = 8) -> dict[str, Array]:
   return {k: tokens for k in BATCH_KEYS}
 
 
-def _init_state(rng: Array, model_config: TransformerConfig,
-                tx: optax.GradientTransformation) -> TrainState:
+def _init_state(
+    rng: Array, model_config: TransformerConfig, tx: optax.GradientTransformation
+) -> TrainState:
   """A fresh state whose parameters are still boxed with their logical axis names."""
   batch = _example_batch()
-  params = Transformer(model_config).init(
-      {'params': rng}, batch['inputs'], batch['targets'])['params']
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                    skipped_steps=jnp.zeros((), jnp.int32))
+  params = Transformer(model_config).init({'params': rng}, batch['inputs'], batch['targets'])[
+      'params'
+  ]
+  return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=tx.init(params),
+      skipped_steps=jnp.zeros((), jnp.int32),
+  )
 
 
-def abstract_state(model_config: TransformerConfig, tx: optax.GradientTransformation,
-                   partitioner: Partitioner) -> tuple[TrainState, TrainState]:
+def abstract_state(
+    model_config: TransformerConfig, tx: optax.GradientTransformation, partitioner: Partitioner
+) -> tuple[TrainState, TrainState]:
   """Shapes and shardings of the state, without allocating it.
 
   Returns:
@@ -220,24 +249,34 @@ def abstract_state(model_config: TransformerConfig, tx: optax.GradientTransforma
   shardings = partitioner.tree_shardings(boxed)
   shapes = nn.unbox(boxed)
   abstract = jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
+      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
+  )
   return abstract, shardings
 
 
-def create_train_state(seed: int, model_config: TransformerConfig,
-                       tx: optax.GradientTransformation, partitioner: Partitioner,
-                       shardings: TrainState) -> TrainState:
+def create_train_state(
+    seed: int,
+    model_config: TransformerConfig,
+    tx: optax.GradientTransformation,
+    partitioner: Partitioner,
+    shardings: TrainState,
+) -> TrainState:
   """Initializes the state directly into its shardings (no host holds it whole)."""
+
   def init(rng):
     return nn.unbox(_init_state(rng, model_config, tx))
+
   with partitioner.activate():
     return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
 
 
-def jit_train_step(cfg: StepConfig, tx: optax.GradientTransformation,
-                   schedule: optax.Schedule, partitioner: Partitioner,
-                   shardings: TrainState) -> Callable[[TrainState, Batch],
-                                                       tuple[TrainState, Metrics]]:
+def jit_train_step(
+    cfg: StepConfig,
+    tx: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    partitioner: Partitioner,
+    shardings: TrainState,
+) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
   """`train_step` compiled with the state's shardings; the state argument is donated.
 
   Call the result inside `partitioner.activate()` so that the model's activation
@@ -247,25 +286,32 @@ def jit_train_step(cfg: StepConfig, tx: optax.GradientTransformation,
       functools.partial(train_step, cfg=cfg, tx=tx, schedule=schedule),
       in_shardings=(shardings, partitioner.batch_sharding),
       out_shardings=(shardings, partitioner.replicated),
-      donate_argnums=(0,))
+      donate_argnums=(0,),
+  )
 
 
-def jit_eval_step(model_config: TransformerConfig, label_smoothing: float,
-                  partitioner: Partitioner, param_shardings: Any) -> Callable[[Any, Batch],
-                                                                              Metrics]:
+def jit_eval_step(
+    model_config: TransformerConfig,
+    label_smoothing: float,
+    partitioner: Partitioner,
+    param_shardings: Any,
+) -> Callable[[Any, Batch], Metrics]:
   """`eval_step` compiled with the parameters' shardings; returns replicated sums."""
   return jax.jit(
-      functools.partial(eval_step, model_config=model_config,
-                        label_smoothing=label_smoothing),
+      functools.partial(eval_step, model_config=model_config, label_smoothing=label_smoothing),
       in_shardings=(param_shardings, partitioner.batch_sharding),
-      out_shardings=partitioner.replicated)
+      out_shardings=partitioner.replicated,
+  )
 
 
 @jax.jit
 def all_finite(tree: Any) -> Array:
   """True when every floating-point leaf of `tree` is finite (checked before saving)."""
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.floating)]
+  leaves = [
+      jnp.all(jnp.isfinite(x))
+      for x in jax.tree.leaves(tree)
+      if jnp.issubdtype(x.dtype, jnp.floating)
+  ]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 

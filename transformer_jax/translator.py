@@ -97,9 +97,11 @@ class DecodeOptions:
       if not isinstance(value, int) or value < 1:
         raise ConfigError(f'{name}={value!r} must be an int >= 1.')
     if not self.sampling and self.n_best > self.beam_size:
-      raise ConfigError(f'n_best={self.n_best} is more than beam_size={self.beam_size}: beam '
-                        f'search keeps beam_size hypotheses; raise beam_size to at least '
-                        f'{self.n_best}, or sample.')
+      raise ConfigError(
+          f'n_best={self.n_best} is more than beam_size={self.beam_size}: beam '
+          f'search keeps beam_size hypotheses; raise beam_size to at least '
+          f'{self.n_best}, or sample.'
+      )
     if self.temperature < 0:
       raise ConfigError(f'temperature={self.temperature!r} must be >= 0 (0: greedy).')
     if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -107,17 +109,24 @@ class DecodeOptions:
     if not 0.0 < self.top_p <= 1.0:
       raise ConfigError(f'top_p={self.top_p!r} must be in (0, 1] (1 keeps every token).')
     if not isinstance(self.max_decode_extra_length, int) or self.max_decode_extra_length < 1:
-      raise ConfigError(f'max_decode_extra_length={self.max_decode_extra_length!r} must be '
-                        'an int >= 1 (the paper: 50).')
+      raise ConfigError(
+          f'max_decode_extra_length={self.max_decode_extra_length!r} must be '
+          'an int >= 1 (the paper: 50).'
+      )
     if self.length_penalty < 0:
-      raise ConfigError(f'length_penalty={self.length_penalty!r} must be >= 0 (the paper: '
-                        '0.6; 0 turns it off).')
+      raise ConfigError(
+          f'length_penalty={self.length_penalty!r} must be >= 0 (the paper: '
+          '0.6; 0 turns it off).'
+      )
     if self.length_penalty_form not in LENGTH_PENALTY_FORMS:
-      raise ConfigError(f'length_penalty_form={self.length_penalty_form!r} is not one of '
-                        f'{LENGTH_PENALTY_FORMS}.')
+      raise ConfigError(
+          f'length_penalty_form={self.length_penalty_form!r} is not one of '
+          f'{LENGTH_PENALTY_FORMS}.'
+      )
     if any(not isinstance(b, int) or b < 1 for b in self.buckets):
-      raise ConfigError(f'buckets={self.buckets!r} must be positive ints (max_len is always '
-                        'a bucket too).')
+      raise ConfigError(
+          f'buckets={self.buckets!r} must be positive ints (max_len is always ' 'a bucket too).'
+      )
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, **overrides: Any) -> 'DecodeOptions':
@@ -193,15 +202,18 @@ class DecodeStats:
 def grow_cache(cache: PyTree, length: int) -> PyTree:
   """The decoder's 'cache' with room for `length` positions (`decode.GrowCache`): the
   self-attention keys and values [rows, heads, positions, head_dim] padded at the end."""
+
   def grow(x):
     if jnp.ndim(x) < 2:
       return x  # The cache_index counters.
     return jnp.pad(x, [(0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)])
+
   return jax.tree.map(grow, cache)
 
 
-def start_decoding(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
-                   max_decode_len: int) -> tuple[decode.TokensToLogits, PyTree]:
+def start_decoding(
+    model_config: TransformerConfig, params: PyTree, inputs: jax.Array, max_decode_len: int
+) -> tuple[decode.TokensToLogits, PyTree]:
   """Runs the encoder once and creates the decode caches (traceable under jit).
 
   Of the two collections `Transformer.init_cache` creates, only 'cache' (self-attention keys
@@ -227,23 +239,38 @@ def start_decoding(model_config: TransformerConfig, params: PyTree, inputs: jax.
   """
   model = Transformer(dataclasses.replace(model_config, decode=True, deterministic=True))
   encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
-  _, variables = model.apply({'params': params}, encoded, inputs, max_decode_len,
-                             method=Transformer.init_cache,
-                             mutable=['cache', 'encoder_cache'])
+  _, variables = model.apply(
+      {'params': params},
+      encoded,
+      inputs,
+      max_decode_len,
+      method=Transformer.init_cache,
+      mutable=['cache', 'encoder_cache'],
+  )
   encoder_cache = variables['encoder_cache']
 
   def tokens_to_logits(tokens: jax.Array, cache: PyTree) -> tuple[jax.Array, PyTree]:
     logits, new_variables = model.apply(
-        {'params': params, 'encoder_cache': encoder_cache, 'cache': cache}, None, None,
-        tokens, method=Transformer.decode, mutable=['cache'])
+        {'params': params, 'encoder_cache': encoder_cache, 'cache': cache},
+        None,
+        None,
+        tokens,
+        method=Transformer.decode,
+        mutable=['cache'],
+    )
     return logits[:, 0], new_variables['cache']  # [batch * n, vocab]
 
   return tokens_to_logits, variables['cache']
 
 
-def search(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
-           options: DecodeOptions, max_decode_len: int, batch_index: jax.Array | int = 0
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def search(
+    model_config: TransformerConfig,
+    params: PyTree,
+    inputs: jax.Array,
+    options: DecodeOptions,
+    max_decode_len: int,
+    batch_index: jax.Array | int = 0,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Encodes `inputs`, creates the caches and runs the whole search (traceable under jit).
 
   Beam size 1 is greedy search (`decode.greedy_search`); `options.sampling` samples
@@ -266,41 +293,67 @@ def search(model_config: TransformerConfig, params: PyTree, inputs: jax.Array,
   """
   n = options.n_best if options.sampling else options.beam_size
   tokens_to_logits, cache = start_decoding(
-      model_config, params, inputs, decode.cache_lengths(max_decode_len)[0])
+      model_config, params, inputs, decode.cache_lengths(max_decode_len)[0]
+  )
   batch_size = inputs.shape[0]
   # Each row's own limit: its source length + the extra length, within the compiled one.
-  max_lengths = jnp.minimum(jnp.sum(inputs != PAD_ID, axis=1)
-                            + options.max_decode_extra_length, max_decode_len)
+  max_lengths = jnp.minimum(
+      jnp.sum(inputs != PAD_ID, axis=1) + options.max_decode_extra_length, max_decode_len
+  )
 
   def penalty(sequences):
-    return decode.length_penalty(jnp.sum(sequences != PAD_ID, axis=-1),
-                                 options.length_penalty, options.length_penalty_form)
+    return decode.length_penalty(
+        jnp.sum(sequences != PAD_ID, axis=-1), options.length_penalty, options.length_penalty_form
+    )
 
   if options.sampling or options.beam_size == 1:
     if options.sampling:
       rng = jax.random.fold_in(jax.random.key(options.seed), batch_index)
       sequences, log_probs = decode.sample(
-          tokens_to_logits, decode.tile_beams(cache, n), rng, batch_size * n, max_decode_len,
-          temperature=options.temperature, top_k=options.top_k, top_p=options.top_p,
-          bos_id=model_config.decoder_start_id, grow_cache=grow_cache,
-          max_lengths=decode.tile_beams(max_lengths, n))
+          tokens_to_logits,
+          decode.tile_beams(cache, n),
+          rng,
+          batch_size * n,
+          max_decode_len,
+          temperature=options.temperature,
+          top_k=options.top_k,
+          top_p=options.top_p,
+          bos_id=model_config.decoder_start_id,
+          grow_cache=grow_cache,
+          max_lengths=decode.tile_beams(max_lengths, n),
+      )
     else:
       sequences, log_probs = decode.greedy_search(
-          tokens_to_logits, cache, batch_size, max_decode_len,
-          bos_id=model_config.decoder_start_id, grow_cache=grow_cache,
-          max_lengths=max_lengths)
+          tokens_to_logits,
+          cache,
+          batch_size,
+          max_decode_len,
+          bos_id=model_config.decoder_start_id,
+          grow_cache=grow_cache,
+          max_lengths=max_lengths,
+      )
     sequences = sequences.reshape(batch_size, n, max_decode_len)
     log_probs = log_probs.reshape(batch_size, n)
     scores = log_probs / penalty(sequences)
     order = jnp.argsort(-scores, axis=1, stable=True)  # Samples best first.
-    return (jnp.take_along_axis(sequences, order[:, :, None], axis=1),
-            jnp.take_along_axis(scores, order, axis=1),
-            jnp.take_along_axis(log_probs, order, axis=1))
+    return (
+        jnp.take_along_axis(sequences, order[:, :, None], axis=1),
+        jnp.take_along_axis(scores, order, axis=1),
+        jnp.take_along_axis(log_probs, order, axis=1),
+    )
   sequences, scores = decode.beam_search(
-      tokens_to_logits, cache, batch_size, options.beam_size, max_decode_len,
-      alpha=options.length_penalty, length_penalty_form=options.length_penalty_form,
-      bos_id=model_config.decoder_start_id, grow_cache=grow_cache, max_lengths=max_lengths)
-  sequences, scores = sequences[:, :options.n_best], scores[:, :options.n_best]
+      tokens_to_logits,
+      cache,
+      batch_size,
+      options.beam_size,
+      max_decode_len,
+      alpha=options.length_penalty,
+      length_penalty_form=options.length_penalty_form,
+      bos_id=model_config.decoder_start_id,
+      grow_cache=grow_cache,
+      max_lengths=max_lengths,
+  )
+  sequences, scores = sequences[:, : options.n_best], scores[:, : options.n_best]
   return sequences, scores, scores * penalty(sequences)
 
 
@@ -311,9 +364,14 @@ def _next_power_of_two(n: int) -> int:
 class Translator:
   """Translates batches of sentences with one compiled search per (rows, bucket) shape."""
 
-  def __init__(self, model_config: TransformerConfig, params: PyTree, tokenizer: Tokenizer,
-               options: DecodeOptions | None = None,
-               partitioner: Partitioner | None = None):
+  def __init__(
+      self,
+      model_config: TransformerConfig,
+      params: PyTree,
+      tokenizer: Tokenizer,
+      options: DecodeOptions | None = None,
+      partitioner: Partitioner | None = None,
+  ):
     """Prepares the translator; nothing compiles until the first batch of a shape.
 
     Args:
@@ -353,8 +411,7 @@ class Translator:
 
   def is_capped(self, source_length: int) -> bool:
     """Whether `max_len` (learned positions) cuts this source's output limit."""
-    return self.output_limit(source_length) < (source_length
-                                               + self.options.max_decode_extra_length)
+    return self.output_limit(source_length) < (source_length + self.options.max_decode_extra_length)
 
   def max_decode_len(self, bucket: int) -> int:
     """The output size a bucket is compiled for: the limit of its longest source."""
@@ -365,8 +422,10 @@ class Translator:
     for bucket in self.buckets:
       if length <= bucket:
         return bucket
-    raise ValueError(f'A source of {length} tokens is longer than max_len={self.buckets[-1]}; '
-                     'cut it first (Translator.encode_source does).')
+    raise ValueError(
+        f'A source of {length} tokens is longer than max_len={self.buckets[-1]}; '
+        'cut it first (Translator.encode_source does).'
+    )
 
   def rows_for(self, num_sentences: int) -> int:
     """Batch rows for a call translating `num_sentences` sentences."""
@@ -378,7 +437,7 @@ class Translator:
     ids = self.tokenizer.encode(text)
     if len(ids) <= self.max_source_length:
       return ids, False
-    return ids[:self.max_source_length - 1] + [EOS_ID], True
+    return ids[: self.max_source_length - 1] + [EOS_ID], True
 
   # --- Compilation. ---
 
@@ -390,8 +449,8 @@ class Translator:
       max_decode_len = self.max_decode_len(bucket)
 
       def fn(params, inputs, batch_index):
-        return search(self.model_config, params, inputs, self.options, max_decode_len,
-                      batch_index)
+        return search(self.model_config, params, inputs, self.options, max_decode_len, batch_index)
+
       if self.partitioner is None:
         jitted = jax.jit(fn)
         spec = jax.ShapeDtypeStruct((rows, bucket), jnp.int32)
@@ -416,14 +475,15 @@ class Translator:
     if self.partitioner is None:
       return jnp.asarray(inputs)
     # Every process holds the whole batch; each device takes its rows.
-    return jax.make_array_from_callback(inputs.shape, self.partitioner.batch_sharding,
-                                        lambda index: inputs[index])
+    return jax.make_array_from_callback(
+        inputs.shape, self.partitioner.batch_sharding, lambda index: inputs[index]
+    )
 
   # --- Translation. ---
 
-  def translate_ids(self, sources: Sequence[Sequence[int]],
-                    progress: ProgressFn | None = None
-                    ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
+  def translate_ids(
+      self, sources: Sequence[Sequence[int]], progress: ProgressFn | None = None
+  ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
     """Translates source ids (each ending with EOS, at most `max_len` long).
 
     Args:
@@ -435,10 +495,11 @@ class Translator:
       The `n_best` hypotheses of each source (best first), in input order, and what the
       call did.
     """
-    stats = DecodeStats(sentences=len(sources),
-                        source_tokens=sum(len(s) for s in sources),
-                        capped=tuple(i for i, s in enumerate(sources)
-                                     if self.is_capped(len(s))))
+    stats = DecodeStats(
+        sentences=len(sources),
+        source_tokens=sum(len(s) for s in sources),
+        capped=tuple(i for i, s in enumerate(sources) if self.is_capped(len(s))),
+    )
     if not sources:
       if progress is not None:
         progress(0, 0)
@@ -465,9 +526,10 @@ class Translator:
       inputs[:, 0] = EOS_ID  # Dummy rows: an empty sentence.
       for row, i in enumerate(indices):
         inputs[row, :] = PAD_ID
-        inputs[row, :len(sources[i])] = sources[i]
-      sequences, scores, log_probs = jax.device_get(compiled[bucket](
-          self.params, self._place(inputs), self._place_index(number)))
+        inputs[row, : len(sources[i])] = sources[i]
+      sequences, scores, log_probs = jax.device_get(
+          compiled[bucket](self.params, self._place(inputs), self._place_index(number))
+      )
       batch_tokens = 0
       for row, i in enumerate(indices):
         hypotheses = []
@@ -475,8 +537,14 @@ class Translator:
           output = sequences[row, k]
           length = int(np.sum(output != PAD_ID))
           tokens = tuple(int(t) for t in output[:length] if t != EOS_ID)
-          hypotheses.append(Hypothesis(tokens=tokens, score=float(scores[row, k]),
-                                       length=length, log_prob=float(log_probs[row, k])))
+          hypotheses.append(
+              Hypothesis(
+                  tokens=tokens,
+                  score=float(scores[row, k]),
+                  length=length,
+                  log_prob=float(log_probs[row, k]),
+              )
+          )
         results[i] = tuple(hypotheses)
         batch_tokens += hypotheses[0].length
       stats.output_tokens += batch_tokens
@@ -486,8 +554,9 @@ class Translator:
     stats.decode_seconds = time.perf_counter() - start
     return results, stats
 
-  def translate(self, texts: Sequence[str], progress: ProgressFn | None = None
-                ) -> tuple[list[str], DecodeStats]:
+  def translate(
+      self, texts: Sequence[str], progress: ProgressFn | None = None
+  ) -> tuple[list[str], DecodeStats]:
     """Translates sentences; each gives exactly one output line, in input order.
 
     A blank sentence gives ''. A sentence longer than `max_len` tokens is cut (its index
@@ -504,8 +573,9 @@ class Translator:
     n_best, stats = self.translate_n_best(texts, progress)
     return [hypotheses[0].text for hypotheses in n_best], stats
 
-  def translate_n_best(self, texts: Sequence[str], progress: ProgressFn | None = None
-                       ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
+  def translate_n_best(
+      self, texts: Sequence[str], progress: ProgressFn | None = None
+  ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
     """`translate`, with the `n_best` hypotheses of each sentence, best first, their `text`
     filled (a blank or failed sentence: `n_best` empty hypotheses of score 0)."""
     sources, kept, truncated, failed = [], [], [], []
@@ -527,8 +597,12 @@ class Translator:
     empty = Hypothesis(tokens=(), score=0.0, length=0)
     outputs = [(empty,) * self.options.n_best] * len(texts)
     for i, hypotheses in zip(kept, n_best):
-      outputs[i] = tuple(dataclasses.replace(h, text=' '.join(
-          self.tokenizer.decode(h.tokens).splitlines()).strip()) for h in hypotheses)
+      outputs[i] = tuple(
+          dataclasses.replace(
+              h, text=' '.join(self.tokenizer.decode(h.tokens).splitlines()).strip()
+          )
+          for h in hypotheses
+      )
     stats.sentences = len(texts)
     stats.truncated = tuple(truncated)
     stats.capped = tuple(kept[i] for i in stats.capped)
@@ -539,8 +613,9 @@ class Translator:
 # --- Building a translator from a work directory. ---
 
 
-def load_translator(workdir: str, *, step: int | str | None = None, average_last: int = 0,
-                    **overrides: Any) -> tuple['Translator', loading.InferenceCheckpoint]:
+def load_translator(
+    workdir: str, *, step: int | str | None = None, average_last: int = 0, **overrides: Any
+) -> tuple['Translator', loading.InferenceCheckpoint]:
   """A `Translator` for a checkpoint (or the average of the last ones) of `workdir`.
 
   Parameters are placed, and batches split, as `loading.load` chooses. Decoding options
@@ -563,6 +638,11 @@ def load_translator(workdir: str, *, step: int | str | None = None, average_last
   DecodeOptions(**{k: v for k, v in overrides.items() if v is not None})  # Check early.
   checkpoint = loading.load(workdir, step=step, average_last=average_last)
   options = DecodeOptions.from_config(checkpoint.config, **overrides)
-  translator = Translator(checkpoint.model_config, checkpoint.params, checkpoint.tokenizer,
-                          options, checkpoint.partitioner)
+  translator = Translator(
+      checkpoint.model_config,
+      checkpoint.params,
+      checkpoint.tokenizer,
+      options,
+      checkpoint.partitioner,
+  )
   return translator, checkpoint

@@ -7,7 +7,6 @@ changes. For a gs:// work directory both are made in a local cache (`local_direc
 published to the bucket (`storage.publish`), where other hosts and resumed runs fetch them.
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -42,8 +41,9 @@ def _remote_of(path: str, workdir: str) -> str | None:
   return f'{storage.resolve(workdir)}/{os.path.relpath(path, local)}'
 
 
-def tokenizer_for(config: ml_collections.ConfigDict, workdir: str,
-                  train_pairs: Sequence[tuple[str, str]]) -> Tokenizer:
+def tokenizer_for(
+    config: ml_collections.ConfigDict, workdir: str, train_pairs: Sequence[tuple[str, str]]
+) -> Tokenizer:
   """Loads the shared vocabulary, training it on a sample of `train_pairs` the first time.
 
   The model goes to `config.vocab_path`, or to `workdir/vocab/` under a name made of the
@@ -57,9 +57,11 @@ def tokenizer_for(config: ml_collections.ConfigDict, workdir: str,
   if not path:
     langs = '-'.join(sorted((config.source_lang, config.target_lang)))
     dataset = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.dataset)
-    path = os.path.join(local_directory(workdir), 'vocab',
-                        f'{dataset}.{langs}.{config.vocab_model_type}'
-                        f'{config.vocab_size_target}.model')
+    path = os.path.join(
+        local_directory(workdir),
+        'vocab',
+        f'{dataset}.{langs}.{config.vocab_model_type}' f'{config.vocab_size_target}.model',
+    )
   remote = _remote_of(path, workdir)
   if remote and storage.published(remote) is not None and not os.path.exists(path):
     storage.fetch(remote, path)
@@ -69,8 +71,9 @@ def tokenizer_for(config: ml_collections.ConfigDict, workdir: str,
   return tokenizer
 
 
-def _tokenizer_on_cloud_storage(config: ml_collections.ConfigDict,
-                                train_pairs: Sequence[tuple[str, str]]) -> Tokenizer:
+def _tokenizer_on_cloud_storage(
+    config: ml_collections.ConfigDict, train_pairs: Sequence[tuple[str, str]]
+) -> Tokenizer:
   """`tokenizer_for` with a gs:// `config.vocab_path`: read from a fresh local copy, or
   trained locally and uploaded (one object, so it appears whole) when it is not there."""
   remote = storage.resolve(config.vocab_path)
@@ -84,8 +87,9 @@ def _tokenizer_on_cloud_storage(config: ml_collections.ConfigDict,
   return tokenizer
 
 
-def _load_or_train(config: ml_collections.ConfigDict, path: str,
-                   train_pairs: Sequence[tuple[str, str]]) -> Tokenizer:
+def _load_or_train(
+    config: ml_collections.ConfigDict, path: str, train_pairs: Sequence[tuple[str, str]]
+) -> Tokenizer:
   """`tokenizer_for`'s vocabulary at `path`, trained there if it is not."""
 
   def sentences():
@@ -95,29 +99,40 @@ def _load_or_train(config: ml_collections.ConfigDict, path: str,
     for i in chosen:
       yield from train_pairs[int(i)]
 
-  return load_or_train_tokenizer(path, sentences, vocab_size=config.vocab_size_target,
-                                 model_type=config.vocab_model_type)
+  return load_or_train_tokenizer(
+      path, sentences, vocab_size=config.vocab_size_target, model_type=config.vocab_model_type
+  )
 
 
-def store_directory(config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer,
-                    pairs: ParallelText) -> str:
+def store_directory(
+    config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer, pairs: ParallelText
+) -> str:
   """Where the token ids of `pairs` live: beside the vocabulary, in '<vocabulary>.tokens/'
   (in the work directory's 'tokens/' when the vocabulary's directory is read-only or is
   another run's work directory, such as an imported model's, which is only read)."""
   name = re.sub(r'[^A-Za-z0-9_.-]+', '_', pairs.name.replace('->', '-to-')).strip('_')
   beside = os.path.dirname(os.path.abspath(tokenizer.model_path))
-  others_run = (os.path.isdir(os.path.join(beside, checkpointing.CHECKPOINT_DIR))
-                and beside != os.path.abspath(local_directory(workdir)))
+  others_run = os.path.isdir(
+      os.path.join(beside, checkpointing.CHECKPOINT_DIR)
+  ) and beside != os.path.abspath(local_directory(workdir))
   if os.access(beside, os.W_OK) and not others_run:
     root = os.path.splitext(os.path.abspath(tokenizer.model_path))[0] + '.tokens'
   else:
-    root = os.path.join(local_directory(workdir), 'tokens', os.path.basename(
-        os.path.splitext(tokenizer.model_path)[0]))
+    root = os.path.join(
+        local_directory(workdir),
+        'tokens',
+        os.path.basename(os.path.splitext(tokenizer.model_path)[0]),
+    )
   return os.path.join(root, name)
 
 
-def tokenized(pairs: ParallelText, tokenizer: Tokenizer, config: ml_collections.ConfigDict,
-              workdir: str, workers: int | None = None) -> token_store.TokenStore:
+def tokenized(
+    pairs: ParallelText,
+    tokenizer: Tokenizer,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    workers: int | None = None,
+) -> token_store.TokenStore:
   """The token ids of `pairs`, prepared on first use (`prepare_data.py` does it ahead, on
   several processes and hosts) and rebuilt, with a warning, when the data or vocabulary
   changed. For a gs:// work directory they are prepared locally and published to the
@@ -128,9 +143,13 @@ def tokenized(pairs: ParallelText, tokenizer: Tokenizer, config: ml_collections.
     meta = storage.published(remote)
     if meta is not None and meta != token_store.read_meta(directory):
       storage.fetch(remote, directory)  # open_or_prepare still checks that it fits this data.
-  store = token_store.open_or_prepare(pairs, tokenizer, directory,
-                                      data_fingerprint=pairs.fingerprint,
-                                      workers=workers or prepare_workers(config))
+  store = token_store.open_or_prepare(
+      pairs,
+      tokenizer,
+      directory,
+      data_fingerprint=pairs.fingerprint,
+      workers=workers or prepare_workers(config),
+  )
   if remote and storage.published(remote) != store.meta:
     storage.publish(directory, remote, store.meta)
   return store

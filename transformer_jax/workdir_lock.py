@@ -59,7 +59,7 @@ def _blob(url: str) -> Any:
     from google.cloud import storage as gcs
   except ImportError as e:
     raise storage.cloud_error(e, url, '--workdir') from e
-  bucket, name = url[len('gs://'):].split('/', 1)
+  bucket, name = url[len('gs://') :].split('/', 1)
   with storage.cloud_errors(url, '--workdir'):
     return gcs.Client().bucket(bucket).blob(name)
 
@@ -79,10 +79,14 @@ def _process_start_time(pid: int) -> float | None:
 class WorkdirLock:
   """The lock of one training job on `workdir` (a context manager)."""
 
-  def __init__(self, workdir: str, *, stale_after_s: float = STALE_AFTER_S,
-               heartbeat_s: float = HEARTBEAT_S):
-    self.path = (workdir.rstrip('/') + '/' + LOCK_NAME if storage.is_remote(workdir)
-                 else os.path.join(workdir, LOCK_NAME))
+  def __init__(
+      self, workdir: str, *, stale_after_s: float = STALE_AFTER_S, heartbeat_s: float = HEARTBEAT_S
+  ):
+    self.path = (
+        workdir.rstrip('/') + '/' + LOCK_NAME
+        if storage.is_remote(workdir)
+        else os.path.join(workdir, LOCK_NAME)
+    )
     self._stale_after_s = stale_after_s
     self._heartbeat_s = heartbeat_s
     self._token = uuid.uuid4().hex
@@ -100,6 +104,7 @@ class WorkdirLock:
       except FileNotFoundError:
         return None
     from google.api_core import exceptions
+
     with storage.cloud_errors(self.path, '--workdir'):
       current = self._current()
       if current is None:
@@ -170,7 +175,8 @@ class WorkdirLock:
             f'{time.ctime(holder["started"])}); wait for it or stop it, or use another '
             '--workdir. (evaluate.py and translate.py may read it meanwhile.) A lock left by '
             f'a crashed job on another host is taken over {self._stale_after_s:.0f} s after '
-            'its last heartbeat.')
+            'its last heartbeat.'
+        )
       if self._blob is not None:
         # Replace the very generation judged stale (one of several racing takers wins).
         if reason == _RELEASED or not self._write(record, self._generation):
@@ -185,14 +191,20 @@ class WorkdirLock:
           continue
         os.remove(aside)
       if holder:
-        logging.warning('Took over the lock of %s from process %s on %s: %s.',
-                        os.path.dirname(self.path), holder['pid'], holder['host'], reason)
+        logging.warning(
+            'Took over the lock of %s from process %s on %s: %s.',
+            os.path.dirname(self.path),
+            holder['pid'],
+            holder['host'],
+            reason,
+        )
       else:
         logging.warning('Took over the lock %s: %s.', self.path, reason)
       if self._thread is not None:  # Taken over in place (Cloud Storage).
         return
-    raise WorkdirBusyError(f'Could not take {self.path}: other jobs keep taking it; start '
-                           'one job per --workdir.')
+    raise WorkdirBusyError(
+        f'Could not take {self.path}: other jobs keep taking it; start ' 'one job per --workdir.'
+    )
 
   def _start_heartbeat(self) -> None:
     self._thread = threading.Thread(target=self._beat, name='workdir-lock', daemon=True)
@@ -210,18 +222,22 @@ class WorkdirLock:
         return _RELEASED
       if current.generation != seen:
         return None
-    return (f'its generation has not changed for {self._stale_after_s:.0f} s (no heartbeat) '
-            'by this host\'s clock')
+    return (
+        f'its generation has not changed for {self._stale_after_s:.0f} s (no heartbeat) '
+        "by this host's clock"
+    )
 
   def _write(self, record: str, generation: int) -> bool:
     """Writes the lock object if its generation is `generation` (0: if there is none);
     False if it is not."""
     from google.api_core import exceptions
+
     with storage.cloud_errors(self.path, '--workdir'):
       try:
         # A small upload is a multipart upload, which carries the precondition.
-        self._blob.upload_from_string(record.encode('utf-8'), content_type='application/json',
-                                      if_generation_match=generation)
+        self._blob.upload_from_string(
+            record.encode('utf-8'), content_type='application/json', if_generation_match=generation
+        )
       except exceptions.PreconditionFailed:
         return False
     self._generation = self._blob.generation
@@ -243,8 +259,14 @@ class WorkdirLock:
       except FileExistsError:
         return False
       except OSError as e:
-        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV,
-                           errno.ENOSYS, errno.EMLINK):
+        if e.errno not in (
+            errno.EPERM,
+            errno.ENOTSUP,
+            errno.EOPNOTSUPP,
+            errno.EXDEV,
+            errno.ENOSYS,
+            errno.EMLINK,
+        ):
           raise
       # No hard links here (gcsfuse, some FUSE file systems): create, then write.
       try:
@@ -274,16 +296,26 @@ class WorkdirLock:
         continue
       try:
         if not self._write(self._record(), self._generation):
-          logging.error('Lost the lock %s: another job took it over (no heartbeat reached it '
-                        'for %.0f s?); stop one of them.', self.path, self._stale_after_s)
+          logging.error(
+              'Lost the lock %s: another job took it over (no heartbeat reached it '
+              'for %.0f s?); stop one of them.',
+              self.path,
+              self._stale_after_s,
+          )
           return
       except Exception as e:  # Retried at the next beat.
         logging.warning('The heartbeat of %s failed: %s', self.path, e)
 
   def _record(self) -> str:
     """This job's lock record (the same at every heartbeat)."""
-    return json.dumps({'host': socket.gethostname(), 'pid': os.getpid(),
-                       'started': self._started, 'token': self._token})
+    return json.dumps(
+        {
+            'host': socket.gethostname(),
+            'pid': os.getpid(),
+            'started': self._started,
+            'token': self._token,
+        }
+    )
 
   def release(self) -> None:
     """Removes the lock if it is still this job's."""
@@ -293,6 +325,7 @@ class WorkdirLock:
       self._thread = None
       if self._blob is not None:
         from google.api_core import exceptions
+
         try:  # Only the generation this job wrote.
           self._blob.delete(if_generation_match=self._generation)
         except (exceptions.NotFound, exceptions.PreconditionFailed):

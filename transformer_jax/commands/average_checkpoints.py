@@ -14,39 +14,44 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, work-directory or checkpoin
 (explained in one paragraph; the traceback only with --verbose).
 """
 
-
 from absl import flags
 
 from transformer_jax import cli
 from transformer_jax import paths
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "The training run's work directory.")
-_OUTPUT_WORKDIR = flags.DEFINE_string('output_workdir', None,
-                                      'A new directory for the averaged checkpoint.')
-_NUM = flags.DEFINE_integer('num_checkpoints', 0,
-                            "How many of the last checkpoints to average (0: the run's "
-                            'config.checkpoints_to_average).')
+_OUTPUT_WORKDIR = flags.DEFINE_string(
+    'output_workdir', None, 'A new directory for the averaged checkpoint.'
+)
+_NUM = flags.DEFINE_integer(
+    'num_checkpoints',
+    0,
+    "How many of the last checkpoints to average (0: the run's " 'config.checkpoints_to_average).',
+)
 
 
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   if not _WORKDIR.value or not _OUTPUT_WORKDIR.value:
     cli.fail('--workdir and --output_workdir are required.')
-  paths.check_input_directory(_WORKDIR.value, '--workdir', "a training run's work "
-                                'directory')
-  paths.check_output_directory(_OUTPUT_WORKDIR.value, '--output_workdir',
-                                 {'--workdir': _WORKDIR.value})
+  paths.check_input_directory(_WORKDIR.value, '--workdir', "a training run's work " 'directory')
+  paths.check_output_directory(
+      _OUTPUT_WORKDIR.value, '--output_workdir', {'--workdir': _WORKDIR.value}
+  )
   if _NUM.value < 0:
     cli.fail(f'--num_checkpoints={_NUM.value} must be >= 1 (or 0 for the config default).')
   from transformer_jax import averaging
   from transformer_jax import checkpointing
+
   num = _NUM.value or int(
-      checkpointing.read_meta(_WORKDIR.value)[0]['config']['checkpoints_to_average'])
+      checkpointing.read_meta(_WORKDIR.value)[0]['config']['checkpoints_to_average']
+  )
   path, steps = averaging.average_checkpoints(_WORKDIR.value, _OUTPUT_WORKDIR.value, num)
   print(f'Averaged steps {steps} into {path}')
 
 
 flags.adopt_module_key_flags(cli)
+
 
 def run() -> None:
   """The console script's entry point."""

@@ -46,24 +46,39 @@ from transformer_jax import paths
 from transformer_jax import storage
 
 _CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
-    lock_config=True)
+    'config',
+    None,
+    'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
+    lock_config=True,
+)
 _TOPOLOGY = flags.DEFINE_string(
-    'topology', None, 'What to compile for: a TPU slice (v4-8, v5e-8, v5e-256, v5p-8, v6e-8, '
+    'topology',
+    None,
+    'What to compile for: a TPU slice (v4-8, v5e-8, v5e-256, v5p-8, v6e-8, '
     'or a libtpu name such as v5e:4x4), a GPU host layout (8xH100, 1xH200, 2x8xH100 = 2 hosts '
-    'of 8), or cpu.')
+    'of 8), or cpu.',
+)
 _JSON = flags.DEFINE_string('json', None, 'Also write the whole report as JSON here.')
-_SEARCH = flags.DEFINE_bool('search_batch', False,
-                            'Search the largest tokens_per_batch that fits one device.')
-_SEARCH_BUDGET = flags.DEFINE_float('search_budget_s', 600.0,
-                                    'Stop the batch search after this many seconds.')
+_SEARCH = flags.DEFINE_bool(
+    'search_batch', False, 'Search the largest tokens_per_batch that fits one device.'
+)
+_SEARCH_BUDGET = flags.DEFINE_float(
+    'search_budget_s', 600.0, 'Stop the batch search after this many seconds.'
+)
 _MEMORY = flags.DEFINE_float(
-    'memory_limit_gib', None, "Compare with this much memory a device instead of the "
-    "device's own (e.g. what XLA_PYTHON_CLIENT_MEM_FRACTION leaves).")
+    'memory_limit_gib',
+    None,
+    'Compare with this much memory a device instead of the '
+    "device's own (e.g. what XLA_PYTHON_CLIENT_MEM_FRACTION leaves).",
+)
 _DECODE = flags.DEFINE_bool('decode', False, "Also compile translate.py's search.")
 _KERNELS = flags.DEFINE_integer(
-    'kernels', 10, "List this many of the step's kernels, the costliest by the roofline "
-    'estimate (GPU and TPU targets).', lower_bound=0)
+    'kernels',
+    10,
+    "List this many of the step's kernels, the costliest by the roofline "
+    'estimate (GPU and TPU targets).',
+    lower_bound=0,
+)
 
 
 def _gib(n) -> str:
@@ -81,17 +96,27 @@ def _print_step(name: str, r: dict) -> None:
     print(f'{name}: does not fit: {r.get("error", "")}')
     return
   verdict = 'fits' if r['fits'] else 'DOES NOT FIT'
-  print(f'{name}: {_gib(r["peak_bytes"])} of {_gib(r["device_memory_bytes"])} per device: '
-        f'{verdict} (headroom {_gib(r["headroom_bytes"])}); compiled in {r["compile_s"]} s')
+  print(
+      f'{name}: {_gib(r["peak_bytes"])} of {_gib(r["device_memory_bytes"])} per device: '
+      f'{verdict} (headroom {_gib(r["headroom_bytes"])}); compiled in {r["compile_s"]} s'
+  )
   m = r['memory']
-  print(f'  memory: arguments {_gib(m["argument"])}, outputs {_gib(m["output"])}, donated '
-        f'{_gib(m["alias"])}, temporaries {_gib(m["temp"])}')
+  print(
+      f'  memory: arguments {_gib(m["argument"])}, outputs {_gib(m["output"])}, donated '
+      f'{_gib(m["alias"])}, temporaries {_gib(m["temp"])}'
+  )
   if r.get('xla_flops') and r.get('model_flops'):
-    print(f'  FLOPs per device: XLA {r["xla_flops"]:.4g}, model {r["model_flops"]:.4g} '
-          f'(x{r["xla_over_model_flops"]:.2f})')
+    print(
+        f'  FLOPs per device: XLA {r["xla_flops"]:.4g}, model {r["model_flops"]:.4g} '
+        f'(x{r["xla_over_model_flops"]:.2f})'
+    )
   if r['collectives']:
-    print('  collectives: ' + ', '.join(f'{k} {v["count"]}x {_gib(v["bytes"])}'
-                                       for k, v in sorted(r['collectives'].items())))
+    print(
+        '  collectives: '
+        + ', '.join(
+            f'{k} {v["count"]}x {_gib(v["bytes"])}' for k, v in sorted(r['collectives'].items())
+        )
+    )
   else:
     print('  collectives: none')
   if r['fused_attention_calls']:
@@ -102,22 +127,28 @@ def _print_step(name: str, r: dict) -> None:
 def _print_kernels(v: dict) -> None:
   """The step's kernels (`aot.step_view`)."""
   triton = f'{v["triton_kernels"]} Pallas (Triton), ' if v['triton_kernels'] else ''
-  print(f'  kernels a step: {v["kernels"]:,} ({v["matmul_kernels"]} matmul, '
-        f'{v["fused_attention_kernels"]} cuDNN attention, {triton}{v["collective_kernels"]} '
-        f'collective); passes over a [tokens, vocab] array: {v["logits_passes"]}; '
-        f'{_gib(v["bytes_accessed"])} accessed')
+  print(
+      f'  kernels a step: {v["kernels"]:,} ({v["matmul_kernels"]} matmul, '
+      f'{v["fused_attention_kernels"]} cuDNN attention, {triton}{v["collective_kernels"]} '
+      f'collective); passes over a [tokens, vocab] array: {v["logits_passes"]}; '
+      f'{_gib(v["bytes_accessed"])} accessed'
+  )
   if not v['estimate_s']:
     return
   kinds = ', '.join(f'{k} {s * 1e3:.3g}' for k, s in v['estimate_s_by_kind'].items() if s)
-  print(f'  roofline estimate (not a measurement; each kernel at the longer of its FLOPs at '
-        f'{v["peak_flops"] / 1e12:.0f} TFLOP/s and its bytes at '
-        f'{v["bandwidth_bytes_per_s"] / 1e12:.2f} TB/s): {v["estimate_s"] * 1e3:.3g} ms a '
-        f'step, MFU {v["estimated_mfu"]:.1%}; ms by kind: {kinds}')
+  print(
+      f'  roofline estimate (not a measurement; each kernel at the longer of its FLOPs at '
+      f'{v["peak_flops"] / 1e12:.0f} TFLOP/s and its bytes at '
+      f'{v["bandwidth_bytes_per_s"] / 1e12:.2f} TB/s): {v["estimate_s"] * 1e3:.3g} ms a '
+      f'step, MFU {v["estimated_mfu"]:.1%}; ms by kind: {kinds}'
+  )
   for k in v.get('top_kernels', []):
     where = k['op_name'].split('/')
-    print(f'    {k["estimate_s"] * 1e3:9.3g} ms  {k["category"]:<15} {k["kind"]:<13} '
-          f'{k["flops"] / 1e9:8.3g} GFLOP {_gib(k["bytes"]):>11}'
-          f'{"  x" + str(k["count"]) if k["count"] > 1 else ""}  {"/".join(where[-3:])}')
+    print(
+        f'    {k["estimate_s"] * 1e3:9.3g} ms  {k["category"]:<15} {k["kind"]:<13} '
+        f'{k["flops"] / 1e9:8.3g} GFLOP {_gib(k["bytes"]):>11}'
+        f'{"  x" + str(k["count"]) if k["count"] > 1 else ""}  {"/".join(where[-3:])}'
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -129,8 +160,7 @@ def main(argv: list[str]) -> None:
   from transformer_jax import aot
 
   if _JSON.value:
-    config_file = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')),
-                       None)
+    config_file = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')), None)
     paths.check_output_file(_JSON.value, '--json', {'--config': config_file})
   config = _CONFIG.value
   target = aot.target(_TOPOLOGY.value)
@@ -140,28 +170,41 @@ def main(argv: list[str]) -> None:
     target = dataclasses.replace(target, memory_bytes=int(_MEMORY.value * (1 << 30)))
   result = aot.compile_train_step(config, target, top_kernels=_KERNELS.value)
   mesh = ', '.join(f'{k}={v}' for k, v in result['mesh'].items())
-  print(f'{target.name}: {result["devices"]} x {result["device_kind"]} on {result["hosts"]} '
-        f'host(s); mesh {mesh}; {result["params"]:,} parameters, {result["dtype"]}, remat '
-        f'{result["remat_policy"]}, attention {result["attention_implementation"]}')
+  print(
+      f'{target.name}: {result["devices"]} x {result["device_kind"]} on {result["hosts"]} '
+      f'host(s); mesh {mesh}; {result["params"]:,} parameters, {result["dtype"]}, remat '
+      f'{result["remat_policy"]}, attention {result["attention_implementation"]}'
+  )
   b = result['batch']
-  print(f'batch: {b["rows"]} rows x {b["length"]} tokens a side ({b["tokens_per_side"]:,} token '
-        'slots, the longest bucket or packed rows)')
+  print(
+      f'batch: {b["rows"]} rows x {b["length"]} tokens a side ({b["tokens_per_side"]:,} token '
+      'slots, the longest bucket or packed rows)'
+  )
   _print_step('train step', result)
   if 'kernels' in result:
     _print_kernels(result['kernels'])
   report = {'train_step': result}
   if _SEARCH.value:
-    search = aot.largest_train_batch(config, target, time_budget_s=_SEARCH_BUDGET.value,
-                                     log=lambda line: print(f'  search: {line}', flush=True))
-    print(f'largest batch that fits: {search["largest_rows"]} rows x {search["length"]} = '
-          f'tokens_per_batch {search["largest_tokens_per_batch"]:,} (smallest not fitting: '
-          f'{search["smallest_not_fitting_rows"]} rows; {search["search_s"]} s)')
+    search = aot.largest_train_batch(
+        config,
+        target,
+        time_budget_s=_SEARCH_BUDGET.value,
+        log=lambda line: print(f'  search: {line}', flush=True),
+    )
+    print(
+        f'largest batch that fits: {search["largest_rows"]} rows x {search["length"]} = '
+        f'tokens_per_batch {search["largest_tokens_per_batch"]:,} (smallest not fitting: '
+        f'{search["smallest_not_fitting_rows"]} rows; {search["search_s"]} s)'
+    )
     report['largest_batch'] = search
   if _DECODE.value:
     decoder = aot.compile_decoder(config, target)
-    _print_step(f'decoder ({decoder["rows"]} rows x {decoder["source_length"]} source tokens, '
-                f'beam {decoder["beam_size"]}, up to {decoder["max_decode_len"]} output '
-                'tokens)', decoder)
+    _print_step(
+        f'decoder ({decoder["rows"]} rows x {decoder["source_length"]} source tokens, '
+        f'beam {decoder["beam_size"]}, up to {decoder["max_decode_len"]} output '
+        'tokens)',
+        decoder,
+    )
     report['decoder'] = decoder
   if _JSON.value:
     report['config'] = config.to_dict()
@@ -170,6 +213,7 @@ def main(argv: list[str]) -> None:
 
 
 flags.adopt_module_key_flags(cli)
+
 
 def run() -> None:
   """The console script's entry point."""

@@ -31,24 +31,35 @@ from transformer_jax import storage
 
 _CHECKPOINT = cli.define_checkpoint_flags()
 
-_SPLIT = flags.DEFINE_string('split', None, "The dataset split (default: the config's "
-                             'test_split).')
-_SOURCE_FILE = flags.DEFINE_string('source_file', None,
-                                   'Translate this file instead of a split (with '
-                                   '--reference_file), one sentence a line.')
-_REFERENCE_FILE = flags.DEFINE_string('reference_file', None,
-                                      'References for --source_file, line by line.')
-_TFDS_DATA_DIR = flags.DEFINE_string('tfds_data_dir', None,
-                                     "Where the TFDS data is (default: the run's).")
-_MAX_SENTENCES = flags.DEFINE_integer('max_sentences', 0,
-                                      'Only the first N sentences (0: all), for quick checks.')
+_SPLIT = flags.DEFINE_string(
+    'split', None, "The dataset split (default: the config's " 'test_split).'
+)
+_SOURCE_FILE = flags.DEFINE_string(
+    'source_file',
+    None,
+    'Translate this file instead of a split (with ' '--reference_file), one sentence a line.',
+)
+_REFERENCE_FILE = flags.DEFINE_string(
+    'reference_file', None, 'References for --source_file, line by line.'
+)
+_TFDS_DATA_DIR = flags.DEFINE_string(
+    'tfds_data_dir', None, "Where the TFDS data is (default: the run's)."
+)
+_MAX_SENTENCES = flags.DEFINE_integer(
+    'max_sentences', 0, 'Only the first N sentences (0: all), for quick checks.'
+)
 _COMPARE_TO = flags.DEFINE_string(
-    'compare_to', None, "Another system's output on the same sentences (one a line): adds a "
-    'paired bootstrap test of this checkpoint against it.')
-_BOOTSTRAP_SAMPLES = flags.DEFINE_integer('bootstrap_samples', 1000,
-                                          'Resamples of the paired bootstrap test.')
-_OUTPUT_DIR = flags.DEFINE_string('output_dir', None,
-                                  'Where results go (default: WORKDIR/eval/<checkpoint>).')
+    'compare_to',
+    None,
+    "Another system's output on the same sentences (one a line): adds a "
+    'paired bootstrap test of this checkpoint against it.',
+)
+_BOOTSTRAP_SAMPLES = flags.DEFINE_integer(
+    'bootstrap_samples', 1000, 'Resamples of the paired bootstrap test.'
+)
+_OUTPUT_DIR = flags.DEFINE_string(
+    'output_dir', None, 'Where results go (default: WORKDIR/eval/<checkpoint>).'
+)
 _PROGRESS = flags.DEFINE_bool('progress', True, 'Show a progress bar.')
 
 
@@ -63,10 +74,12 @@ def main(argv: list[str]) -> None:
     cli.fail('--source_file replaces the dataset; drop --split and --tfds_data_dir.')
   workdir = _CHECKPOINT.workdir.value
   if _TFDS_DATA_DIR.value:
-    paths.check_input_directory(_TFDS_DATA_DIR.value, '--tfds_data_dir',
-                                  'a TFDS data directory')
-  inputs = {'--source_file': _SOURCE_FILE.value, '--reference_file': _REFERENCE_FILE.value,
-            '--compare_to': _COMPARE_TO.value}
+    paths.check_input_directory(_TFDS_DATA_DIR.value, '--tfds_data_dir', 'a TFDS data directory')
+  inputs = {
+      '--source_file': _SOURCE_FILE.value,
+      '--reference_file': _REFERENCE_FILE.value,
+      '--compare_to': _COMPARE_TO.value,
+  }
   for flag, path in inputs.items():
     if path:
       paths.check_input_file(path, flag)
@@ -74,33 +87,41 @@ def main(argv: list[str]) -> None:
   if _OUTPUT_DIR.value:
     paths.check_output_directory(_OUTPUT_DIR.value, '--output_dir', create=False)
   else:
-    paths.check_output_directory(os.path.join(workdir, 'eval'), 'the results directory',
-                                   create=False)
+    paths.check_output_directory(
+        os.path.join(workdir, 'eval'), 'the results directory', create=False
+    )
 
   # Imported here so that flag errors are reported without loading JAX and TFDS.
   import jax
 
   from transformer_jax import data_sources
   from transformer_jax import evaluation
+
   translator, checkpoint = cli.load_translator(_CHECKPOINT)
   config, steps = checkpoint.config, checkpoint.steps
 
   # A source file's whole name (newstest2014.en), so that its results never take the name
   # of a split's (test.en gives test.en.hyp.txt beside the test split's test.hyp.txt).
-  name = (os.path.basename(_SOURCE_FILE.value) if _SOURCE_FILE.value
-          else _SPLIT.value or config.test_split)
+  name = (
+      os.path.basename(_SOURCE_FILE.value)
+      if _SOURCE_FILE.value
+      else _SPLIT.value or config.test_split
+  )
   output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'eval', evaluation.result_tag(steps))
   if jax.process_index() == 0:  # The one writer; before any sentence is translated.
-    paths.check_output_directory(output_dir, '--output_dir' if _OUTPUT_DIR.value else
-                                   'the results directory')
+    paths.check_output_directory(
+        output_dir, '--output_dir' if _OUTPUT_DIR.value else 'the results directory'
+    )
     for path in evaluation.result_paths(output_dir, name):
       paths.check_not_input(path, 'the output', inputs)
   if _SOURCE_FILE.value:
     sources = line_io.read_lines(_SOURCE_FILE.value, 'source_file')
     references = line_io.read_lines(_REFERENCE_FILE.value, 'reference_file')
     if len(sources) != len(references):
-      cli.fail(f'{_SOURCE_FILE.value} has {len(sources)} lines but {_REFERENCE_FILE.value} has '
-            f'{len(references)}.')
+      cli.fail(
+          f'{_SOURCE_FILE.value} has {len(sources)} lines but {_REFERENCE_FILE.value} has '
+          f'{len(references)}.'
+      )
   else:
     if _TFDS_DATA_DIR.value:
       config.tfds_data_dir = _TFDS_DATA_DIR.value  # An existing field: allowed when locked.
@@ -110,23 +131,38 @@ def main(argv: list[str]) -> None:
     except KeyError as e:  # TFDS: no such split.
       cli.fail(f'cannot read split {name!r} of {config.dataset}: {e}; pass --split.')
   if _MAX_SENTENCES.value:
-    sources, references = sources[:_MAX_SENTENCES.value], references[:_MAX_SENTENCES.value]
+    sources, references = sources[: _MAX_SENTENCES.value], references[: _MAX_SENTENCES.value]
   baseline = None
   if _COMPARE_TO.value:
-    baseline = line_io.read_lines(_COMPARE_TO.value, 'compare_to')[:len(references)]
+    baseline = line_io.read_lines(_COMPARE_TO.value, 'compare_to')[: len(references)]
     if len(baseline) != len(references):
-      cli.fail(f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
-            f'{len(references)} sentences.')
+      cli.fail(
+          f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
+          f'{len(references)} sentences.'
+      )
 
-  info = {'workdir': storage.resolve(workdir), 'step': checkpoint.step,
-          'checkpoint_steps': steps, 'split': name, 'dataset': config.dataset,
-          'source_lang': config.source_lang, 'target_lang': config.target_lang,
-          'compared_to': storage.resolve(_COMPARE_TO.value) if _COMPARE_TO.value else None}
-  logging.info('Evaluating %s (steps %s) on %d sentences of %s.', workdir, steps,
-               len(sources), name)
-  result = evaluation.evaluate(translator, sources, references, baseline=baseline,
-                               bootstrap_samples=_BOOTSTRAP_SAMPLES.value,
-                               show_progress=_PROGRESS.value, info=info)
+  info = {
+      'workdir': storage.resolve(workdir),
+      'step': checkpoint.step,
+      'checkpoint_steps': steps,
+      'split': name,
+      'dataset': config.dataset,
+      'source_lang': config.source_lang,
+      'target_lang': config.target_lang,
+      'compared_to': storage.resolve(_COMPARE_TO.value) if _COMPARE_TO.value else None,
+  }
+  logging.info(
+      'Evaluating %s (steps %s) on %d sentences of %s.', workdir, steps, len(sources), name
+  )
+  result = evaluation.evaluate(
+      translator,
+      sources,
+      references,
+      baseline=baseline,
+      bootstrap_samples=_BOOTSTRAP_SAMPLES.value,
+      show_progress=_PROGRESS.value,
+      info=info,
+  )
   if jax.process_index() == 0:
     written = evaluation.write_results(output_dir, name, result.hypotheses, result.metrics)
     print(evaluation.summary(result.metrics))
@@ -134,6 +170,7 @@ def main(argv: list[str]) -> None:
 
 
 flags.adopt_module_key_flags(cli)
+
 
 def run() -> None:
   """The console script's entry point."""

@@ -14,7 +14,6 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory or checkpoin
 (explained in one paragraph; the traceback only with --verbose).
 """
 
-
 from absl import flags
 
 from transformer_jax import cli
@@ -29,16 +28,19 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   if not _WORKDIR.value or not _OUTPUT_DIR.value:
     cli.fail('--workdir and --output_dir are required.')
-  paths.check_input_directory(_WORKDIR.value, '--workdir', 'the work directory of a run '
-                                'or an import')
-  paths.check_output_directory(_OUTPUT_DIR.value, '--output_dir', {'--workdir': _WORKDIR.value},
-                                 create=False)
+  paths.check_input_directory(
+      _WORKDIR.value, '--workdir', 'the work directory of a run ' 'or an import'
+  )
+  paths.check_output_directory(
+      _OUTPUT_DIR.value, '--output_dir', {'--workdir': _WORKDIR.value}, create=False
+  )
   step = _STEP.value
   if step is not None and step != 'best':
     if not step.isdigit():
       cli.fail(f"--step={step} must be a step number or 'best'.")
     step = int(step)
   from transformer_jax import marian
+
   path = marian.export_model(_WORKDIR.value, _OUTPUT_DIR.value, step=step)
   print(f'Exported {_WORKDIR.value} to {path}')
 

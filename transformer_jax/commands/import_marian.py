@@ -24,8 +24,9 @@ from transformer_jax import cli
 from transformer_jax import paths
 from transformer_jax import storage
 
-_MODEL_DIR = flags.DEFINE_string('model_dir', None,
-                                 "A Hugging Face Marian model directory (save_pretrained's).")
+_MODEL_DIR = flags.DEFINE_string(
+    'model_dir', None, "A Hugging Face Marian model directory (save_pretrained's)."
+)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'A new work directory for the checkpoint.')
 
 
@@ -33,16 +34,21 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   if not _MODEL_DIR.value or not _WORKDIR.value:
     cli.fail('--model_dir and --workdir are required.')
-  paths.check_input_directory(_MODEL_DIR.value, '--model_dir',
-                                "a Hugging Face Marian model directory (save_pretrained's)")
-  paths.check_output_directory(_WORKDIR.value, '--workdir', {'--model_dir': _MODEL_DIR.value},
-                                 create=False)
+  paths.check_input_directory(
+      _MODEL_DIR.value, '--model_dir', "a Hugging Face Marian model directory (save_pretrained's)"
+  )
+  paths.check_output_directory(
+      _WORKDIR.value, '--workdir', {'--model_dir': _MODEL_DIR.value}, create=False
+  )
   from transformer_jax import marian
+
   path = marian.import_model(_MODEL_DIR.value, _WORKDIR.value)
   config = f'{storage.resolve(_WORKDIR.value)}/{marian.FINETUNE_CONFIG_FILE}'
   if storage.is_remote(config):  # train.py reads config files from a local disk.
-    print(f'Imported {_MODEL_DIR.value} as {path}; fine-tune it with the config file {config} '
-          f'(copy it first: gcloud storage cp {config} .)')
+    print(
+        f'Imported {_MODEL_DIR.value} as {path}; fine-tune it with the config file {config} '
+        f'(copy it first: gcloud storage cp {config} .)'
+    )
   else:
     print(f'Imported {_MODEL_DIR.value} as {path}; fine-tune it with --config={config}')
 

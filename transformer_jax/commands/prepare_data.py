@@ -36,12 +36,20 @@ from transformer_jax import token_store
 from transformer_jax import vocab_cache
 
 _CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
-    lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Where train.py will run (the vocabulary '
-                               'lives in its vocab/ unless --config.vocab_path says).')
-_SPLITS = flags.DEFINE_list('splits', None, 'Splits to prepare (default: the config\'s '
-                            'train, eval and test splits).')
+    'config',
+    None,
+    'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
+    lock_config=True,
+)
+_WORKDIR = flags.DEFINE_string(
+    'workdir',
+    None,
+    'Where train.py will run (the vocabulary '
+    'lives in its vocab/ unless --config.vocab_path says).',
+)
+_SPLITS = flags.DEFINE_list(
+    'splits', None, "Splits to prepare (default: the config's " 'train, eval and test splits).'
+)
 _WORKERS = flags.DEFINE_integer('workers', 0, 'Processes on this host (0: one per core).')
 _NUM_HOSTS = flags.DEFINE_integer('num_hosts', 1, 'Hosts sharing the preparation.')
 _HOST_INDEX = flags.DEFINE_integer('host_index', 0, 'This host, 0..num_hosts-1.')
@@ -54,21 +62,26 @@ def main(argv: list[str]) -> None:
   if not _WORKDIR.value:
     cli.fail('--workdir is required: the directory train.py will use.')
   if not 0 <= _HOST_INDEX.value < _NUM_HOSTS.value:
-    cli.fail(f'--host_index={_HOST_INDEX.value} must be in 0..{_NUM_HOSTS.value - 1} '
-             f'(--num_hosts={_NUM_HOSTS.value}).')
+    cli.fail(
+        f'--host_index={_HOST_INDEX.value} must be in 0..{_NUM_HOSTS.value - 1} '
+        f'(--num_hosts={_NUM_HOSTS.value}).'
+    )
   if _WORKERS.value < 0:
     cli.fail(f'--workers={_WORKERS.value} must be >= 0 (0: one per core).')
   config = _CONFIG.value
   config_checks.validate_run(config, training=True)
   remote = storage.is_remote(_WORKDIR.value)
   if remote and _NUM_HOSTS.value > 1:
-    cli.fail(f'--num_hosts={_NUM_HOSTS.value} shares the parts through a filesystem every host '
-             f'mounts, which --workdir={_WORKDIR.value} is not; run the command once, on one '
-             "host (it publishes to the bucket what train.py's hosts then download).")
+    cli.fail(
+        f'--num_hosts={_NUM_HOSTS.value} shares the parts through a filesystem every host '
+        f'mounts, which --workdir={_WORKDIR.value} is not; run the command once, on one '
+        "host (it publishes to the bucket what train.py's hosts then download)."
+    )
   paths.check_output_directory(_WORKDIR.value, '--workdir')
   workers = _WORKERS.value or os.cpu_count() or 1
-  splits = _SPLITS.value or list(dict.fromkeys(
-      (config.train_split, config.eval_split, config.test_split)))
+  splits = _SPLITS.value or list(
+      dict.fromkeys((config.train_split, config.eval_split, config.test_split))
+  )
   train = data_sources.open_split(config, config.train_split)
   tokenizer = vocab_cache.tokenizer_for(config, _WORKDIR.value, train)
   print(f'vocabulary: {tokenizer.model_path} ({tokenizer.vocab_size} pieces)')
@@ -79,22 +92,33 @@ def main(argv: list[str]) -> None:
     if remote:  # Made locally, then published to the bucket.
       store = vocab_cache.tokenized(pairs, tokenizer, config, _WORKDIR.value, workers)
     else:
-      store = token_store.prepare(pairs, tokenizer, directory,
-                                  data_fingerprint=pairs.fingerprint, workers=workers,
-                                  host_index=_HOST_INDEX.value, host_count=_NUM_HOSTS.value)
+      store = token_store.prepare(
+          pairs,
+          tokenizer,
+          directory,
+          data_fingerprint=pairs.fingerprint,
+          workers=workers,
+          host_index=_HOST_INDEX.value,
+          host_count=_NUM_HOSTS.value,
+      )
     seconds = time.perf_counter() - start
     if store is None:
-      print(f'{split}: this host\'s parts are written ({seconds:.0f} s); the merge waits for '
-            'the other hosts\' parts: rerun once they finish (train.py also merges).')
+      print(
+          f"{split}: this host's parts are written ({seconds:.0f} s); the merge waits for "
+          "the other hosts' parts: rerun once they finish (train.py also merges)."
+      )
       continue
     tokens = store.meta['tokens']
-    print(f'{split}: {len(store):,} pairs, {tokens[0]:,} source and {tokens[1]:,} target '
-          f'tokens, {store.meta["blank"]} with a blank side -> {directory}'
-          f'{f" (published to {_WORKDIR.value})" if remote else ""} ({seconds:.0f} s, '
-          f'up to {workers} process{"" if workers == 1 else "es"})')
+    print(
+        f'{split}: {len(store):,} pairs, {tokens[0]:,} source and {tokens[1]:,} target '
+        f'tokens, {store.meta["blank"]} with a blank side -> {directory}'
+        f'{f" (published to {_WORKDIR.value})" if remote else ""} ({seconds:.0f} s, '
+        f'up to {workers} process{"" if workers == 1 else "es"})'
+    )
 
 
 flags.adopt_module_key_flags(cli)
+
 
 def run() -> None:
   """The console script's entry point."""

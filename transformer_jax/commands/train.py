@@ -27,19 +27,26 @@ from transformer_jax import multihost
 from transformer_jax import train_loop
 
 _CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
-    lock_config=True)
+    'config',
+    None,
+    'A config file (configs/*.py); override fields with --config.FIELD=VALUE.',
+    lock_config=True,
+)
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, vocabulary and metrics go here.')
 _DISTRIBUTED = flags.DEFINE_bool(
-    'distributed', False, 'Join a multi-process job through jax.distributed.initialize.')
+    'distributed', False, 'Join a multi-process job through jax.distributed.initialize.'
+)
 _COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', None, 'HOST:PORT of process 0 (autodetected on TPU/SLURM/MPI).')
+    'coordinator_address', None, 'HOST:PORT of process 0 (autodetected on TPU/SLURM/MPI).'
+)
 _NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
 _PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1.')
 _COMPILATION_CACHE = cli.define_compilation_cache_flag()
 _HEARTBEAT = flags.DEFINE_integer(
-    'heartbeat_timeout_seconds', 100,
-    'A process silent this long counts as dead; the others then exit instead of hanging.')
+    'heartbeat_timeout_seconds',
+    100,
+    'A process silent this long counts as dead; the others then exit instead of hanging.',
+)
 
 
 def main(argv: list[str]) -> None:
@@ -50,11 +57,20 @@ def main(argv: list[str]) -> None:
     cli.fail('--workdir is required: the directory for checkpoints and metrics.')
   cli.use_compilation_cache(_COMPILATION_CACHE.value)
   if _DISTRIBUTED.value:
-    multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                         heartbeat_timeout_seconds=_HEARTBEAT.value, exit_now=cli.fail_now)
+    multihost.initialize(
+        _COORDINATOR.value,
+        _NUM_PROCESSES.value,
+        _PROCESS_ID.value,
+        heartbeat_timeout_seconds=_HEARTBEAT.value,
+        exit_now=cli.fail_now,
+    )
     multihost.check_processes_agree(
-        {**{f'--config.{k}': v for k, v in checkpointing.flat_config(_CONFIG.value).items()},
-         '--workdir': _WORKDIR.value}, timeout_s=_HEARTBEAT.value)
+        {
+            **{f'--config.{k}': v for k, v in checkpointing.flat_config(_CONFIG.value).items()},
+            '--workdir': _WORKDIR.value,
+        },
+        timeout_s=_HEARTBEAT.value,
+    )
   try:
     result = train_loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except train_loop.NonFiniteError as e:
@@ -65,12 +81,16 @@ def main(argv: list[str]) -> None:
   # not turn the exit code into 143 while the process shuts down.
   signal.signal(signal.SIGTERM, _already_ending)
   if result.interrupted:
-    print(f'{cli.program()}: interrupted by Ctrl-C at step {int(result.state.step)}, after saving '
-          'its checkpoint; rerun the same command to resume.', file=sys.stderr)
+    print(
+        f'{cli.program()}: interrupted by Ctrl-C at step {int(result.state.step)}, after saving '
+        'its checkpoint; rerun the same command to resume.',
+        file=sys.stderr,
+    )
     sys.exit(130)
   if result.stopped_early:
-    logging.info('Stopped at step %d on request; the checkpoint is complete.',
-                 int(result.state.step))
+    logging.info(
+        'Stopped at step %d on request; the checkpoint is complete.', int(result.state.step)
+    )
   else:
     logging.info('Finished at step %d; its checkpoint is complete.', int(result.state.step))
 
@@ -81,6 +101,7 @@ def _already_ending(signum, frame) -> None:
 
 
 flags.adopt_module_key_flags(cli)
+
 
 def run() -> None:
   """The console script's entry point."""

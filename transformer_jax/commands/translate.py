@@ -54,22 +54,34 @@ _INPUT = flags.DEFINE_string('input', '-', "Input file, one sentence a line ('-'
 _OUTPUT = flags.DEFINE_string('output', '-', "Output file ('-': stdout).")
 _TEXT = flags.DEFINE_string('text', None, 'Translate this one sentence instead of --input.')
 _CHUNK_LINES = flags.DEFINE_integer(
-    'chunk_lines', 0, 'Lines read and sorted by length together (0: 16 batches; 1 from a '
-    'terminal).')
+    'chunk_lines',
+    0,
+    'Lines read and sorted by length together (0: 16 batches; 1 from a ' 'terminal).',
+)
 _ATTENTION_PLOT = flags.DEFINE_string(
-    'attention_plot', None, 'With --text: save its encoder-decoder attention heatmap here '
-    '(.png, .pdf, .svg).')
-_ATTENTION_LAYER = flags.DEFINE_integer('attention_layer', -1,
-                                        'Decoder layer to draw (0-based; -1: the last).')
-_ATTENTION_HEADS = flags.DEFINE_string('attention_heads', 'mean',
-                                       "'mean' over heads, 'all' (one panel each) or an index.")
+    'attention_plot',
+    None,
+    'With --text: save its encoder-decoder attention heatmap here ' '(.png, .pdf, .svg).',
+)
+_ATTENTION_LAYER = flags.DEFINE_integer(
+    'attention_layer', -1, 'Decoder layer to draw (0-based; -1: the last).'
+)
+_ATTENTION_HEADS = flags.DEFINE_string(
+    'attention_heads', 'mean', "'mean' over heads, 'all' (one panel each) or an index."
+)
 _QUIET = flags.DEFINE_bool('quiet', False, 'No speed summary on stderr.')
 _N_BEST = flags.DEFINE_integer(
-    'n_best', 1, 'Hypotheses a line: the best K of the beam (K <= --beam_size) or K samples '
-    'with --sampling; K > 1 writes the n-best format (see the module doc).')
+    'n_best',
+    1,
+    'Hypotheses a line: the best K of the beam (K <= --beam_size) or K samples '
+    'with --sampling; K > 1 writes the n-best format (see the module doc).',
+)
 _PRINT_SCORES = flags.DEFINE_bool(
-    'print_scores', False, 'Write the n-best format (index, translation, log-probability, '
-    'score) even for one hypothesis a line.')
+    'print_scores',
+    False,
+    'Write the n-best format (index, translation, log-probability, '
+    'score) even for one hypothesis a line.',
+)
 
 
 def _check_flags() -> None:
@@ -78,11 +90,17 @@ def _check_flags() -> None:
     cli.fail('--chunk_lines must be >= 0.')
   if _N_BEST.value < 1:
     cli.fail(f'--n_best={_N_BEST.value} must be >= 1.')
-  if _N_BEST.value > 1 and not _CHECKPOINT.sampling.value and _CHECKPOINT.beam_size.value \
-      is not None and _N_BEST.value > _CHECKPOINT.beam_size.value:
-    cli.fail(f'--n_best={_N_BEST.value} is more than --beam_size={_CHECKPOINT.beam_size.value}'
-             f'; beam search keeps beam_size hypotheses: raise --beam_size to at least '
-             f'{_N_BEST.value}, or add --sampling.')
+  if (
+      _N_BEST.value > 1
+      and not _CHECKPOINT.sampling.value
+      and _CHECKPOINT.beam_size.value is not None
+      and _N_BEST.value > _CHECKPOINT.beam_size.value
+  ):
+    cli.fail(
+        f'--n_best={_N_BEST.value} is more than --beam_size={_CHECKPOINT.beam_size.value}'
+        f'; beam search keeps beam_size hypotheses: raise --beam_size to at least '
+        f'{_N_BEST.value}, or add --sampling.'
+    )
   if _ATTENTION_PLOT.value and (_N_BEST.value > 1 or _CHECKPOINT.sampling.value):
     cli.fail('--attention_plot draws the best beam-search output; drop --n_best/--sampling.')
   if _TEXT.value is not None and _INPUT.value != '-':
@@ -93,8 +111,10 @@ def _check_flags() -> None:
   if heads not in ('mean', 'all') and not heads.isdigit():
     cli.fail(f"--attention_heads={heads!r} must be 'mean', 'all' or a head index.")
   # The paths, before the model loads: an output is never an input, and never half written.
-  inputs = {'--input': None if _INPUT.value == '-' else _INPUT.value,
-            '--workdir': _CHECKPOINT.workdir.value}
+  inputs = {
+      '--input': None if _INPUT.value == '-' else _INPUT.value,
+      '--workdir': _CHECKPOINT.workdir.value,
+  }
   if inputs['--input']:
     paths.check_input_file(_INPUT.value, '--input')
   if _OUTPUT.value != '-':
@@ -103,11 +123,14 @@ def _check_flags() -> None:
   if _ATTENTION_PLOT.value:
     paths.check_output_file(_ATTENTION_PLOT.value, '--attention_plot', inputs)
     from matplotlib import backend_bases
+
     formats = backend_bases.FigureCanvasBase.get_supported_filetypes()
     suffix = os.path.splitext(_ATTENTION_PLOT.value)[1].lstrip('.').lower()
     if suffix not in formats:
-      cli.fail(f'--attention_plot={_ATTENTION_PLOT.value} does not end with the suffix of an '
-               f'image format: {", ".join("." + f for f in sorted(formats))}.')
+      cli.fail(
+          f'--attention_plot={_ATTENTION_PLOT.value} does not end with the suffix of an '
+          f'image format: {", ".join("." + f for f in sorted(formats))}.'
+      )
 
 
 def _end_on_closed_pipe() -> None:
@@ -128,8 +151,9 @@ def main(argv: list[str]) -> None:
 
   with contextlib.ExitStack() as stack:
     if _OUTPUT.value == '-':
-      output = io.TextIOWrapper(sys.stdout.buffer, encoding='utf-8', errors='replace',
-                                newline='\n', write_through=True)
+      output = io.TextIOWrapper(
+          sys.stdout.buffer, encoding='utf-8', errors='replace', newline='\n', write_through=True
+      )
       stack.callback(output.detach)  # Leave sys.stdout open.
     else:
       # Renamed into place once every line is written; the old file stays until then.
@@ -137,21 +161,31 @@ def main(argv: list[str]) -> None:
     stats = _translate(translator, output, stack)
   if not _QUIET.value:
     lines = f'{stats.sentences} line{"" if stats.sentences == 1 else "s"}'
-    print(f'{cli.program()}: {lines} (checkpoint steps {steps}) in '
-          f'{stats.decode_seconds:.1f}s (+{stats.compile_seconds:.1f}s compiling): '
-          f'{stats.sentences_per_second:.1f} sentences/s, {stats.tokens_per_second:.1f} '
-          'output tokens/s.', file=sys.stderr)
+    print(
+        f'{cli.program()}: {lines} (checkpoint steps {steps}) in '
+        f'{stats.decode_seconds:.1f}s (+{stats.compile_seconds:.1f}s compiling): '
+        f'{stats.sentences_per_second:.1f} sentences/s, {stats.tokens_per_second:.1f} '
+        'output tokens/s.',
+        file=sys.stderr,
+    )
 
   if _ATTENTION_PLOT.value:
     from transformer_jax import attention_plot
+
     source_ids, _ = translator.encode_source(_TEXT.value)
     [(hypothesis, *_)], _ = translator.translate_ids([source_ids])
     heads = _ATTENTION_HEADS.value
     try:
-      attention_plot.draw(translator.model_config, translator.params, translator.tokenizer,
-                          source_ids, hypothesis.tokens, _ATTENTION_PLOT.value,
-                          layer=_ATTENTION_LAYER.value,
-                          heads=int(heads) if heads.isdigit() else heads)
+      attention_plot.draw(
+          translator.model_config,
+          translator.params,
+          translator.tokenizer,
+          source_ids,
+          hypothesis.tokens,
+          _ATTENTION_PLOT.value,
+          layer=_ATTENTION_LAYER.value,
+          heads=int(heads) if heads.isdigit() else heads,
+      )
     except ValueError as e:
       cli.fail(str(e))
     print(f'{cli.program()}: wrote {_ATTENTION_PLOT.value}', file=sys.stderr)
@@ -166,10 +200,10 @@ def _translate(translator, output, stack: contextlib.ExitStack):
     source = sys.stdin.buffer if sys.stdin is not None else io.BytesIO(b'')
   else:
     source = storage.open_file(_INPUT.value)
-  interactive = (_TEXT.value is None and _INPUT.value == '-' and sys.stdin is not None
-                 and sys.stdin.isatty())
-  chunk_lines = 1 if interactive else (
-      _CHUNK_LINES.value or 16 * translator.options.batch_size)
+  interactive = (
+      _TEXT.value is None and _INPUT.value == '-' and sys.stdin is not None and sys.stdin.isatty()
+  )
+  chunk_lines = 1 if interactive else (_CHUNK_LINES.value or 16 * translator.options.batch_size)
 
   def write(line: str) -> None:
     output.write(line)
@@ -179,8 +213,14 @@ def _translate(translator, output, stack: contextlib.ExitStack):
   if sys.stdin is None or source is not sys.stdin.buffer:
     stack.callback(source.close)
   try:
-    stats = line_io.translate_lines(translator, source, write, cli.warn, chunk_lines,
-                                n_best_format=_N_BEST.value > 1 or _PRINT_SCORES.value)
+    stats = line_io.translate_lines(
+        translator,
+        source,
+        write,
+        cli.warn,
+        chunk_lines,
+        n_best_format=_N_BEST.value > 1 or _PRINT_SCORES.value,
+    )
     output.flush()
   except BrokenPipeError:
     _end_on_closed_pipe()
@@ -188,6 +228,7 @@ def _translate(translator, output, stack: contextlib.ExitStack):
 
 
 flags.adopt_module_key_flags(cli)
+
 
 def run() -> None:
   """The console script's entry point."""
