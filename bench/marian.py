@@ -251,7 +251,7 @@ class GenerateTask:
     outputs = self.output[:, 1:].numpy()  # The decoder start token comes first.
     if outputs.shape[1] != self.output_length:
       raise AssertionError(
-          f'generate produced {outputs.shape[1]} tokens, not ' f'{self.output_length}.'
+          f'generate produced {outputs.shape[1]} tokens, not {self.output_length}.'
       )
     return {
         'first_s': first_s,
@@ -344,7 +344,7 @@ class CTranslate2Task:
     lengths = [len(r.hypotheses[0]) for r in self.results]
     if set(lengths) != {self.output_length}:
       raise AssertionError(
-          f'CTranslate2 produced lengths {sorted(set(lengths))}, not ' f'{self.output_length}.'
+          f'CTranslate2 produced lengths {sorted(set(lengths))}, not {self.output_length}.'
       )
     ids = vocab.get_vocab()
     return {

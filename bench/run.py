@@ -323,7 +323,7 @@ def run_cpu_train(args, s, results, log_dir, jenv, tenv, has_torch, machine_peak
   for model in models:
     if model not in CPU_TRAIN_SHAPES:
       raise SystemExit(
-          f'--models: {model!r} is not one of {sorted(CPU_TRAIN_SHAPES)} on the ' 'CPU plan.'
+          f'--models: {model!r} is not one of {sorted(CPU_TRAIN_SHAPES)} on the CPU plan.'
       )
     results['train'][model] = run_cpu_train_model(
         model, s, log_dir, jenv, tenv, has_torch, machine_peak, args.glibc_malloc_too
@@ -766,7 +766,7 @@ def train_table(lines: list[str], model: str, t: dict[str, Any]) -> None:
   add(
       row.format(
           'compile s / first step s',
-          f"{_fmt(j['setup'].get('compile_s'))} / " f"{_fmt(j['setup'].get('first_step_s'))}",
+          f"{_fmt(j['setup'].get('compile_s'))} / {_fmt(j['setup'].get('first_step_s'))}",
           f"- / {_fmt(p.get('setup', {}).get('first_step_s'))}",
           '',
       )

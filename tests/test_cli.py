@@ -461,7 +461,7 @@ def test_console_scripts_take_shipped_config_names(tmp_path):
       [
           sys.executable,
           '-c',
-          'import transformer_jax.configs.tiny as t; ' 'print(t.get_config().d_model)',
+          'import transformer_jax.configs.tiny as t; print(t.get_config().d_model)',
       ],
       cwd=str(tmp_path),
       capture_output=True,

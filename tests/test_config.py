@@ -264,7 +264,7 @@ def test_pallas_post_norm_kernel_compiles_on_gpus_interprets_on_cpu_and_names_th
     with pytest.raises(ConfigError, match="not tpu; set post_norm_kernel='xla'"):
       TransformerConfig.from_config(config, 100, platform=platform)
   for field, value, message in (
-      ('norm_position', 'pre', "norm_position='pre' set " "post_norm_kernel='xla'"),
+      ('norm_position', 'pre', "norm_position='pre' set post_norm_kernel='xla'"),
       ('d_model', 768, 'power-of-two d_model'),
   ):
     bad = base_config()

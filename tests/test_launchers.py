@@ -316,7 +316,7 @@ def test_mpirun_trains_as_one_process_does(cluster, config_path, reference, tmp_
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   for process in (0, 1):
     assert re.search(
-        rf'Process {process} of 2 joined the job \(ompi, coordinator ' r'127\.0\.0\.1:\d+\)',
+        rf'Process {process} of 2 joined the job \(ompi, coordinator 127\.0\.0\.1:\d+\)',
         done.stderr,
     ), done.stderr[-3000:]
   assert_same_losses(workdir, reference)

@@ -196,9 +196,7 @@ def test_bad_requests_exit_with_code_2(run_dir, flags, message):
 
 def _shell(command: str, run_dir: str) -> subprocess.CompletedProcess:
   cache = os.path.join(os.path.dirname(run_dir), 'jax_cache')
-  translate = (
-      f'{sys.executable} translate.py --workdir={run_dir} ' f'--compilation_cache_dir={cache}'
-  )
+  translate = f'{sys.executable} translate.py --workdir={run_dir} --compilation_cache_dir={cache}'
   return subprocess.run(
       ['bash', '-c', 'set -o pipefail; ' + command.format(translate=translate)],
       cwd=REPO,

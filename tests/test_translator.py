@@ -39,7 +39,7 @@ from transformer_jax.tokenizer import train_tokenizer
 
 _EN = 'the cat dog house red blue big small runs sees eats a man woman child tree water'.split()
 _DE = (
-    'die katze hund haus rot blau gross klein laeuft sieht isst ein mann frau kind baum ' 'wasser'
+    'die katze hund haus rot blau gross klein laeuft sieht isst ein mann frau kind baum wasser'
 ).split()
 TRAIN_STEPS = (300, 350, 400)  # Checkpoints written.
 MAX_LEN = 24

@@ -149,7 +149,7 @@ def _tpu_target(name: str) -> Target:
   except RuntimeError as e:  # JaxRuntimeError derives from it.
     if 'invalid' in str(e).lower():
       raise ConfigError(
-          f'--topology={name} is not a TPU topology libtpu knows; use one of ' f'{target_names()}.'
+          f'--topology={name} is not a TPU topology libtpu knows; use one of {target_names()}.'
       ) from e
     raise _aot_wheel_error('TPU', e) from e
   kind = devices[0].device_kind

@@ -412,7 +412,7 @@ class Checkpointer:
       size = (
           f'about {self._bytes / 1e6:,.1f} MB'
           if self._bytes
-          else 'the size of the ' 'parameters and twice that for Adam'
+          else 'the size of the parameters and twice that for Adam'
       )
       raise DiskFullError(
           f'No space left on the disk of {os.path.dirname(self.directory)} while writing a '
@@ -469,9 +469,7 @@ def _resolve_step(manager: ocp.CheckpointManager, workdir: str, step: int | str 
   if step == BEST:
     return _best_step(manager, workdir, steps)
   if step not in steps:
-    raise CheckpointNotFoundError(
-        f'{workdir} has no checkpoint for step {step}; it has ' f'{steps}.'
-    )
+    raise CheckpointNotFoundError(f'{workdir} has no checkpoint for step {step}; it has {steps}.')
   return step
 
 
@@ -593,7 +591,7 @@ def write_params_checkpoint(workdir: str, step: int, params: Any, meta: dict[str
   directory = storage.resolve(workdir) + '/' + CHECKPOINT_DIR
   if storage.is_directory(f'{directory}/{step}'):
     raise OutputExistsError(
-        f'{directory}/{step} already exists; choose another output ' 'directory or remove it.'
+        f'{directory}/{step} already exists; choose another output directory or remove it.'
     )
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
   with ocp.CheckpointManager(directory, options=options) as manager:

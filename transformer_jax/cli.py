@@ -335,13 +335,13 @@ def define_checkpoint_flags() -> CheckpointFlags:
       temperature=flags.DEFINE_float(
           'temperature',
           None,
-          'With --sampling: divide the ' 'logits by this (1: the model; 0: greedy).',
+          'With --sampling: divide the logits by this (1: the model; 0: greedy).',
       ),
       top_k=flags.DEFINE_integer(
-          'top_k', None, 'With --sampling: only the k most probable ' 'tokens (0: all).'
+          'top_k', None, 'With --sampling: only the k most probable tokens (0: all).'
       ),
       top_p=flags.DEFINE_float(
-          'top_p', None, 'With --sampling: only the nucleus of this ' 'probability (1: all).'
+          'top_p', None, 'With --sampling: only the nucleus of this probability (1: all).'
       ),
       seed=flags.DEFINE_integer(
           'seed',

@@ -374,7 +374,7 @@ def validate(
   )
   _require(
       not step or config.init_from,
-      f'init_from_step={step!r} needs --config.init_from, the work directory to start ' 'from.',
+      f'init_from_step={step!r} needs --config.init_from, the work directory to start from.',
   )
   _require(
       isinstance(config.init_from_map_vocab, bool)
@@ -587,7 +587,7 @@ class TransformerConfig:
       value = getattr(self, name)
       _require(
           value in choices,
-          f'{name}={value!r} is not one of {choices}; set ' f'--config.{name} to one of them.',
+          f'{name}={value!r} is not one of {choices}; set --config.{name} to one of them.',
       )
     _require(
         isinstance(self.logits_bias, bool),

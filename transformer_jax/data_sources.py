@@ -155,7 +155,7 @@ def _text_file_records(
   for path in paths:
     if not storage.exists(path):
       raise DatasetNotFoundError(
-          f'Text file {path} (split {split!r}) does not exist; fix ' f'--config.text_files.{split}.'
+          f'Text file {path} (split {split!r}) does not exist; fix --config.text_files.{split}.'
       )
     sides.append(_read_text_lines(path, split, digest))
   if len(sides[0]) != len(sides[1]):

@@ -502,7 +502,7 @@ def beam_search(
     raise ValueError(f'beam_size={beam_size} must be >= 1.')
   if length_penalty_form not in LENGTH_PENALTY_FORMS:
     raise ValueError(
-        f'length_penalty_form={length_penalty_form!r} is not one of ' f'{LENGTH_PENALTY_FORMS}.'
+        f'length_penalty_form={length_penalty_form!r} is not one of {LENGTH_PENALTY_FORMS}.'
     )
 
   def penalty(length):

@@ -73,7 +73,7 @@ def from_os_error(error: OSError) -> UserError | None:
     )
   if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
     return UserError(
-        f'Permission denied{where} ({error.strerror}); choose a directory you ' 'can write to.'
+        f'Permission denied{where} ({error.strerror}); choose a directory you can write to.'
     )
   return None
 

@@ -254,7 +254,7 @@ def evaluate(
     hypotheses, stats = translator.translate(sources, progress)
   if stats.truncated:
     logging.warning(
-        '%d source sentences were longer than max_len=%d tokens and were cut ' '(lines %s).',
+        '%d source sentences were longer than max_len=%d tokens and were cut (lines %s).',
         len(stats.truncated),
         translator.max_source_length,
         ', '.join(str(i + 1) for i in stats.truncated[:20]),

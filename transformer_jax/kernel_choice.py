@@ -70,9 +70,7 @@ def attention_choice(
     return AttentionChoice('xla', False, 'XLA attention, as configured')
   if requested == 'cudnn':
     how = 'a dense mask, as packed rows need' if packed else 'sequence lengths and a causal flag'
-    return AttentionChoice(
-        'cudnn', not packed, f'cuDNN fused attention, as configured, fed ' f'{how}'
-    )
+    return AttentionChoice('cudnn', not packed, f'cuDNN fused attention, as configured, fed {how}')
   if platform not in ('gpu', 'cuda'):
     return AttentionChoice(None, False, f'XLA attention (automatic on {platform})')
   head_dim = config.d_model // max(1, config.num_heads)
@@ -94,5 +92,5 @@ def attention_choice(
   return AttentionChoice(
       'cudnn',
       True,
-      'cuDNN fused attention (automatic on GPU), fed ' 'sequence lengths and a causal flag',
+      'cuDNN fused attention (automatic on GPU), fed sequence lengths and a causal flag',
   )

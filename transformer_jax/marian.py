@@ -104,7 +104,7 @@ def config_fields(hf_config: Mapping[str, Any]) -> dict[str, Any]:
   ):
     need(
         get(enc) == get(dec),
-        f'{enc}={get(enc)} and {dec}={get(dec)} differ ' f'(this project has one {ours})',
+        f'{enc}={get(enc)} and {dec}={get(dec)} differ (this project has one {ours})',
     )
   pad, start = get('pad_token_id'), get('decoder_start_token_id', get('pad_token_id'))
   # What an export from this project records of itself (Marian has no field for it).
@@ -316,7 +316,7 @@ def import_model(model_dir: str, workdir: str, *, imported_from: str | None = No
   if storage.is_directory(f'{workdir}/{checkpointing.CHECKPOINT_DIR}') and checkpointing.list_steps(
       workdir
   ):
-    raise OutputExistsError(f'{workdir} already has checkpoints; import into a new ' '--workdir.')
+    raise OutputExistsError(f'{workdir} already has checkpoints; import into a new --workdir.')
   if not storage.is_remote(workdir) and os.path.isdir(workdir) and os.listdir(workdir):
     raise OutputExistsError(f'{workdir} is not empty; import into a new or empty --workdir.')
   hf_config = _read_json(os.path.join(model_dir, 'config.json'))
@@ -346,7 +346,7 @@ def import_model(model_dir: str, workdir: str, *, imported_from: str | None = No
     params = params_from_state_dict(state, model_config)
   except KeyError as e:
     raise ConfigError(
-        f'The weights in {model_dir} lack {e}: not a MarianMTModel with this ' 'config.json.'
+        f'The weights in {model_dir} lack {e}: not a MarianMTModel with this config.json.'
     ) from None
   params = _reorder_vocabulary(params, order)
   fields['decoder_start'] = _decoder_start(fields, hf_config, params)
@@ -640,7 +640,7 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   )
   if storage.exists(f'{output_dir}/config.json'):
     raise OutputExistsError(
-        f'{output_dir} already holds a model (config.json); choose a new ' '--output_dir.'
+        f'{output_dir} already holds a model (config.json); choose a new --output_dir.'
     )
   if not storage.is_remote(output_dir) and os.path.isdir(output_dir) and os.listdir(output_dir):
     raise OutputExistsError(f'{output_dir} is not empty; choose a new or empty --output_dir.')

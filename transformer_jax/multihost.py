@@ -95,7 +95,7 @@ def initialize(
   )
   joined.set()
   logging.info(
-      'Process %d of %d joined the job (%s, coordinator %s); %d local / %d global ' 'devices.',
+      'Process %d of %d joined the job (%s, coordinator %s); %d local / %d global devices.',
       jax.process_index(),
       jax.process_count(),
       launcher,
@@ -247,7 +247,7 @@ class StopSignal:
           flush=True,
       )
     logging.warning(
-        'Received signal %d: saving a checkpoint after this step, then ' 'stopping.', signum
+        'Received signal %d: saving a checkpoint after this step, then stopping.', signum
     )
     if self._signum is None:
       self._signum = signum

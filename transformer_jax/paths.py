@@ -44,7 +44,7 @@ def require_local(path: str, flag: str, what: str) -> None:
   check_scheme(path, flag)
   if storage.is_remote(path):
     raise PathError(
-        f'{storage.describe(flag, path)}: {what} cannot be on Cloud Storage; give a ' 'local path.'
+        f'{storage.describe(flag, path)}: {what} cannot be on Cloud Storage; give a local path.'
     )
 
 
@@ -190,7 +190,7 @@ def check_output_directory(
     return path
   if os.path.exists(path) and not os.path.isdir(path):
     raise PathError(
-        f'{storage.describe(flag, path)} is a file; give a directory (it is created if ' 'missing).'
+        f'{storage.describe(flag, path)} is a file; give a directory (it is created if missing).'
     )
   check_not_input(path, flag, inputs or {})
   existing = os.path.abspath(path)

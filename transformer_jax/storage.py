@@ -50,7 +50,7 @@ STALE_AFTER_S = 3600.0  # Another host's temporaries older than this belong to a
 
 
 _TEMPORARY = re.compile(
-    r'^\.(?P<name>.+)\.(?P<kind>tmp|commit)-(?P<pid>\d+)-[0-9a-f]{8}-' r'(?P<host>.*)$'
+    r'^\.(?P<name>.+)\.(?P<kind>tmp|commit)-(?P<pid>\d+)-[0-9a-f]{8}-(?P<host>.*)$'
 )
 
 
@@ -517,3 +517,63 @@ def published(remote: str) -> dict[str, Any] | None:
 def fetch(remote: str, local: str) -> None:
   """Downloads a published file or directory (replacing `local`, through a temporary)."""
   download(remote, local, '--workdir')
+
+
+class GenerationObject:
+  """One Cloud Storage object written only by compare-and-swap on its generation (Cloud
+  Storage's version number of an object, which every write changes): what needs one writer
+  at a time, such as the work directory's lock. Errors come as `cloud_errors(url, flag)`."""
+
+  def __init__(self, url: str, flag: str):
+    try:
+      from google.cloud import storage as gcs
+    except ImportError as e:
+      raise cloud_error(e, url, flag) from e
+    self.url, self.flag = url, flag
+    bucket, name = url[len('gs://') :].split('/', 1)
+    with cloud_errors(url, flag):
+      self._blob = gcs.Client().bucket(bucket).blob(name)
+
+  def newest_generation(self) -> int | None:
+    """The object's generation now, or None if there is no object."""
+    with cloud_errors(self.url, self.flag):
+      current = self._blob.bucket.get_blob(self._blob.name)
+    return None if current is None else current.generation
+
+  def read(self) -> tuple[bytes, int] | None:
+    """The newest generation's bytes and number, or None if there is no object (also when it
+    is replaced between the two requests: the caller looks again)."""
+    from google.api_core import exceptions
+
+    with cloud_errors(self.url, self.flag):
+      current = self._blob.bucket.get_blob(self._blob.name)
+      if current is None:
+        return None
+      try:  # A `Blob` with a generation reads that generation.
+        return current.download_as_bytes(), current.generation
+      except exceptions.NotFound:
+        return None
+
+  def write(self, data: bytes, if_generation: int) -> int | None:
+    """Writes `data` if the object's generation is `if_generation` (0: if there is no
+    object); the new generation, or None if it was not."""
+    from google.api_core import exceptions
+
+    with cloud_errors(self.url, self.flag):
+      try:
+        # A small upload is a multipart upload, which carries the precondition.
+        self._blob.upload_from_string(
+            data, content_type='application/json', if_generation_match=if_generation
+        )
+      except exceptions.PreconditionFailed:
+        return None
+    return self._blob.generation
+
+  def delete(self, if_generation: int) -> None:
+    """Deletes the object if its generation is `if_generation` (else leaves it)."""
+    from google.api_core import exceptions
+
+    try:
+      self._blob.delete(if_generation_match=if_generation)
+    except (exceptions.NotFound, exceptions.PreconditionFailed):
+      pass

@@ -166,9 +166,7 @@ def _fresh(directory: str, expected: dict[str, Any]) -> tuple[bool, str]:
       ('examples', 'the number of examples'),
   ):
     if meta.get(key) != expected[key]:
-      return False, (
-          f'{what} changed ({meta.get(key)!r} when it was made, ' f'{expected[key]!r} now)'
-      )
+      return False, (f'{what} changed ({meta.get(key)!r} when it was made, {expected[key]!r} now)')
   return True, ''
 
 

@@ -125,7 +125,7 @@ class DecodeOptions:
       )
     if any(not isinstance(b, int) or b < 1 for b in self.buckets):
       raise ConfigError(
-          f'buckets={self.buckets!r} must be positive ints (max_len is always ' 'a bucket too).'
+          f'buckets={self.buckets!r} must be positive ints (max_len is always a bucket too).'
       )
 
   @classmethod

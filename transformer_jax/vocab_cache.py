@@ -60,7 +60,7 @@ def tokenizer_for(
     path = os.path.join(
         local_directory(workdir),
         'vocab',
-        f'{dataset}.{langs}.{config.vocab_model_type}' f'{config.vocab_size_target}.model',
+        f'{dataset}.{langs}.{config.vocab_model_type}{config.vocab_size_target}.model',
     )
   remote = _remote_of(path, workdir)
   if remote and storage.published(remote) is not None and not os.path.exists(path):

@@ -35,7 +35,6 @@ import os
 import socket
 import threading
 import time
-from typing import Any
 import uuid
 
 from absl import logging
@@ -51,17 +50,6 @@ STALE_AFTER_S = 300.0
 
 class WorkdirBusyError(UserError):
   """Another live training job holds the work directory."""
-
-
-def _blob(url: str) -> Any:
-  """The google-cloud-storage object of a gs:// URL."""
-  try:
-    from google.cloud import storage as gcs
-  except ImportError as e:
-    raise storage.cloud_error(e, url, '--workdir') from e
-  bucket, name = url[len('gs://') :].split('/', 1)
-  with storage.cloud_errors(url, '--workdir'):
-    return gcs.Client().bucket(bucket).blob(name)
 
 
 def _process_start_time(pid: int) -> float | None:
@@ -92,33 +80,24 @@ class WorkdirLock:
     self._token = uuid.uuid4().hex
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
-    self._blob = _blob(self.path) if storage.is_remote(workdir) else None
+    self._object = (
+        storage.GenerationObject(self.path, '--workdir') if storage.is_remote(workdir) else None
+    )
     self._generation = 0  # Of the lock object as last seen or written (Cloud Storage).
 
   def _read(self) -> bytes | None:
     """The lock's bytes (remembering the object's generation), or None if there is none."""
-    if self._blob is None:
+    if self._object is None:
       try:
         with open(self.path, 'rb') as f:
           return f.read()
       except FileNotFoundError:
         return None
-    from google.api_core import exceptions
-
-    with storage.cloud_errors(self.path, '--workdir'):
-      current = self._current()
-      if current is None:
-        return None
-      try:  # That generation's bytes (a `Blob` with a generation reads that generation).
-        data = current.download_as_bytes()
-      except exceptions.NotFound:
-        return None  # Replaced meanwhile: looked at again by the caller.
-    self._generation = current.generation
+    read = self._object.read()
+    if read is None:
+      return None
+    data, self._generation = read
     return data
-
-  def _current(self) -> Any:
-    """The lock object's newest generation (a `Blob`), or None if there is none."""
-    return self._blob.bucket.get_blob(self._blob.name)
 
   def _holder(self) -> dict | None:
     """The lock's record; {} if it is empty or damaged (a lock is never seen before its
@@ -139,7 +118,7 @@ class WorkdirLock:
     if not holder:
       return 'it is empty or cannot be parsed, so no live job holds it'
     try:
-      age = 0.0 if self._blob is not None else time.time() - os.stat(self.path).st_mtime
+      age = 0.0 if self._object is not None else time.time() - os.stat(self.path).st_mtime
     except FileNotFoundError:
       return _RELEASED
     if holder.get('host') == socket.gethostname() and isinstance(holder.get('pid'), int):
@@ -150,7 +129,7 @@ class WorkdirLock:
       if started is not None and started > holder.get('started', 0) + 5:
         return f'process id {pid} now belongs to a newer process'
       return None
-    if self._blob is not None:
+    if self._object is not None:
       return self._remote_stale_reason()
     if age > self._stale_after_s:
       return f'it was last touched {age:.0f} s ago'
@@ -177,7 +156,7 @@ class WorkdirLock:
             f'a crashed job on another host is taken over {self._stale_after_s:.0f} s after '
             'its last heartbeat.'
         )
-      if self._blob is not None:
+      if self._object is not None:
         # Replace the very generation judged stale (one of several racing takers wins).
         if reason == _RELEASED or not self._write(record, self._generation):
           continue
@@ -203,7 +182,7 @@ class WorkdirLock:
       if self._thread is not None:  # Taken over in place (Cloud Storage).
         return
     raise WorkdirBusyError(
-        f'Could not take {self.path}: other jobs keep taking it; start ' 'one job per --workdir.'
+        f'Could not take {self.path}: other jobs keep taking it; start one job per --workdir.'
     )
 
   def _start_heartbeat(self) -> None:
@@ -216,11 +195,10 @@ class WorkdirLock:
     seen, start = self._generation, time.monotonic()
     while (waited := time.monotonic() - start) < self._stale_after_s:
       time.sleep(min(self._heartbeat_s / 4, self._stale_after_s - waited, 5.0))
-      with storage.cloud_errors(self.path, '--workdir'):
-        current = self._current()
-      if current is None:
+      generation = self._object.newest_generation()
+      if generation is None:
         return _RELEASED
-      if current.generation != seen:
+      if generation != seen:
         return None
     return (
         f'its generation has not changed for {self._stale_after_s:.0f} s (no heartbeat) '
@@ -230,22 +208,15 @@ class WorkdirLock:
   def _write(self, record: str, generation: int) -> bool:
     """Writes the lock object if its generation is `generation` (0: if there is none);
     False if it is not."""
-    from google.api_core import exceptions
-
-    with storage.cloud_errors(self.path, '--workdir'):
-      try:
-        # A small upload is a multipart upload, which carries the precondition.
-        self._blob.upload_from_string(
-            record.encode('utf-8'), content_type='application/json', if_generation_match=generation
-        )
-      except exceptions.PreconditionFailed:
-        return False
-    self._generation = self._blob.generation
+    written = self._object.write(record.encode('utf-8'), if_generation=generation)
+    if written is None:
+      return False
+    self._generation = written
     return True
 
   def _create(self, record: str) -> bool:
     """Creates the lock with `record` in it in one step; False if it exists."""
-    if self._blob is not None:
+    if self._object is not None:
       return self._write(record, 0)
     tmp = storage.temporary_path(self.path)
     try:
@@ -288,7 +259,7 @@ class WorkdirLock:
 
   def _beat(self) -> None:
     while not self._stop.wait(self._heartbeat_s):
-      if self._blob is None:
+      if self._object is None:
         try:
           os.utime(self.path)
         except OSError:
@@ -323,13 +294,8 @@ class WorkdirLock:
     if self._thread is not None:
       self._thread.join()
       self._thread = None
-      if self._blob is not None:
-        from google.api_core import exceptions
-
-        try:  # Only the generation this job wrote.
-          self._blob.delete(if_generation_match=self._generation)
-        except (exceptions.NotFound, exceptions.PreconditionFailed):
-          pass
+      if self._object is not None:
+        self._object.delete(if_generation=self._generation)  # Only the one this job wrote.
         return
       if (self._holder() or {}).get('token') == self._token:
         try:

@@ -37,7 +37,7 @@ _SPLIT = flags.DEFINE_string(
 _SOURCE_FILE = flags.DEFINE_string(
     'source_file',
     None,
-    'Translate this file instead of a split (with ' '--reference_file), one sentence a line.',
+    'Translate this file instead of a split (with --reference_file), one sentence a line.',
 )
 _REFERENCE_FILE = flags.DEFINE_string(
     'reference_file', None, 'References for --source_file, line by line.'

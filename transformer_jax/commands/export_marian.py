@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
   if not _WORKDIR.value or not _OUTPUT_DIR.value:
     cli.fail('--workdir and --output_dir are required.')
   paths.check_input_directory(
-      _WORKDIR.value, '--workdir', 'the work directory of a run ' 'or an import'
+      _WORKDIR.value, '--workdir', 'the work directory of a run or an import'
   )
   paths.check_output_directory(
       _OUTPUT_DIR.value, '--output_dir', {'--workdir': _WORKDIR.value}, create=False

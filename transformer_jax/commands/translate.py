@@ -56,12 +56,12 @@ _TEXT = flags.DEFINE_string('text', None, 'Translate this one sentence instead o
 _CHUNK_LINES = flags.DEFINE_integer(
     'chunk_lines',
     0,
-    'Lines read and sorted by length together (0: 16 batches; 1 from a ' 'terminal).',
+    'Lines read and sorted by length together (0: 16 batches; 1 from a terminal).',
 )
 _ATTENTION_PLOT = flags.DEFINE_string(
     'attention_plot',
     None,
-    'With --text: save its encoder-decoder attention heatmap here ' '(.png, .pdf, .svg).',
+    'With --text: save its encoder-decoder attention heatmap here (.png, .pdf, .svg).',
 )
 _ATTENTION_LAYER = flags.DEFINE_integer(
     'attention_layer', -1, 'Decoder layer to draw (0-based; -1: the last).'
