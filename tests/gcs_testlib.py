@@ -6,14 +6,19 @@ the tests start as subprocesses inherit: gcsfs and google-cloud-storage follow
 STORAGE_EMULATOR_HOST, tensorstore (orbax) TENSORSTORE_GCS_HTTP_URL with a test token,
 array_record CLOUD_STORAGE_EMULATOR_ENDPOINT; GCE_METADATA_* point at a closed loopback port,
 so no credential probe leaves the machine. The server does not check credentials or
-permissions: those errors cannot be produced here.
+permissions: `refusing_server` answers as Cloud Storage does to a caller without them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+import contextlib
 import dataclasses
+import http.server
+import json
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -126,3 +131,44 @@ def start(timeout_s: float = 30.0) -> Server:
             f'fake-gcs-server did not answer on {url} in {timeout_s:.0f} s.'
         ) from None
       time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def refusing_server(status: int = 403) -> Iterator[str]:
+  """An HTTP server on 127.0.0.1 that answers every request with `status` and Cloud Storage's
+  JSON error body (a caller without the permission, or without credentials); yields its
+  URL. fake-gcs-server checks no permissions, so this is the server for those errors."""
+  reason = {401: 'Unauthorized', 403: 'Forbidden'}[status]
+  body = json.dumps(
+      {
+          'error': {
+              'code': status,
+              'message': f'caller does not have storage.objects.get access ({reason})',
+              'errors': [{'message': reason, 'domain': 'global', 'reason': reason.lower()}],
+          }
+      }
+  ).encode()
+
+  class Refuse(http.server.BaseHTTPRequestHandler):
+
+    def _refuse(self):
+      self.send_response(status)
+      self.send_header('Content-Type', 'application/json; charset=UTF-8')
+      self.send_header('Content-Length', str(len(body)))
+      self.end_headers()
+      if self.command != 'HEAD':
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _refuse
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Refuse)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  try:
+    yield f'http://127.0.0.1:{server.server_address[1]}'
+  finally:
+    server.shutdown()
+    server.server_close()

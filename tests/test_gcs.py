@@ -4,7 +4,7 @@ training on a bucket (lock, checkpoints, metrics, vocabulary and token ids publi
 the commands that read a run and write results there, and clear errors for a missing bucket, an
 unreachable endpoint, another scheme and the one path that must be local (the compilation
 cache). Marian import and export on a bucket: test_marian.py. (The server checks no
-credentials or permissions, so those two errors are not produced here.)"""
+credentials or permissions: a second server answers 403 for that error.)"""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from test_translator import TRAIN_STEPS
 import train_testlib
 from transformer_jax import paths
 from transformer_jax import storage
+from transformer_jax import train_loop
 from transformer_jax import workdir_lock
 from transformer_jax.errors import PathError
 
@@ -67,6 +68,15 @@ def test_checks_and_atomic_writes_on_a_bucket(bucket):
     paths.check_input_file(f'{run}/missing.txt', '--input')
   with pytest.raises(PathError, match='is also --input'):
     paths.check_output_file(f'{run}/a.txt', '--output', {'--input': f'{run}/a.txt'})
+  # Under an object, as under a local file: refused (a prefix would take it).
+  with pytest.raises(PathError, match=f'its directory {run}/a.txt is an object, not a dir'):
+    paths.check_output_file(f'{run}/a.txt/out.txt', '--output')
+  with pytest.raises(PathError, match=f'its directory {run}/a.txt is an object, not a dir'):
+    paths.check_output_directory(f'{run}/a.txt/deeper/run', '--workdir')
+  # A vocabulary path that is a folder of objects: refused before anything is built.
+  config = train_testlib.small_config({'train': 'x.en,x.de'}, vocab_path=run)
+  with pytest.raises(PathError, match=f'--config.vocab_path={run} is a directory'):
+    train_loop.train_and_evaluate(config, f'{bucket}/other')
 
   # A failed write uploads nothing; a finished one replaces the object whole.
   with pytest.raises(RuntimeError):
@@ -210,6 +220,22 @@ def test_bad_cloud_paths_get_one_paragraph_each(run_dir, gcs_server, tmp_path):
       f'cannot reach Cloud Storage for {bucket}',
       'STORAGE_EMULATOR_HOST',
   )
+  # A server that answers every request 403, with Cloud Storage's JSON error body: refused
+  # access, not a network problem (gcsfs raises it as a plain OSError).
+  with gcs_testlib.refusing_server(403) as url:
+    env = train_testlib.subprocess_env()
+    env.update(gcs_testlib.environment(url))
+    _user_error(
+        _command(
+            'translate.py',
+            f'--workdir={run_dir}',
+            '--text=hi',
+            f'--output={bucket}/out.txt',
+            env=env,
+        ),
+        f'Cloud Storage refused access to {bucket}',
+        'gcloud auth application-default login',
+    )
 
 
 # --- Data and vocabularies on a bucket. ---

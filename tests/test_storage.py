@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import train_testlib
 from transformer_jax import config as config_lib
 from transformer_jax import paths
 from transformer_jax import storage
+from transformer_jax import train_loop
 from transformer_jax import workdir_lock
 from transformer_jax.errors import ConfigError
 from transformer_jax.errors import DiskFullError
@@ -282,3 +284,26 @@ def test_configs_that_would_not_train_as_asked_are_refused(overrides, phrases):
     config_lib.validate(config, training=True)
   for phrase in phrases:
     assert phrase in str(error.value), (phrase, str(error.value))
+
+
+@pytest.mark.parametrize(
+    'path,phrase',
+    [
+        ('gs://Bad_Bucket!/run', "'Bad_Bucket!' is not a valid bucket name"),
+        ('gs://ab/run', "'ab' is not a valid bucket name"),
+        ('gs:///run', 'names no bucket; give gs://BUCKET/PATH'),
+    ],
+)
+def test_a_bucket_name_cloud_storage_would_refuse_is_named_before_any_request(path, phrase):
+  with pytest.raises(PathError, match=re.escape(phrase)):
+    paths.check_output_directory(path, '--workdir')
+  paths.check_scheme('gs://my-bucket.example_1/run', '--workdir')  # Valid: no request made.
+
+
+def test_a_vocabulary_path_that_is_a_directory_is_refused_before_anything_is_built(tmp_path):
+  files = train_testlib.write_parallel_text(str(tmp_path))
+  (tmp_path / 'vocab').mkdir()
+  config = train_testlib.small_config(files, vocab_path=str(tmp_path / 'vocab'))
+  with pytest.raises(PathError, match=f'--config.vocab_path={tmp_path}/vocab is a directory'):
+    train_loop.train_and_evaluate(config, str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 import errno
 import os
 import posixpath
+import re
 
 from transformer_jax import storage
 from transformer_jax.errors import from_os_error
@@ -29,9 +30,25 @@ from transformer_jax.errors import PathError
 Inputs = Mapping[str, 'str | None']  # A flag (or a description) -> the path it names.
 
 
+# Cloud Storage's bucket names: 3-63 characters (up to 222 with dots), lowercase letters,
+# digits, '-', '_' and '.', starting and ending with a letter or a digit.
+_BUCKET_NAME = re.compile(r'^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$')
+
+
 def check_scheme(path: str, flag: str) -> None:
-  """Refuses URLs of schemes other than gs:// (their writes are untested here)."""
+  """Refuses URLs of schemes other than gs:// (their writes are untested here), and gs://
+  paths whose bucket name Cloud Storage would refuse."""
   match = storage.SCHEME.match(path)
+  if match and match['scheme'] == 'gs':
+    bucket = path[len('gs://') :].split('/', 1)[0]
+    if not bucket:
+      raise PathError(f'{storage.describe(flag, path)} names no bucket; give gs://BUCKET/PATH.')
+    if not _BUCKET_NAME.match(bucket) or ('.' not in bucket and len(bucket) > 63):
+      raise PathError(
+          f'{storage.describe(flag, path)}: {bucket!r} is not a valid bucket name (3-63 '
+          "lowercase letters, digits, '-', '_' and '.', starting and ending with a letter or "
+          'a digit); correct it.'
+      )
   if match and match['scheme'] != 'gs':
     raise PathError(
         f'{storage.describe(flag, path)}: {match["scheme"]}:// paths are not '
@@ -129,6 +146,22 @@ def check_input_directory(path: str, flag: str, what: str = 'a directory') -> st
   return path
 
 
+def _check_no_object_above(path: str, flag: str) -> None:
+  """On Cloud Storage, where a directory is only a prefix: refuses `path` when a folder of it
+  is an object (gs://b/a.txt/out.txt beside the object gs://b/a.txt), as a local path whose
+  directory is a file is refused."""
+  bucket = 'gs://' + path[len('gs://') :].split('/', 1)[0]
+  folder = storage.split_path(path)[0]
+  with storage.cloud_errors(path, flag):
+    while len(folder) > len(bucket):
+      if storage.as_epath(folder).is_file():
+        raise PathError(
+            f'{storage.describe(flag, path)}: its directory {folder} is an object, not a '
+            'directory; choose another path.'
+        )
+      folder = storage.split_path(folder)[0]
+
+
 def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str:
   """Checks that the file `path` can be written, and cleans up after a killed writer there.
 
@@ -147,6 +180,7 @@ def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str
     with storage.cloud_errors(path, flag):
       if storage.as_epath(path).is_dir():
         raise PathError(f'{storage.describe(flag, path)} is a directory; give a file name.')
+    _check_no_object_above(path, flag)
     check_not_input(path, flag, inputs or {})
     _probe(storage.split_path(path)[0], flag, path)
     storage.clean_directory(storage.split_path(path)[0])
@@ -184,6 +218,7 @@ def check_output_directory(
     with storage.cloud_errors(path, flag):
       if storage.as_epath(path).is_file():
         raise PathError(f'{storage.describe(flag, path)} is a file; give a directory.')
+    _check_no_object_above(storage.resolve(path), flag)
     check_not_input(path, flag, inputs or {})
     _probe(storage.resolve(path), flag, path)
     storage.clean_directory(storage.resolve(path))

@@ -202,7 +202,9 @@ def cloud_error(error: BaseException, path: str, flag: str = 'the path') -> Path
   code = getattr(error, 'code', None)
   if isinstance(error, ImportError):
     return PathError(f'{where}: gs:// paths need gcsfs; pip install "transformer-jax[gcs]".')
-  if isinstance(error, PermissionError) or code in (401, 403):
+  # gcsfs raises a 403 as a plain OSError('Forbidden: ...'), without a code.
+  refused = re.search(r'\b(Forbidden|Unauthorized|does not have storage\.)', str(error))
+  if isinstance(error, PermissionError) or code in (401, 403) or refused:
     return PathError(
         f'{where}: Cloud Storage refused access to {bucket} ({detail}); sign in '
         'with `gcloud auth application-default login` (or set '
@@ -267,10 +269,10 @@ def open_file(path: str, mode: str = 'rb') -> IO[Any]:
   return open(path, mode)  # Binary, as callers ask.
 
 
-def is_directory(path: str) -> bool:
+def is_directory(path: str, flag: str = 'the path') -> bool:
   """Whether a local or gs:// directory exists (on Cloud Storage: any object below it)."""
   if is_remote(path):
-    with cloud_errors(path):
+    with cloud_errors(path, flag):
       return as_epath(path).is_dir()
   return os.path.isdir(path)
 

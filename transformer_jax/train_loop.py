@@ -50,6 +50,7 @@ from transformer_jax.config import ConfigError
 from transformer_jax.config import TransformerConfig
 from transformer_jax.errors import CheckpointError
 from transformer_jax.errors import CheckpointNotFoundError
+from transformer_jax.errors import PathError
 from transformer_jax.partitioning import Partitioner
 from transformer_jax.tokenizer import Tokenizer
 
@@ -199,6 +200,12 @@ def _check_data_paths(config: ml_collections.ConfigDict) -> None:
   for name in ('tfds_data_dir', 'vocab_path'):
     path, flag = config[name], f'--config.{name}'
     paths.check_scheme(path, flag)
+    if name == 'vocab_path' and path and storage.is_directory(path, flag):
+      raise PathError(
+          f'{flag}={path} is a directory; give the path of a SentencePiece model file (read if '
+          'it exists, trained and written there if not), or leave it empty for one in the '
+          'work directory.'
+      )
     if not storage.is_remote(path):
       continue
     if name == 'vocab_path':
