@@ -442,8 +442,9 @@ def test_metrics_on_a_bucket_keep_every_row_through_a_restart(bucket):
 
 def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
   """On Cloud Storage a rename is a copy and a delete: the damaged step is copied to
-  `<step>.damaged` first, then loses orbax's commit marker (no step any more), then the
-  rest; the other steps stay."""
+  `<step>.damaged` first (its commit marker last), then loses its commit marker (no step any
+  more), then the rest; the other steps stay, and so does the copy when the next run opens
+  the directory."""
   import numpy as np
   import orbax.checkpoint as ocp
 
@@ -469,8 +470,11 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
   assert checkpointer.steps() == [1]
   names = sorted(p.name for p in epath.Path(f'{bucket}/run/checkpoints').iterdir())
   assert names == ['1', '2.damaged']
+  # Whole, orbax's commit marker included (copied last): a complete directory, as a local
+  # rename leaves, which orbax's cleanup of unfinished saves does not take for one.
   assert sorted(p.name for p in epath.Path(path).iterdir()) == [
       '_CHECKPOINT_METADATA',
+      'commit_success.txt',
       'meta',
       'params',
   ]
@@ -479,6 +483,10 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
   )
   assert restored['meta'] == {'step': 1}
   checkpointer.close()
+  # The next train.py opens the directory again: the copy stays (issue 47 saw it deleted).
+  checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2).close()
+  names = sorted(p.name for p in epath.Path(f'{bucket}/run/checkpoints').iterdir())
+  assert names == ['1', '2.damaged']
 
 
 # --- Training on a bucket. ---

@@ -296,8 +296,10 @@ class Checkpointer:
   def set_aside(self, step: int) -> str:
     """Renames a damaged checkpoint to `<step>.damaged` (kept, no longer a step), on every
     process together; returns the new path. On Cloud Storage, where a rename is a copy and a
-    delete of every object, orbax's mark of a finished step goes first after the copy, so that
-    a kill at any point leaves a step that is found damaged again or no step at all."""
+    delete of every object, orbax's mark of a finished step (`commit_success.txt`) is copied
+    last and deleted first (`storage.rename_directory`): a kill at any point leaves the step,
+    found damaged again, or the whole copy, which orbax's cleanup of unfinished saves (any
+    folder there without the mark) leaves alone."""
     path = f'{self.directory}/{step}.damaged'
     if jax.process_index() == 0:
       storage.rename_directory(

@@ -148,10 +148,11 @@ def rename_directory(
     source: str, target: str, *, mark: str | None = None, flag: str = 'the path'
 ) -> None:
   """Renames the directory `source` to `target`. Locally one rename. On Cloud Storage, where a
-  rename is a copy and a delete of every object, safe to kill at any point: every object is
-  copied to `target` first (`source` stays whole: a rerun copies again), then `mark` (a name
-  under `source` whose presence tells its reader the directory is complete) is deleted, then
-  the rest."""
+  rename is a copy and a delete of every object, safe to kill at any point, with `mark` (a
+  name under the directory whose presence tells its reader the directory is complete) moved
+  so that one complete copy exists throughout: every other object is copied to `target`, then
+  `mark` (a copy killed before it is incomplete, and `source` is still whole: a rerun copies
+  again), then `source`'s `mark` is deleted (no longer complete there), then the rest."""
   if not is_remote(source):
     os.rename(source, target)
     return
@@ -159,10 +160,14 @@ def rename_directory(
   with cloud_errors(source, flag):
     objects = fs.find(source)
     marker = f'{source.removeprefix("gs://")}/{mark}' if mark else None
+    copy = lambda name: fs.copy(
+        name, target.removeprefix('gs://') + name[len(source) - len('gs://') :]
+    )
     for name in objects:
       if name != marker:
-        fs.copy(name, target.removeprefix('gs://') + name[len(source) - len('gs://') :])
+        copy(name)
     if marker in objects:
+      copy(marker)
       fs.rm(marker)
     fs.rm(source, recursive=True)
 
