@@ -19,13 +19,14 @@ Evaluation and checkpoint averaging read checkpoints through `list_steps`, `read
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 import contextlib
 import hashlib
 import json
 import logging as std_logging
 import os
 import tempfile
+import time
 import traceback
 from typing import Any
 
@@ -441,6 +442,22 @@ _GCS_COMMIT_MARKER = 'commit_success.txt'  # Orbax's, in a finished step on Clou
 # --- Reading checkpoints outside training (evaluation, averaging). ---
 
 
+# What orbax's listing of the steps raises when a training run rotates a step away between
+# listing the folder and reading the step's metadata (local and gs://).
+_LISTING_RACES = (FileNotFoundError, NotADirectoryError)
+
+
+def _listed(list_steps: Callable[[], Any]) -> Any:
+  """`list_steps()`, listed again when a step was rotated away while it was being listed
+  (the next listing no longer has it)."""
+  for attempt in range(10):
+    try:
+      return list_steps()
+    except _LISTING_RACES:
+      time.sleep(0.05 * (attempt + 1))
+  return list_steps()
+
+
 def _reader(workdir: str) -> ocp.CheckpointManager:
   directory = storage.resolve(workdir) + '/' + CHECKPOINT_DIR
   if not storage.is_directory(directory):
@@ -448,9 +465,8 @@ def _reader(workdir: str) -> ocp.CheckpointManager:
         f'{directory} does not exist: {workdir} holds no '
         'checkpoints; pass the --workdir of a training run.'
     )
-  return ocp.CheckpointManager(
-      directory, options=_options(save_every=1, final_step=0, keep=0, keep_period=0, read_only=True)
-  )
+  options = _options(save_every=1, final_step=0, keep=0, keep_period=0, read_only=True)
+  return _listed(lambda: ocp.CheckpointManager(directory, options=options))
 
 
 def list_steps(workdir: str) -> list[int]:
@@ -500,6 +516,18 @@ def _best_step(manager: ocp.CheckpointManager, workdir: str, steps: list[int]) -
   return max(scored)[1]
 
 
+def _rotated_away(directory: str, step: int, wait_s: float = 3.0) -> bool:
+  """Whether checkpoint `step` is being or was deleted (rotation, by a training run): its
+  folder is gone, or goes within `wait_s` (a deletion under way leaves a part of it for a
+  moment, which reads as damaged). A damaged checkpoint stays."""
+  deadline = time.monotonic() + wait_s
+  while storage.is_directory(f'{directory}/{step}'):
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.1)
+  return True
+
+
 @contextlib.contextmanager
 def _damaged(
     manager: ocp.CheckpointManager, directory: str, step: int, item: str, *, resuming: bool = False
@@ -510,8 +538,8 @@ def _damaged(
   except UserError:
     raise
   except Exception as e:  # Orbax and TensorStore raise many.
-    if not storage.is_directory(f'{directory}/{step}'):
-      manager.reload()
+    if _rotated_away(directory, step):
+      _listed(manager.reload)
       raise CheckpointGoneError(
           f'Checkpoint {step} in {directory} was deleted while it was being read: the '
           'training run writing there keeps only its latest checkpoints (keep_checkpoints) '
