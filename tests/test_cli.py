@@ -282,6 +282,9 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert 'Checkpoint 4 is damaged, so training resumes from 2' in result.stderr
+  # It says what it did; not to move aside what it has set aside, nor a page of repr.
+  warning = next(line for line in result.stderr.splitlines() if 'Checkpoint 4 is damaged' in line)
+  assert 'move this one aside' not in warning and len(warning) < 700, warning
   assert 'sacreBLEU' in result.stderr  # The evaluation's log line.
   assert 'did not provide metrics' not in result.stderr  # Orbax's warning at every save.
   assert (checkpoints / '4.damaged').is_dir()  # Kept, renamed.

@@ -547,8 +547,14 @@ def _damaged(
           'those.'
       ) from e
     others = [s for s in sorted(manager.all_steps()) if s != step]
-    detail = ' '.join(f'{type(e).__name__}: {e}'.split())[:300]
+    detail = ' '.join(f'{type(e).__name__}: {e}'.split())[:160]
+    problem = (
+        f'Checkpoint {step} in {directory} cannot be read: its {item} is damaged or '
+        f'incomplete ({detail})'
+    )
     if resuming:
+      # Seen only when no checkpoint is intact: otherwise training resumes from the newest
+      # intact one and sets this one aside itself, saying so with `problem` alone.
       advice = (
           f'Training resumes from the newest intact checkpoint if there is one '
           f'({others or "none left"}); to start over instead, move this one aside '
@@ -559,10 +565,9 @@ def _damaged(
           f'Pick another checkpoint with --step (this run has {others or "no other"})'
           ', or restore the files from a copy'
       )
-    raise CheckpointError(
-        f'Checkpoint {step} in {directory} cannot be read: its {item} is damaged or '
-        f'incomplete ({detail}). {advice}.'
-    ) from e
+    error = CheckpointError(f'{problem}. {advice}.')
+    error.problem = problem  # What the fallback's warning says (it says what it does itself).
+    raise error from e
 
 
 def restore_params(

@@ -523,11 +523,11 @@ def _restore_or_initialize(
       path = checkpointer.set_aside(bad)
       logging.warning(
           'Checkpoint %d is damaged, so training resumes from %d, the newest '
-          'intact one; the damaged one is kept as %s. (%s)',
+          'intact one; the damaged one is kept as %s. (%s.)',
           bad,
           step,
           path,
-          error,
+          getattr(error, 'problem', error),
       )
     logging.info('Resumed from the checkpoint at step %d.', step)
     return state
