@@ -64,6 +64,8 @@ def test_checks_and_atomic_writes_on_a_bucket(bucket):
   paths.check_input_directory(run, '--workdir')
   with pytest.raises(PathError, match='is a directory; give a file'):
     paths.check_input_file(run, '--input')
+  with pytest.raises(PathError, match='a.txt is a file; give a directory'):  # As locally.
+    paths.check_input_directory(f'{run}/a.txt', '--workdir')
   with pytest.raises(PathError, match='does not exist'):
     paths.check_input_file(f'{run}/missing.txt', '--input')
   with pytest.raises(PathError, match='is also --input'):
@@ -409,6 +411,8 @@ def test_another_hosts_lock_on_a_bucket_is_stale_when_its_generation_stops_chang
   lock = workdir_lock.WorkdirLock(f'{bucket}/run', stale_after_s=1, heartbeat_s=0.2)
   lock.acquire()
   assert 'generation has not changed for 1 s' in caplog.text
+  # Said once, before the wait: what it watches and for how long.
+  assert caplog.text.count('held by a job on another host; watching it for up to 1 s') == 1
   generation = blob.bucket.get_blob(blob.name).generation
   time.sleep(0.6)
   assert blob.bucket.get_blob(blob.name).generation != generation  # Our heartbeat.

@@ -136,6 +136,8 @@ def check_input_directory(path: str, flag: str, what: str = 'a directory') -> st
   check_scheme(path, flag)
   if storage.is_remote(path):
     with storage.cloud_errors(path, flag):
+      if storage.as_epath(path).is_file():
+        raise PathError(f'{storage.describe(flag, path)} is a file; give {what}.')
       if not storage.as_epath(path).is_dir():
         raise PathError(f'{storage.describe(flag, path)} does not exist; give {what}.')
     return path

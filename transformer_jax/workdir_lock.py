@@ -193,6 +193,13 @@ class WorkdirLock:
     """Watches the lock object: None (alive) once its generation changes, a reason once it
     has not for `stale_after_s` seconds of this clock."""
     seen, start = self._generation, time.monotonic()
+    logging.warning(
+        '%s is held by a job on another host; watching it for up to %.0f s: a heartbeat there '
+        'means that job is alive (this run then stops), none means it is gone (this run '
+        'takes the lock over).',
+        self.path,
+        self._stale_after_s,
+    )
     while (waited := time.monotonic() - start) < self._stale_after_s:
       time.sleep(min(self._heartbeat_s / 4, self._stale_after_s - waited, 5.0))
       generation = self._object.newest_generation()
