@@ -40,7 +40,7 @@ def check_scheme(path: str, flag: str) -> None:
   paths whose bucket name Cloud Storage would refuse."""
   match = storage.SCHEME.match(path)
   if match and match['scheme'] == 'gs':
-    bucket = path[len('gs://') :].split('/', 1)[0]
+    bucket = storage.bucket_of(path)[len('gs://') :]
     if not bucket:
       raise PathError(f'{storage.describe(flag, path)} names no bucket; give gs://BUCKET/PATH.')
     if not _BUCKET_NAME.match(bucket) or ('.' not in bucket and len(bucket) > 63):
@@ -152,7 +152,7 @@ def _check_no_object_above(path: str, flag: str) -> None:
   """On Cloud Storage, where a directory is only a prefix: refuses `path` when a folder of it
   is an object (gs://b/a.txt/out.txt beside the object gs://b/a.txt), as a local path whose
   directory is a file is refused."""
-  bucket = 'gs://' + path[len('gs://') :].split('/', 1)[0]
+  bucket = storage.bucket_of(path)
   folder = storage.split_path(path)[0]
   with storage.cloud_errors(path, flag):
     while len(folder) > len(bucket):

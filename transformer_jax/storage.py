@@ -194,14 +194,15 @@ def download(remote: str, local: str, flag: str) -> None:
     raise
 
 
-def _bucket(path: str) -> str:
+def bucket_of(path: str) -> str:
+  """The bucket of a gs:// path, as gs://BUCKET."""
   return 'gs://' + path[len('gs://') :].split('/', 1)[0]
 
 
 def cloud_error(error: BaseException, path: str, flag: str = 'the path') -> PathError:
   """The `PathError` for a failure of Cloud Storage at `path`: one paragraph naming the bucket
   and the fix."""
-  bucket = _bucket(path)
+  bucket = bucket_of(path)
   where = describe(flag, path)
   detail = ' '.join(f'{type(error).__name__}: {error}'.split())[:300]
   code = getattr(error, 'code', None)
