@@ -209,6 +209,40 @@ def test_a_directory_of_outputs_appears_whole_or_not_at_all(tmp_path):
       pass
 
 
+def test_a_rebuilt_cache_replaces_a_stale_one_and_yields_to_one_made_meanwhile(tmp_path):
+  cache = tmp_path / 'tokens'
+  cache.mkdir()
+  (cache / 'meta.json').write_text('stale')
+  with pytest.raises(RuntimeError):  # A failed rebuild leaves the old one and no temporary.
+    with storage.rebuilding_directory(str(cache), still_good=lambda: False) as tmp:
+      raise RuntimeError('killed half-way')
+  assert os.listdir(tmp_path) == ['tokens'] and (cache / 'meta.json').read_text() == 'stale'
+  with storage.rebuilding_directory(str(cache), still_good=lambda: False) as tmp:
+    with open(os.path.join(tmp, 'meta.json'), 'w', encoding='utf-8') as f:
+      f.write('new')
+  assert os.listdir(tmp_path) == ['tokens'] and (cache / 'meta.json').read_text() == 'new'
+  # Another process finished the same cache first: its copy is kept, this one removed.
+  with storage.rebuilding_directory(str(cache), still_good=lambda: True) as tmp:
+    with open(os.path.join(tmp, 'meta.json'), 'w', encoding='utf-8') as f:
+      f.write('mine')
+  assert os.listdir(tmp_path) == ['tokens'] and (cache / 'meta.json').read_text() == 'new'
+
+
+def test_a_line_log_keeps_the_lines_asked_for_and_appends_after_them(tmp_path):
+  path = tmp_path / 'metrics.jsonl'
+  assert storage.LocalMirror(str(tmp_path), 'the directory').local == str(tmp_path)
+  log = storage.LineLog(str(path))  # No file yet: nothing to keep, nothing written.
+  assert not path.exists()
+  log.append('{"step": 1}\n')
+  log.append('{"step": 2}\n')
+  path.write_text(path.read_text() + '{"step": 3}\n{"st')  # A line cut short by a kill.
+  log = storage.LineLog(str(path), keep=lambda line: line.endswith('\n') and '3' not in line)
+  assert path.read_text() == '{"step": 1}\n{"step": 2}\n'
+  log.append('{"step": 3}\n')
+  assert path.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+  assert sorted(os.listdir(tmp_path)) == ['metrics.jsonl']  # No temporary left.
+
+
 # --- The lock. ---
 
 

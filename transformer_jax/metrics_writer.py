@@ -15,10 +15,7 @@ from collections.abc import Mapping, Sequence
 import functools
 import json
 import math
-import os
-import shutil
 import sys
-import tempfile
 import time
 from typing import Any
 import uuid
@@ -140,21 +137,21 @@ class MetricsWriter:
     self._tb = None
     if not enabled:
       return
-    self._jsonl_path = f'{storage.resolve(workdir)}/{METRICS_FILE}'
-    self._rows: list[str] = []  # On Cloud Storage, every row: see `write`.
-    self._truncate_after(start_step)
+    self._metrics = storage.LineLog(
+        f'{storage.resolve(workdir)}/{METRICS_FILE}',
+        keep=lambda line: _step_at_most(line, start_step),
+    )
     # Event file names have the second and the host: a random suffix keeps a restart within
     # the second from replacing the file where it is uploaded whole (Cloud Storage).
-    tensorboard = f'{storage.resolve(workdir)}/{TENSORBOARD_DIR}'
-    self._tb_remote = tensorboard if storage.is_remote(tensorboard) else None
-    if self._tb_remote:
-      # Written locally and uploaded whole after each flush (every event kept), rather than
-      # through tensorboardX's own gs:// writer, which uploads once more when it is
-      # collected: at the end of the process, when the run's last upload is long done.
-      self._tb_local = tempfile.mkdtemp(prefix='transformer_jax_tensorboard_')
+    # On Cloud Storage the events are written locally and uploaded whole after each flush
+    # (every event kept), rather than through tensorboardX's own gs:// writer, which uploads
+    # once more when it is collected: at the end of the process, when the run's last upload
+    # is long done.
+    self._tb_dir = storage.LocalMirror(
+        f'{storage.resolve(workdir)}/{TENSORBOARD_DIR}', 'the TensorBoard directory'
+    )
     self._tb = _summary_writer_class()(
-        self._tb_local if self._tb_remote else tensorboard,
-        filename_suffix=f'.{uuid.uuid4().hex[:8]}',
+        self._tb_dir.local, filename_suffix=f'.{uuid.uuid4().hex[:8]}'
     )
     if config is not None:
       # Indented four spaces: Markdown code, so TensorBoard keeps the layout.
@@ -166,21 +163,6 @@ class MetricsWriter:
       self._bar = tqdm.tqdm(
           total=total_steps, initial=start_step, unit='step', dynamic_ncols=True, file=sys.stderr
       )
-
-  def _truncate_after(self, step: int) -> None:
-    if not storage.exists(self._jsonl_path):
-      return
-    kept = []
-    with storage.open_file(self._jsonl_path) as f:
-      for line in f.read().decode('utf-8', errors='replace').splitlines(keepends=True):
-        try:
-          if json.loads(line)['step'] <= step:
-            kept.append(line)
-        except (ValueError, KeyError):
-          pass  # A line cut short when the process was killed.
-    storage.write_file(self._jsonl_path, ''.join(kept))
-    if storage.is_remote(self._jsonl_path):
-      self._rows = kept
 
   def step_done(self, step: int) -> None:
     """Advances the progress bar (cheap; called every step)."""
@@ -196,14 +178,7 @@ class MetricsWriter:
       self._tb.add_scalar(f'{split}/{name}', value, step)
     self._flush_tensorboard()
     row = json.dumps({'step': step, 'split': split, 'time': round(time.time(), 3), **values}) + '\n'
-    if storage.is_remote(self._jsonl_path):
-      # Cloud Storage has no append (gcsfs's append mode replaces the object): the object is
-      # rewritten with every row so far, one upload each.
-      self._rows.append(row)
-      storage.write_file(self._jsonl_path, ''.join(self._rows))
-    else:
-      with open(self._jsonl_path, 'a') as f:
-        f.write(row)
+    self._metrics.append(row)
     if split == 'train':
       rate = values.get('tokens_per_second', float('nan'))
       shown = {'loss': f'{values["loss"]:.3f}', 'tok/s': f'{rate:.0f}'}
@@ -252,13 +227,7 @@ class MetricsWriter:
 
   def _flush_tensorboard(self) -> None:
     self._tb.flush()
-    self._upload_tensorboard()
-
-  def _upload_tensorboard(self) -> None:
-    if self._tb_remote:
-      for name in os.listdir(self._tb_local):
-        with open(os.path.join(self._tb_local, name), 'rb') as f:
-          storage.write_file(f'{self._tb_remote}/{name}', f.read())
+    self._tb_dir.sync()
 
   def log(self, message: str) -> None:
     """A plain message that does not break the progress bar."""
@@ -274,9 +243,15 @@ class MetricsWriter:
       self._bar.close()
     if self._tb is not None:
       self._tb.close()
-      if self._tb_remote:
-        self._upload_tensorboard()
-        shutil.rmtree(self._tb_local, ignore_errors=True)
+      self._tb_dir.close()
+
+
+def _step_at_most(line: str, step: int) -> bool:
+  """Whether a metrics row is of `step` or before (a line cut short by a kill is not)."""
+  try:
+    return json.loads(line)['step'] <= step
+  except (ValueError, KeyError, TypeError):
+    return False
 
 
 def _duration(seconds: float) -> str:

@@ -16,6 +16,9 @@ store would touch this module alone:
 * Whole directories go up and down with `upload` and `download`; `publish` uploads and then
   writes a marker that says the upload is complete (`published` reads it, `fetch` brings it
   back); `local_cache` is where a gs:// path's files are kept on this host.
+* A cache that any process may make again (a token store) is rebuilt in a temporary
+  directory and renamed into place (`rebuilding_directory`); a log grows by lines
+  (`LineLog`); a library that writes only local files (TensorBoard) writes to a `LocalMirror`.
 
 Temporary names: `.NAME.tmp-PID-RANDOM-HOST` (journals: `.NAME.commit-PID-RANDOM-HOST`),
 hidden, in the output's own directory (a rename never crosses file systems).
@@ -29,8 +32,9 @@ the bucket and the fix (`cloud_errors`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -341,6 +345,28 @@ def writing_directory(path: str, *, last: tuple[str, ...] = ()) -> Iterator[str]
     raise
 
 
+@contextlib.contextmanager
+def rebuilding_directory(path: str, *, still_good: Callable[[], bool]) -> Iterator[str]:
+  """A temporary directory beside the local `path` to rebuild a cache in (a directory that
+  any process may make again from the same inputs, such as a token store); renamed into
+  place when the block ends without an error, replacing a stale one there, and removed
+  otherwise. Where `still_good()` says that `path` is already what this block made (another
+  process finished first), or another process renames its own in first, theirs is kept and
+  this one is removed."""
+  tmp = temporary_path(path)
+  os.makedirs(tmp)
+  try:
+    yield tmp
+    if still_good():
+      return
+    if os.path.exists(path):  # Stale: made from other inputs.
+      shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):  # Another process got there between the two.
+      os.replace(tmp, path)
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _check_empty(path: str) -> None:
   if os.path.isdir(path) and os.listdir(path):
     raise OutputExistsError(f'{path} is not empty; give a new or empty directory.')
@@ -371,6 +397,61 @@ def write_file(path: str, data: str | bytes) -> None:
     return
   with writing(path, 'wb' if isinstance(data, bytes) else 'w') as f:
     f.write(data)
+
+
+def create_new(path: str, data: str) -> bool:
+  """Creates the local file `path` with `data` in it, in one step (a reader never sees it
+  empty or half written); False if a file is there already. For a lock: of several
+  processes creating the same path at once, exactly one succeeds."""
+  tmp = temporary_path(path)
+  try:
+    with open(tmp, 'w', encoding='utf-8') as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    try:
+      os.link(tmp, path)
+      return True
+    except FileExistsError:
+      return False
+    except OSError as e:
+      if e.errno not in (
+          errno.EPERM,
+          errno.ENOTSUP,
+          errno.EOPNOTSUPP,
+          errno.EXDEV,
+          errno.ENOSYS,
+          errno.EMLINK,
+      ):
+        raise
+    # No hard links here (gcsfuse, some FUSE file systems): create, then write.
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+      return False
+    try:
+      with os.fdopen(fd, 'w', encoding='utf-8') as f:
+        f.write(data)
+    except BaseException:
+      os.remove(path)
+      raise
+    return True
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(tmp)
+
+
+def remove_once(path: str) -> bool:
+  """Removes the local file `path`; of several processes removing it at once (each having
+  judged the same file stale), exactly one gets True, and a file created there meanwhile is
+  not removed by the others. False if it was gone."""
+  aside = temporary_path(path)
+  try:
+    os.rename(path, aside)
+  except FileNotFoundError:
+    return False
+  os.remove(aside)
+  return True
 
 
 def _replace(source: str, target: str) -> None:
@@ -525,6 +606,55 @@ def published(remote: str) -> dict[str, Any] | None:
 def fetch(remote: str, local: str) -> None:
   """Downloads a published file or directory (replacing `local`, through a temporary)."""
   download(remote, local, '--workdir')
+
+
+class LineLog:
+  """A text file that grows a line at a time (a run's metrics.jsonl). Locally, each line is
+  appended in one write. Cloud Storage has no append (gcsfs's append mode replaces the
+  object), so there the object is rewritten with every line so far, one upload each."""
+
+  def __init__(self, path: str, keep: Callable[[str], bool] = lambda line: True):
+    """Opens the log at `path`, keeping only its lines for which `keep(line)` holds (the file
+    is rewritten without the others, atomically)."""
+    self.path = path
+    self._lines: list[str] = []
+    if exists(path):
+      with open_file(path) as f:
+        text = f.read().decode('utf-8', errors='replace')
+      self._lines = [line for line in text.splitlines(keepends=True) if keep(line)]
+      write_file(path, ''.join(self._lines))
+    if not is_remote(path):
+      self._lines = []  # Appended in place, never held.
+
+  def append(self, line: str) -> None:
+    """Adds `line` (ending with a newline) at the end of the file."""
+    if is_remote(self.path):
+      self._lines.append(line)
+      write_file(self.path, ''.join(self._lines))
+    else:
+      with open(self.path, 'a', encoding='utf-8') as f:
+        f.write(line)
+
+
+class LocalMirror:
+  """A directory that a library writes to with local file operations (TensorBoard's event
+  writer): `local` is the directory itself, or, for a gs:// one, a local temporary directory
+  whose files `sync` uploads whole (each file's newest contents replacing its object)."""
+
+  def __init__(self, path: str, flag: str):
+    self.path, self._flag = resolve(path), flag
+    self._remote = is_remote(path)
+    self.local = tempfile.mkdtemp(prefix='transformer_jax_mirror_') if self._remote else path
+
+  def sync(self) -> None:
+    if self._remote:
+      upload(self.local, self.path, self._flag)
+
+  def close(self) -> None:
+    """Syncs a last time and removes the local copy of a gs:// directory."""
+    if self._remote:
+      self.sync()
+      shutil.rmtree(self.local, ignore_errors=True)
 
 
 class GenerationObject:

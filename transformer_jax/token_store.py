@@ -31,11 +31,11 @@ import os
 import shutil
 import time
 from typing import Any
-import uuid
 
 from absl import logging
 import numpy as np
 
+from transformer_jax import storage
 from transformer_jax.config import PAD_ID
 from transformer_jax.errors import DataError
 from transformer_jax.tokenizer import load_tokenizer
@@ -211,10 +211,8 @@ def _write_part(task: tuple[str, int, int]) -> int:
   path, start, end = task
   pairs, tokenizer = _WORKER['pairs'], _WORKER['tokenizer']
   source, target, lengths = _encode_range(pairs, tokenizer, start, end)
-  tmp = f'{path}.{uuid.uuid4().hex}.tmp.npz'
-  with open(tmp, 'wb') as f:
+  with storage.writing(path, 'wb') as f:
     np.savez(f, source=source, target=target, lengths=lengths)
-  os.replace(tmp, path)
   return end - start
 
 
@@ -326,42 +324,33 @@ def _merge(
 ) -> TokenStore:
   parts = [np.load(p) for p in paths]
   lengths = np.concatenate([p['lengths'] for p in parts])
-  tmp = f'{directory}.{uuid.uuid4().hex}.tmp'
-  os.makedirs(tmp)
-  dtype = id_dtype(vocab_size)
-  for side, name in ((0, 'source'), (1, 'target')):
-    out = np.lib.format.open_memmap(
-        os.path.join(tmp, f'{name}.npy'),
-        mode='w+',
-        dtype=dtype,
-        shape=(int(lengths[:, side].sum(dtype=np.int64)),),
+  still_good = lambda: _fresh(directory, expected)[0]  # Another process merged them.
+  with storage.rebuilding_directory(directory, still_good=still_good) as tmp:
+    dtype = id_dtype(vocab_size)
+    for side, name in ((0, 'source'), (1, 'target')):
+      out = np.lib.format.open_memmap(
+          os.path.join(tmp, f'{name}.npy'),
+          mode='w+',
+          dtype=dtype,
+          shape=(int(lengths[:, side].sum(dtype=np.int64)),),
+      )
+      at = 0
+      for part in parts:
+        ids = part[name]
+        out[at : at + len(ids)] = ids
+        at += len(ids)
+      out.flush()
+      del out
+    np.save(os.path.join(tmp, 'lengths.npy'), lengths)
+    meta = dict(
+        expected,
+        dtype=dtype.name,
+        tokens=[int(x) for x in lengths.sum(axis=0)],
+        blank=int((lengths == 0).any(axis=1).sum()),
+        created=time.time(),
     )
-    at = 0
-    for part in parts:
-      ids = part[name]
-      out[at : at + len(ids)] = ids
-      at += len(ids)
-    out.flush()
-    del out
-  np.save(os.path.join(tmp, 'lengths.npy'), lengths)
-  meta = dict(
-      expected,
-      dtype=dtype.name,
-      tokens=[int(x) for x in lengths.sum(axis=0)],
-      blank=int((lengths == 0).any(axis=1).sum()),
-      created=time.time(),
-  )
-  with open(os.path.join(tmp, 'meta.json'), 'w') as f:
-    json.dump(meta, f, indent=1)
-  if _fresh(directory, expected)[0]:  # Another process merged the same parts first.
-    shutil.rmtree(tmp, ignore_errors=True)
-  else:
-    if os.path.exists(directory):  # Stale: made from other data or another vocabulary.
-      shutil.rmtree(directory, ignore_errors=True)
-    try:
-      os.replace(tmp, directory)
-    except OSError:  # Another process got there between the check and the rename.
-      shutil.rmtree(tmp, ignore_errors=True)
+    with open(os.path.join(tmp, 'meta.json'), 'w') as f:
+      json.dump(meta, f, indent=1)
   shutil.rmtree(parts_dir, ignore_errors=True)
   return TokenStore.open(directory)
 

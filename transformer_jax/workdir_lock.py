@@ -29,7 +29,6 @@ heartbeat before it can call a live lock busy.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import socket
@@ -163,12 +162,8 @@ class WorkdirLock:
         self._start_heartbeat()
       else:
         # Move the stale lock aside (one of several racing takers wins), then retry.
-        aside = f'{self.path}.stale-{self._token}'
-        try:
-          os.rename(self.path, aside)
-        except FileNotFoundError:
+        if not storage.remove_once(self.path):
           continue
-        os.remove(aside)
       if holder:
         logging.warning(
             'Took over the lock of %s from process %s on %s: %s.',
@@ -225,44 +220,7 @@ class WorkdirLock:
     """Creates the lock with `record` in it in one step; False if it exists."""
     if self._object is not None:
       return self._write(record, 0)
-    tmp = storage.temporary_path(self.path)
-    try:
-      with open(tmp, 'w', encoding='utf-8') as f:
-        f.write(record)
-        f.flush()
-        os.fsync(f.fileno())
-      try:
-        os.link(tmp, self.path)
-        return True
-      except FileExistsError:
-        return False
-      except OSError as e:
-        if e.errno not in (
-            errno.EPERM,
-            errno.ENOTSUP,
-            errno.EOPNOTSUPP,
-            errno.EXDEV,
-            errno.ENOSYS,
-            errno.EMLINK,
-        ):
-          raise
-      # No hard links here (gcsfuse, some FUSE file systems): create, then write.
-      try:
-        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-      except FileExistsError:
-        return False
-      try:
-        with os.fdopen(fd, 'w', encoding='utf-8') as f:
-          f.write(record)
-      except BaseException:
-        os.remove(self.path)
-        raise
-      return True
-    finally:
-      try:
-        os.remove(tmp)
-      except FileNotFoundError:
-        pass
+    return storage.create_new(self.path, record)
 
   def _beat(self) -> None:
     while not self._stop.wait(self._heartbeat_s):
