@@ -18,9 +18,7 @@ must exist, and writability is probed by writing and deleting an object. Other s
 from __future__ import annotations
 
 from collections.abc import Mapping
-import errno
 import os
-import posixpath
 import re
 
 from transformer_jax import storage
@@ -88,45 +86,15 @@ def check_not_input(path: str, flag: str, inputs: Inputs) -> None:
       )
 
 
-def _probe(directory: str, flag: str, path: str) -> None:
-  """Creates and removes a file in `directory`: the one test of writability that holds for
-  root, ACLs and read-only mounts alike (and, on Cloud Storage, for a missing bucket, which
-  `mkdir` there would not notice)."""
-  if storage.is_remote(directory):
-    probe = storage.temporary_path(posixpath.join(directory, 'write-probe'))
-    with storage.cloud_errors(path, flag):
-      storage.as_epath(probe).write_bytes(b'')
-      storage.as_epath(probe).unlink()
-    return
-  probe = storage.temporary_path(os.path.join(directory, 'write-probe'))
-  try:
-    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
-    os.close(fd)
-    os.remove(probe)
-  except OSError as e:
-    if e.errno in (errno.ENOSPC, errno.EDQUOT):
-      raise from_os_error(e) from None
-    raise PathError(
-        f'{storage.describe(flag, path)}: cannot create files in {directory} ({e.strerror}); '
-        'choose a directory you can write to.'
-    ) from None
-
-
 def check_input_file(path: str, flag: str) -> str:
   """Checks that the input `path` is a readable file; returns it."""
   check_scheme(path, flag)
-  if storage.is_remote(path):
-    with storage.cloud_errors(path, flag):
-      if storage.as_epath(path).is_dir():
-        raise PathError(f'{storage.describe(flag, path)} is a directory; give a file.')
-      if not storage.as_epath(path).exists():
-        raise PathError(f'{storage.describe(flag, path)} does not exist.')
-    return path
-  if os.path.isdir(path):
+  kind = storage.kind_of(path, flag)
+  if kind == 'directory':
     raise PathError(f'{storage.describe(flag, path)} is a directory; give a file.')
-  if not os.path.exists(path):
+  if kind is None:
     raise PathError(f'{storage.describe(flag, path)} does not exist.')
-  if not os.access(path, os.R_OK):
+  if not storage.is_remote(path) and not os.access(path, os.R_OK):
     raise PathError(f'{storage.describe(flag, path)} is not readable (permission denied).')
   return path
 
@@ -134,16 +102,10 @@ def check_input_file(path: str, flag: str) -> str:
 def check_input_directory(path: str, flag: str, what: str = 'a directory') -> str:
   """Checks that the input `path` is a directory (`what` says which, for the message)."""
   check_scheme(path, flag)
-  if storage.is_remote(path):
-    with storage.cloud_errors(path, flag):
-      if storage.as_epath(path).is_file():
-        raise PathError(f'{storage.describe(flag, path)} is a file; give {what}.')
-      if not storage.as_epath(path).is_dir():
-        raise PathError(f'{storage.describe(flag, path)} does not exist; give {what}.')
-    return path
-  if os.path.exists(path) and not os.path.isdir(path):
+  kind = storage.kind_of(path, flag)
+  if kind == 'file':
     raise PathError(f'{storage.describe(flag, path)} is a file; give {what}.')
-  if not os.path.isdir(path):
+  if kind is None:
     raise PathError(f'{storage.describe(flag, path)} does not exist; give {what}.')
   return path
 
@@ -154,14 +116,13 @@ def _check_no_object_above(path: str, flag: str) -> None:
   directory is a file is refused."""
   bucket = storage.bucket_of(path)
   folder = storage.split_path(path)[0]
-  with storage.cloud_errors(path, flag):
-    while len(folder) > len(bucket):
-      if storage.as_epath(folder).is_file():
-        raise PathError(
-            f'{storage.describe(flag, path)}: its directory {folder} is an object, not a '
-            'directory; choose another path.'
-        )
-      folder = storage.split_path(folder)[0]
+  while len(folder) > len(bucket):
+    if storage.kind_of(folder, flag) == 'file':
+      raise PathError(
+          f'{storage.describe(flag, path)}: its directory {folder} is an object, not a '
+          'directory; choose another path.'
+      )
+    folder = storage.split_path(folder)[0]
 
 
 def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str:
@@ -179,12 +140,11 @@ def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str
   """
   check_scheme(path, flag)
   if storage.is_remote(path):
-    with storage.cloud_errors(path, flag):
-      if storage.as_epath(path).is_dir():
-        raise PathError(f'{storage.describe(flag, path)} is a directory; give a file name.')
+    if storage.kind_of(path, flag) == 'directory':
+      raise PathError(f'{storage.describe(flag, path)} is a directory; give a file name.')
     _check_no_object_above(path, flag)
     check_not_input(path, flag, inputs or {})
-    _probe(storage.split_path(path)[0], flag, path)
+    storage.probe_writable(storage.split_path(path)[0], flag, path)
     storage.clean_directory(storage.split_path(path)[0])
     return path
   if os.path.isdir(path):
@@ -197,7 +157,7 @@ def check_output_file(path: str, flag: str, inputs: Inputs | None = None) -> str
         f'first (mkdir -p {directory}) or choose another path.'
     )
   check_not_input(path, flag, inputs or {})
-  _probe(directory, flag, path)
+  storage.probe_writable(directory, flag, path)
   storage.clean_directory(directory)
   return path
 
@@ -217,12 +177,11 @@ def check_output_directory(
   """
   check_scheme(path, flag)
   if storage.is_remote(path):
-    with storage.cloud_errors(path, flag):
-      if storage.as_epath(path).is_file():
-        raise PathError(f'{storage.describe(flag, path)} is a file; give a directory.')
+    if storage.kind_of(path, flag) == 'file':
+      raise PathError(f'{storage.describe(flag, path)} is a file; give a directory.')
     _check_no_object_above(storage.resolve(path), flag)
     check_not_input(path, flag, inputs or {})
-    _probe(storage.resolve(path), flag, path)
+    storage.probe_writable(storage.resolve(path), flag, path)
     storage.clean_directory(storage.resolve(path))
     return path
   if os.path.exists(path) and not os.path.isdir(path):
@@ -239,7 +198,7 @@ def check_output_directory(
           'choose another path.'
       )
     existing = parent
-  _probe(existing, flag, path)
+  storage.probe_writable(existing, flag, path)
   if create:
     try:
       os.makedirs(path, exist_ok=True)

@@ -47,6 +47,7 @@ import time
 from typing import Any, IO
 import uuid
 
+from transformer_jax.errors import from_os_error
 from transformer_jax.errors import OutputExistsError
 from transformer_jax.errors import PathError
 
@@ -285,6 +286,41 @@ def is_directory(path: str, flag: str = 'the path') -> bool:
     with cloud_errors(path, flag):
       return as_epath(path).is_dir()
   return os.path.isdir(path)
+
+
+def kind_of(path: str, flag: str = 'the path') -> str | None:
+  """'file', 'directory' or None (nothing there) for a local or gs:// path. On Cloud Storage
+  a directory is any object below the prefix; an object and a prefix of the same name (which
+  Cloud Storage allows) read as a file."""
+  if is_remote(path):
+    with cloud_errors(path, flag):
+      target = as_epath(path)
+      return 'file' if target.is_file() else 'directory' if target.is_dir() else None
+  return 'directory' if os.path.isdir(path) else 'file' if os.path.exists(path) else None
+
+
+def probe_writable(directory: str, flag: str, path: str) -> None:
+  """Creates and removes a file in `directory`: the one test of writability that holds for
+  root, ACLs and read-only mounts alike (and, on Cloud Storage, for a missing bucket, which
+  `mkdir` there would not notice)."""
+  if is_remote(directory):
+    probe = temporary_path(posixpath.join(directory, 'write-probe'))
+    with cloud_errors(path, flag):
+      as_epath(probe).write_bytes(b'')
+      as_epath(probe).unlink()
+    return
+  probe = temporary_path(os.path.join(directory, 'write-probe'))
+  try:
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    os.close(fd)
+    os.remove(probe)
+  except OSError as e:
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+      raise from_os_error(e) from None
+    raise PathError(
+        f'{describe(flag, path)}: cannot create files in {directory} ({e.strerror}); '
+        'choose a directory you can write to.'
+    ) from None
 
 
 @contextlib.contextmanager
