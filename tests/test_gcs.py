@@ -569,6 +569,79 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bu
   assert sorted(expected) == list(range(1, STEPS + 1))
 
 
+def test_a_short_outage_is_ridden_out_and_a_long_one_stops_in_one_paragraph(tmp_path):
+  """train.py on a bucket whose server goes down (--storage_timeout_seconds=15). Down for 4 s
+  after checkpoint 5, restarted on its port over the same objects: the run goes on to save
+  checkpoint 10. Down for good while it saves checkpoint 10: the run stops with exit code 2
+  within the bound and some seconds, with one paragraph naming the bucket and the wait,
+  nothing after it. The server back, the same command resumes from the last complete
+  checkpoint and ends bitwise equal to an uninterrupted run."""
+  config, reference = train_testlib.config_and_reference(
+      tmp_path, num_train_steps=STEPS, checkpoint_every_steps=5, keep_checkpoints=2
+  )
+  root = str(tmp_path / 'objects')
+  os.makedirs(root)
+  server = gcs_testlib.start(root=root)  # Its own: killed and restarted here.
+  try:
+    run = f'{server.create_bucket()}/run'
+    env = dict(train_testlib.subprocess_env(), **gcs_testlib.environment(server.url))
+    env['TRANSFORMER_JAX_CACHE'] = str(tmp_path / 'cache')
+    bound = 15
+    first = subprocess.Popen(
+        train_testlib.train_command(
+            config, run, '--config.num_train_steps=100000', f'--storage_timeout_seconds={bound}'
+        ),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    for line in first.stderr:
+      if 'Saving checkpoint 5 ' in line:
+        break
+    server.stop()  # While it trains (every step's metrics row waits for the bucket).
+    time.sleep(4)
+    server.restart(root)
+    for line in first.stderr:
+      if 'Saving checkpoint 10 ' in line:
+        break
+    assert first.poll() is None  # Ridden out.
+    first.send_signal(signal.SIGSTOP)  # No further than STEPS while the server goes down.
+    server.stop()
+    began = time.time()
+    first.send_signal(signal.SIGCONT)
+    rest = first.stderr.read()
+    assert first.wait(timeout=bound + 120) == 2, rest[-3000:]
+    assert time.time() - began < bound + 45, rest[-3000:]
+    last = rest.strip().splitlines()[-1]
+    assert 'error: Cloud Storage did not answer for' in last, rest[-3000:]
+    assert run.split('/')[2] in last and f'--storage_timeout_seconds={bound}' in last, last
+    assert 'Traceback' not in rest and 'RuntimeWarning' not in rest, rest[-3000:]
+
+    server.restart(root)
+    final = subprocess.run(
+        train_testlib.train_command(config, run), env=env, capture_output=True, text=True
+    )
+    assert final.returncode == 0, final.stderr[-3000:]
+    assert 'Resumed from the checkpoint at step' in final.stderr, final.stderr[-3000:]
+    # Compared in a process whose clients talk to this server (this one's talk to the
+    # session's).
+    compare = (
+        'import jax, numpy as np, sys\n'
+        'from transformer_jax import checkpointing\n'
+        'ours, step = checkpointing.restore_params(sys.argv[1])\n'
+        'theirs, _ = checkpointing.restore_params(sys.argv[2])\n'
+        f'assert step == {STEPS}, step\n'
+        'jax.tree.map(np.testing.assert_array_equal, ours, theirs)\n'
+    )
+    same = subprocess.run(
+        [sys.executable, '-c', compare, run, reference], env=env, capture_output=True, text=True
+    )
+    assert same.returncode == 0, same.stderr[-3000:]
+  finally:
+    server.stop()
+
+
 def test_two_processes_train_on_one_bucket_as_one_process_does(
     bucket, multihost_config, multihost_reference, tmp_path
 ):

@@ -5,6 +5,7 @@ refused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -241,6 +242,38 @@ def test_a_line_log_keeps_the_lines_asked_for_and_appends_after_them(tmp_path):
   log.append('{"step": 3}\n')
   assert path.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
   assert sorted(os.listdir(tmp_path)) == ['metrics.jsonl']  # No temporary left.
+
+
+def test_a_wait_on_a_bucket_past_the_bound_stops_and_a_retried_one_counts_from_its_first_failure(
+    tmp_path,
+):
+  stops = []
+  storage.limit_waits(0.5, stops.append)
+  try:
+    with storage.waiting(str(tmp_path), 'writing locally'):  # A local disk: not bounded.
+      time.sleep(0.8)
+    with storage.waiting('gs://bkt/run/x', 'doing one thing'):  # Within the bound.
+      time.sleep(0.1)
+    time.sleep(0.6)
+    assert stops == []
+    with storage.waiting('gs://bkt/run/x', 'writing gs://bkt/run/x'):
+      time.sleep(1.2)
+    assert len(stops) == 1, stops
+    assert 'while writing gs://bkt/run/x: gs://bkt is unreachable' in stops[0]
+    assert '--storage_timeout_seconds=0.5' in stops[0]
+    # A heartbeat that fails, again and again, each attempt shorter than the bound.
+    for _ in range(5):
+      with contextlib.suppress(OSError):
+        with storage.waiting('gs://other/lock', 'renewing the lock', key='lock'):
+          time.sleep(0.15)
+          raise OSError('unreachable')
+    assert len(stops) == 2 and 'while renewing the lock: gs://other' in stops[1], stops
+    for _ in range(5):  # Each success clears it: never stopped.
+      with storage.waiting('gs://other/lock', 'renewing the lock', key='lock'):
+        time.sleep(0.15)
+    assert len(stops) == 2
+  finally:
+    storage.limit_waits(None, stops.append)
 
 
 # --- The lock. ---

@@ -275,16 +275,16 @@ class Checkpointer:
     """
     self.directory = storage.resolve(workdir) + '/' + CHECKPOINT_DIR
     self._bytes = 0  # Of the last checkpoint's arrays.
-    self._manager = ocp.CheckpointManager(
-        self.directory,
-        options=_options(
-            save_every=save_every,
-            final_step=final_step,
-            keep=keep,
-            keep_period=keep_period,
-            best_metric=best_metric,
-            keep_best=keep_best,
-        ),
+    options = _options(
+        save_every=save_every,
+        final_step=final_step,
+        keep=keep,
+        keep_period=keep_period,
+        best_metric=best_metric,
+        keep_best=keep_best,
+    )
+    self._manager = _Bounded(
+        self.directory, lambda: ocp.CheckpointManager(self.directory, options=options)
     )
 
   def latest_step(self) -> int | None:
@@ -458,7 +458,7 @@ def _listed(list_steps: Callable[[], Any]) -> Any:
   return list_steps()
 
 
-def _reader(workdir: str) -> ocp.CheckpointManager:
+def _reader(workdir: str) -> '_Bounded':
   directory = storage.resolve(workdir) + '/' + CHECKPOINT_DIR
   if not storage.is_directory(directory):
     raise CheckpointNotFoundError(
@@ -466,7 +466,47 @@ def _reader(workdir: str) -> ocp.CheckpointManager:
         'checkpoints; pass the --workdir of a training run.'
     )
   options = _options(save_every=1, final_step=0, keep=0, keep_period=0, read_only=True)
-  return _listed(lambda: ocp.CheckpointManager(directory, options=options))
+  make = lambda: ocp.CheckpointManager(directory, options=options)
+  return _Bounded(directory, lambda: _listed(make))
+
+
+class _Bounded:
+  """An orbax `CheckpointManager` of `directory` whose every call (and its creation, which
+  lists the steps) is a wait on storage, bounded on Cloud Storage (`storage.waiting`): orbax
+  and TensorStore retry a lost bucket for many minutes on their own."""
+
+  def __init__(self, directory: str, make: Callable[[], ocp.CheckpointManager]):
+    self._directory = directory
+    with storage.waiting(directory, f'opening the checkpoints {directory}'):
+      self._manager = make()
+
+  def __getattr__(self, name: str) -> Any:
+    attribute = getattr(self._manager, name)
+    if not callable(attribute):
+      return attribute
+    what = _DOING.get(name, 'reading the checkpoints')
+
+    def bounded(*args, **kwargs):
+      step = f' {args[0]}' if args and isinstance(args[0], int) else ''
+      with storage.waiting(self._directory, f'{what}{step} in {self._directory}'):
+        return attribute(*args, **kwargs)
+
+    return bounded
+
+  def __enter__(self) -> '_Bounded':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+_DOING = {
+    'save': 'saving checkpoint',
+    'wait_until_finished': 'finishing a checkpoint',
+    'restore': 'restoring checkpoint',
+    'close': 'finishing a checkpoint',
+    'reload': 'listing the checkpoints',
+}
 
 
 def list_steps(workdir: str) -> list[int]:
@@ -629,7 +669,7 @@ def write_params_checkpoint(workdir: str, step: int, params: Any, meta: dict[str
         f'{directory}/{step} already exists; choose another output directory or remove it.'
     )
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
-  with ocp.CheckpointManager(directory, options=options) as manager:
+  with _Bounded(directory, lambda: ocp.CheckpointManager(directory, options=options)) as manager:
     manager.save(
         step,
         args=ocp.args.Composite(

@@ -10,8 +10,9 @@ average_checkpoints, compile) share.
   checkpoint and the search, defined once so the two commands agree.
 (Text lines in and out, the same for evaluation and translation: `line_io`.)
 
-Importing this module defines `--verbose` and nothing else; JAX is imported only when a
-command needs it, so flag errors come back at once.
+Importing this module defines `--verbose` and `--storage_timeout_seconds` (every command
+waits on Cloud Storage for at most that long: `storage.limit_waits`) and nothing else; JAX
+is imported only when a command needs it, so flag errors come back at once.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ from transformer_jax.config import LENGTH_PENALTY_FORMS
 
 VERBOSE = flags.DEFINE_bool(
     'verbose', False, 'On an error, print the traceback as well as the message.'
+)
+STORAGE_TIMEOUT = flags.DEFINE_float(
+    'storage_timeout_seconds',
+    300.0,
+    'On Cloud Storage (gs://), how long any read, write or checkpoint may wait for the '
+    'bucket to answer before the command stops with exit code 2 (shorter outages are '
+    'ridden out).',
 )
 
 
@@ -180,7 +188,12 @@ def run(main: Callable[[list[str]], Any]) -> None:
   def guarded(argv: list[str]) -> None:
     if len(argv) > 1:
       fail(f'unexpected arguments {argv[1:]}; every option is a --flag.')
+    if not STORAGE_TIMEOUT.value > 0:
+      fail(f'--storage_timeout_seconds={STORAGE_TIMEOUT.value:g} must be positive.')
     from transformer_jax import checkpointing  # Not for --help: orbax loads slowly.
+    from transformer_jax import storage
+
+    storage.limit_waits(STORAGE_TIMEOUT.value, fail_now)
 
     logging.get_absl_handler().addFilter(
         functools.partial(checkpointing.quiet_orbax, verbose=VERBOSE.value)

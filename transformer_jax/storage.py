@@ -43,6 +43,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
 from typing import Any, IO
 import uuid
@@ -204,6 +205,73 @@ def bucket_of(path: str) -> str:
   return 'gs://' + path[len('gs://') :].split('/', 1)[0]
 
 
+# --- One bound for every wait on Cloud Storage. ---
+
+_limit: dict[str, Any] = {'seconds': None, 'stop': None}
+_waits: dict[Any, tuple[float, str, str]] = {}  # A token: (since, path, what).
+_waits_lock = threading.Lock()
+_watchdog: list[threading.Thread] = []
+
+
+def limit_waits(seconds: float | None, stop: Callable[[str], Any]) -> None:
+  """Bounds every wait on Cloud Storage in this process (`waiting`): one still waiting after
+  `seconds`, or a repeated one (the lock's heartbeat) failing for that long since it last
+  succeeded, calls `stop(message)` from a watchdog thread; the commands print the message
+  and exit 2 at once (`cli.fail_now`). Shorter outages are ridden out by the clients'
+  retries. None: no bound."""
+  _limit.update(seconds=seconds, stop=stop)
+
+
+@contextlib.contextmanager
+def waiting(path: str, what: str, *, key: str | None = None) -> Iterator[None]:
+  """Counts the block as a wait on the Cloud Storage of `path`, doing `what` (words such as
+  'saving checkpoint 60'), against the bound of `limit_waits`. With `key`, a failed block
+  leaves its start in place, so that the next block of that key (a retry) is bounded from
+  the first failure; a block that succeeds clears it. Local paths are not bounded."""
+  if not is_remote(path) or _limit['seconds'] is None:
+    yield
+    return
+  token = key if key is not None else object()
+  with _waits_lock:
+    since = _waits[token][0] if token in _waits else time.monotonic()
+    _waits[token] = (since, path, what)
+    if not _watchdog:
+      _watchdog.append(threading.Thread(target=_watch, name='storage-watchdog', daemon=True))
+      _watchdog[0].start()
+  done = False
+  try:
+    yield
+    done = True
+  finally:
+    if key is None or done:
+      with _waits_lock:
+        _waits.pop(token, None)
+
+
+def _watch() -> None:
+  while True:
+    seconds = _limit['seconds']
+    time.sleep(max(0.1, min(2.0, (seconds or 10.0) / 20)))
+    if seconds is None:
+      continue
+    with _waits_lock:
+      late = [
+          (token, wait) for token, wait in _waits.items() if time.monotonic() - wait[0] >= seconds
+      ]
+      late.sort(key=lambda item: item[1][0])  # The oldest first.
+      for token, _ in late:
+        del _waits[token]  # Reported once (the commands' `stop` does not return).
+    for _, (since, path, what) in late[:1]:
+      bucket = bucket_of(path)
+      _limit['stop'](
+          f'Cloud Storage did not answer for {time.monotonic() - since:.0f} s while {what}: '
+          f'{bucket} is unreachable or failing, and waits on it end after '
+          f'--storage_timeout_seconds={seconds:g}. Nothing unfinished is read back: once '
+          f'{bucket} answers again, rerun the same command (training resumes from its last '
+          'complete checkpoint).'
+      )
+
+
 def cloud_error(error: BaseException, path: str, flag: str = 'the path') -> PathError:
   """The `PathError` for a failure of Cloud Storage at `path`: one paragraph naming the bucket
   and the fix."""
@@ -238,9 +306,11 @@ def cloud_error(error: BaseException, path: str, flag: str = 'the path') -> Path
 
 @contextlib.contextmanager
 def cloud_errors(path: str, flag: str = 'the path') -> Iterator[None]:
-  """Turns a Cloud Storage failure at `path` into `cloud_error`'s `PathError`."""
+  """Turns a Cloud Storage failure at `path` into `cloud_error`'s `PathError`; the block is
+  a wait on Cloud Storage (`waiting`), bounded by `limit_waits`."""
   try:
-    yield
+    with waiting(path, f'using {describe(flag, path)}'):
+      yield
   except (PathError, OutputExistsError):
     raise
   except Exception as e:  # gcsfs, aiohttp and auth raise many.

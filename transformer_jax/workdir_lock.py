@@ -231,7 +231,10 @@ class WorkdirLock:
           pass
         continue
       try:
-        if not self._write(self._record(), self._generation):
+        # Bounded from the first failed heartbeat, not from each retry (storage.waiting).
+        with storage.waiting(self.path, f'renewing the lock {self.path}', key=self.path):
+          written = self._write(self._record(), self._generation)
+        if not written:
           logging.error(
               'Lost the lock %s: another job took it over (no heartbeat reached it '
               'for %.0f s?); stop one of them.',
