@@ -4,19 +4,21 @@ traceback, never "damaged"."""
 
 from __future__ import annotations
 
-import os
 import threading
+import time
 
 import numpy as np
 import orbax.checkpoint as ocp
 
 from transformer_jax import checkpointing
+from transformer_jax import storage
 from transformer_jax.errors import CheckpointGoneError
 
 
-def test_readers_beside_rotation_take_what_exists_or_say_it_was_rotated(tmp_path):
-  workdir = str(tmp_path)
-  directory = os.path.join(workdir, checkpointing.CHECKPOINT_DIR)
+def read_beside_rotation(workdir: str, reads: int = 60) -> None:
+  """Reads the latest checkpoint's meta and parameters and lists the steps `reads` times
+  beside a writer that saves every step and keeps 2 (local or gs://)."""
+  directory = f'{workdir}/{checkpointing.CHECKPOINT_DIR}'
   meta = {'config': {}, 'vocab_size': 8, 'tokenizer': {}}
   stop = threading.Event()
 
@@ -36,11 +38,11 @@ def test_readers_beside_rotation_take_what_exists_or_say_it_was_rotated(tmp_path
 
   writer = threading.Thread(target=train, daemon=True)
   writer.start()
-  while not os.path.isdir(os.path.join(directory, '2')):
-    pass
+  while not storage.is_directory(f'{directory}/2'):
+    time.sleep(0.01)
   read, rotated, wrong = 0, 0, []
   try:
-    for _ in range(60):
+    for _ in range(reads):
       try:
         got, step = checkpointing.read_meta(workdir)
         assert got['step'] == step
@@ -57,3 +59,7 @@ def test_readers_beside_rotation_take_what_exists_or_say_it_was_rotated(tmp_path
     writer.join()
   assert not wrong, wrong
   assert read > 0, (read, rotated)
+
+
+def test_readers_beside_rotation_take_what_exists_or_say_it_was_rotated(tmp_path):
+  read_beside_rotation(str(tmp_path))

@@ -24,6 +24,7 @@ import pytest
 
 import gcs_testlib
 import test_bible_corpus
+import test_checkpointing
 from test_translator import TRAIN_STEPS
 import train_testlib
 from transformer_jax import paths
@@ -491,6 +492,12 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
   checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2).close()
   names = sorted(p.name for p in epath.Path(f'{bucket}/run/checkpoints').iterdir())
   assert names == ['1', '2.damaged']
+
+
+def test_readers_beside_rotation_on_a_bucket_take_what_exists_or_say_it_was_rotated(bucket):
+  """test_checkpointing's readers beside a writer that keeps 2, on a bucket (issue 47 saw
+  orbax's listing fail there with a traceback)."""
+  test_checkpointing.read_beside_rotation(f'{bucket}/run', reads=8)
 
 
 # --- Training on a bucket. ---
