@@ -505,6 +505,18 @@ def test_readers_beside_rotation_on_a_bucket_take_what_exists_or_say_it_was_rota
 STEPS = 30  # More than the first run reaches: it is stopped at its third checkpoint.
 
 
+@pytest.fixture(scope='module')
+def config_and_reference(tmp_path_factory) -> tuple[str, str]:
+  """A config of STEPS steps, a checkpoint every 5 and 2 kept, and its uninterrupted local
+  run (what an interrupted run on a bucket must end equal to)."""
+  return train_testlib.config_and_reference(
+      tmp_path_factory.mktemp('reference'),
+      num_train_steps=STEPS,
+      checkpoint_every_steps=5,
+      keep_checkpoints=2,
+  )
+
+
 def _train(config_path: str, workdir: str, cache: str, *flags: str) -> subprocess.Popen:
   env = train_testlib.subprocess_env()
   env['TRANSFORMER_JAX_CACHE'] = cache  # This "host's" local copies of vocabulary and ids.
@@ -518,7 +530,9 @@ def _train(config_path: str, workdir: str, cache: str, *flags: str) -> subproces
   )
 
 
-def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bucket, tmp_path):
+def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(
+    bucket, config_and_reference, tmp_path
+):
   """train.py --workdir=gs://...: frozen (SIGSTOP) as it saves its third checkpoint, killed
   with SIGKILL once a second job has been refused, then rerun as if on another host (an empty
   local cache): it takes over the dead job's lock, downloads the vocabulary and token ids
@@ -530,9 +544,7 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bu
 
   from transformer_jax import checkpointing
 
-  config, reference = train_testlib.config_and_reference(
-      tmp_path, num_train_steps=STEPS, checkpoint_every_steps=5, keep_checkpoints=2
-  )
+  config, reference = config_and_reference
 
   run = f'{bucket}/run'
   # Long enough to be killed (num_train_steps may change on resume; nothing else depends
@@ -576,16 +588,16 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(bu
   assert sorted(expected) == list(range(1, STEPS + 1))
 
 
-def test_a_short_outage_is_ridden_out_and_a_long_one_stops_in_one_paragraph(tmp_path):
+def test_a_short_outage_is_ridden_out_and_a_long_one_stops_in_one_paragraph(
+    config_and_reference, tmp_path
+):
   """train.py on a bucket whose server goes down (--storage_timeout_seconds=15). Down for 4 s
   after checkpoint 5, restarted on its port over the same objects: the run goes on to save
   checkpoint 10. Down for good while it saves checkpoint 10: the run stops with exit code 2
   within the bound and some seconds, with one paragraph naming the bucket and the wait,
   nothing after it. The server back, the same command resumes from the last complete
   checkpoint and ends bitwise equal to an uninterrupted run."""
-  config, reference = train_testlib.config_and_reference(
-      tmp_path, num_train_steps=STEPS, checkpoint_every_steps=5, keep_checkpoints=2
-  )
+  config, reference = config_and_reference
   root = str(tmp_path / 'objects')
   os.makedirs(root)
   server = gcs_testlib.start(root=root)  # Its own: killed and restarted here.
