@@ -7,7 +7,6 @@ import fcntl
 import os
 import pathlib
 
-import jax
 import pytest
 
 # Before anything compiles: LLVM's optimization off for every program the tests compile, in
@@ -19,8 +18,6 @@ os.environ['XLA_FLAGS'] = ' '.join(
     [*os.environ.get('XLA_FLAGS', '').split(), '--xla_backend_optimization_level=0']
 )
 
-from test_translator import build_test_run  # noqa: E402
-import train_testlib  # noqa: E402 (after XLA_FLAGS)
 
 # Fixtures that start a service or train a model: a test that uses one is slow (pytest.ini).
 SLOW_FIXTURES = frozenset(
@@ -48,6 +45,10 @@ def pytest_configure(config):
   the change touched, and parallel workers (`-n`) share what the other compiled. Programs
   are keyed by their HLO and compile options, so a changed program is never read back.
   Commands the tests run in subprocesses compile on their own."""
+  if getattr(config.option, 'dist', 'no') != 'no' and not hasattr(config, 'workerinput'):
+    return  # xdist's controller, which runs no test: it starts the workers without JAX.
+  import jax
+
   cache = getattr(config, 'cache', None)  # None under -p no:cacheprovider.
   if cache is not None and jax.config.jax_compilation_cache_dir is None:
     jax.config.update('jax_compilation_cache_dir', str(cache.mkdir('jax_compilation_cache')))
@@ -120,6 +121,8 @@ def made_once(tmp_path_factory, name: str):
 @pytest.fixture(scope='session')
 def run_dir(tmp_path_factory) -> str:
   """The work directory of the tiny trained translation model (trained once a run)."""
+  from test_translator import build_test_run
+
   with made_once(tmp_path_factory, 'translator_test_run') as root:
     return build_test_run(str(root))
 
@@ -128,6 +131,8 @@ def run_dir(tmp_path_factory) -> str:
 def multihost_config(tmp_path_factory) -> str:
   """The config file of the multi-process tests (test_multihost, test_launchers, test_gcs):
   8 steps, a checkpoint every 4."""
+  import train_testlib
+
   with made_once(tmp_path_factory, 'multihost') as directory:
     path = directory / 'config.py'
     if not path.exists():
@@ -139,6 +144,8 @@ def multihost_config(tmp_path_factory) -> str:
 def multihost_reference(multihost_config, tmp_path_factory) -> str:
   """The work directory of `multihost_config` trained by one process with 8 devices: what a
   job of several processes must reproduce (trained once a run)."""
+  import train_testlib
+
   with made_once(tmp_path_factory, 'one_process') as directory:
     workdir, done_marker = directory / 'run', directory / 'DONE'
     if not done_marker.exists():

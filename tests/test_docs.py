@@ -97,17 +97,9 @@ def test_every_config_field_the_docs_name_exists(doc):
 @functools.lru_cache(maxsize=None)
 def _flags_of(command: str) -> frozenset[str]:
   """The flags `command`.py takes (its own, the shared ones and absl's)."""
-  result = subprocess.run(
-      [
-          sys.executable,
-          '-c',
-          f'import transformer_jax.commands.{command}\n'
-          'from absl import flags\nprint("\\n".join(flags.FLAGS))',
-      ],
-      cwd=REPO,
+  result = train_testlib.run_command(
+      [sys.executable, os.path.join('tests', 'flag_names.py'), command],
       env=train_testlib.subprocess_env(),
-      capture_output=True,
-      text=True,
       timeout=120,
   )
   assert result.returncode == 0, result.stderr[-2000:]

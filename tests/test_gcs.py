@@ -19,7 +19,6 @@ import time
 from typing import Any
 
 from etils import epath
-import gcsfs
 import pytest
 
 import gcs_testlib
@@ -36,6 +35,13 @@ from transformer_jax.errors import PathError
 pytestmark = pytest.mark.slow  # a Cloud Storage server; commands and training through subprocesses.
 
 REPO = train_testlib.REPO
+
+
+def _client():
+  """A gcsfs client of the test server (imported here: a second that only slow tests need)."""
+  import gcsfs
+
+  return gcsfs.GCSFileSystem()
 
 
 def _command(
@@ -126,7 +132,7 @@ def test_commands_read_a_run_and_write_their_results_on_a_bucket(run_dir, bucket
   """A run uploaded to a bucket: translate.py, evaluate.py and average_checkpoints.py read
   it there, with their inputs and outputs there too."""
   root = os.path.dirname(run_dir)
-  fs = gcsfs.GCSFileSystem()
+  fs = _client()
   fs.put(run_dir, f'{bucket}/run', recursive=True)
   for name in ('test.en', 'test.de'):
     fs.put(os.path.join(root, name), f'{bucket}/data/{name}')
@@ -273,7 +279,7 @@ def test_text_files_a_vocabulary_and_init_from_on_a_bucket(bucket, tmp_path):
   locally and uploaded), then a fine-tuning run with --config.init_from=gs://... on another
   "host" that downloads that vocabulary instead of training one; prepare_data.py publishes
   a work directory's vocabulary and token ids to a bucket."""
-  fs = gcsfs.GCSFileSystem()
+  fs = _client()
   files = {}
   for split, spec in train_testlib.write_parallel_text(str(tmp_path)).items():
     remote = []
@@ -344,7 +350,7 @@ def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeyp
   monkeypatch.setenv('TRANSFORMER_JAX_CACHE', str(tmp_path / 'host_a'))
   built = data_sources.open_split(config, 'test')
   assert len(built) == 1378
-  objects = gcsfs.GCSFileSystem().find(f'{bucket}/tfds', detail=True)
+  objects = _client().find(f'{bucket}/tfds', detail=True)
   by_generation = sorted(objects, key=lambda name: int(objects[name]['generation']))
   assert by_generation[-1].endswith('/dataset_info.json'), by_generation
   assert any('.array_record' in name for name in objects)
