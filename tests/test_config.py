@@ -163,6 +163,7 @@ def test_a_saved_config_gets_legacy_values_and_todays_defaults_for_missing_field
         ('nonfinite', 'ignore', 'nonfinite'),
         ('max_skipped_steps_in_a_row', -1, 'max_skipped_steps_in_a_row'),
         ('beam_size', 0, 'beam_size'),
+        ('no_repeat_ngram_size', -1, r'no_repeat_ngram_size=-1 must be an int >= 0 \(0 turns'),
         ('warmup_steps', 0, 'warmup_steps'),
         ('profile_steps', '5:3', "profile_steps='5:3' must be 'A:B'"),
         ('profile_steps', '10', "profile_steps='10' must be 'A:B'"),

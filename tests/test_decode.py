@@ -292,8 +292,15 @@ def test_argmax_of_rows_is_jnp_argmax_first_index_on_ties(n):
   assert got.dtype == jnp.int32
 
 
-def reference_beam_search_np(model, source, beam_size, max_len, alpha):
-  """The documented beam search for one row, in numpy float64, over every candidate at once.
+def repeats_an_ngram(tokens, n: int) -> bool:
+  """Whether some n-gram occurs twice in `tokens` (a direct count)."""
+  grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+  return len(grams) != len(set(grams))
+
+
+def reference_beam_search_np(model, source, beam_size, max_len, alpha, no_repeat=0):
+  """The documented beam search for one row, in numpy float64, over every candidate at once
+  (with `no_repeat`, only the candidates whose output repeats no n-gram of that size).
 
   Returns the `beam_size` (output, score) pairs, finished ones first, and the smallest gap
   between the last candidate kept at a step and the first one dropped (a near-tie there
@@ -306,10 +313,13 @@ def reference_beam_search_np(model, source, beam_size, max_len, alpha):
       logits = model.step_logits_np(list(seq), source)[-1]
       log_probs = logits - logits.max() - np.log(np.sum(np.exp(logits - logits.max())))
       candidates += [
-          (log_prob + log_probs[t], seq + (t,)) for t in range(model.vocab_size) if t != PAD_ID
+          (log_prob + log_probs[t], seq + (t,))
+          for t in range(model.vocab_size)
+          if t != PAD_ID and not (no_repeat and repeats_an_ngram(seq[1:] + (t,), no_repeat))
       ]
     candidates.sort(key=lambda c: -c[0])
-    gap = min(gap, candidates[2 * beam_size - 1][0] - candidates[2 * beam_size][0])
+    if len(candidates) > 2 * beam_size:
+      gap = min(gap, candidates[2 * beam_size - 1][0] - candidates[2 * beam_size][0])
     top = candidates[: 2 * beam_size]
     finished += [
         (seq[1:], log_prob / lp_np(step + 1, alpha, 'gnmt'))
@@ -338,6 +348,75 @@ def test_beam_search_over_a_vocabulary_wider_than_two_beams_matches_the_referenc
     np.testing.assert_allclose(scores[row], [score for _, score in expected], rtol=1e-4)
     finished_rows += expected[0][0][-1] == EOS_ID
   assert finished_rows  # Finished hypotheses are ranked too, not only truncated ones.
+
+
+@pytest.mark.parametrize('n', [1, 2, 3, 4])
+def test_banned_tokens_are_those_that_would_repeat_an_ngram(n):
+  rng = np.random.default_rng(n)
+  rows, positions, vocab = 6, 12, 5
+  history = rng.integers(0, vocab, size=(rows, positions)).astype(np.int32)
+  logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+  ban = jax.jit(decode.ban_repeated_ngrams, static_argnames='n')
+  for length in range(positions + 1):
+    got = np.asarray(ban(logits, history, jnp.int32(length), n=n))
+    for row in range(rows):
+      tokens = list(history[row, :length])
+      grams = {tuple(tokens[i : i + n]) for i in range(length - n + 1)}
+      banned = {t for t in range(vocab) if length >= n - 1 and tuple((tokens + [t])[-n:]) in grams}
+      assert set(np.flatnonzero(np.isneginf(got[row]))) == banned, (length, row, tokens)
+      kept = [t for t in range(vocab) if t not in banned]
+      np.testing.assert_array_equal(got[row, kept], logits[row, kept])
+
+
+@pytest.mark.parametrize('n', [2, 3])
+def test_beam_search_without_repeated_ngrams_matches_the_reference(n):
+  # A 9-token toy over 12 steps repeats itself unless told not to.
+  model = ToyDecoder(vocab_size=9, seed=2, eos_bias=-1.0)
+  sources = model.sources(3, seed=9)
+  plain, _ = run_beam(model, sources, beam_size=3, max_len=12, early_stopping=False)
+  assert any(repeats_an_ngram(strip(s), n) for s in plain.reshape(-1, 12))
+  sequences, scores = run_beam(
+      model, sources, beam_size=3, max_len=12, early_stopping=False, no_repeat_ngram_size=n
+  )
+  for row in range(3):
+    expected, gap = reference_beam_search_np(model, sources[row], 3, 12, 0.6, no_repeat=n)
+    assert gap > 1e-4  # No near-tie that float32 could break the other way.
+    outputs = [tuple(strip(s)) for s in sequences[row]]
+    assert outputs == [tuple(o) for o, _ in expected]
+    assert not any(repeats_an_ngram(o, n) for o in outputs)
+    # Scores stay the model's log-probabilities, penalised: the ban only removes candidates.
+    np.testing.assert_allclose(scores[row], [score for _, score in expected], rtol=1e-4)
+
+
+@pytest.mark.parametrize('search', ['greedy', 'sample'])
+def test_greedy_and_sampling_repeat_no_ngram_and_report_the_models_log_probs(search):
+  model = ToyDecoder(vocab_size=9, seed=3, eos_bias=-1.0)
+  sources = model.sources(8, seed=9)
+  cache = model.init_cache(sources)
+
+  def run(**options):
+    options = tuple(sorted(dict(options, max_decode_len=12).items()))
+    rng = jax.random.key(0) if search == 'sample' else None
+    return jax.device_get(_search(model.params, cache, rng, search, options))
+
+  plain, _ = run()
+  assert any(repeats_an_ngram(strip(s), 2) for s in plain)
+  sequences, log_probs = run(no_repeat_ngram_size=2)
+  for row in range(8):
+    output = strip(sequences[row])
+    assert not repeats_an_ngram(output, 2), output
+    np.testing.assert_allclose(
+        log_probs[row], model.log_prob_np(output, sources[row]), rtol=1e-4, atol=1e-4
+    )
+    if search == 'greedy':  # Each token the best one the ban leaves.
+      logits = model.step_logits_np([BOS_ID] + output[:-1], sources[row])
+      for t, token in enumerate(output):
+        allowed = [
+            v
+            for v in range(model.vocab_size)
+            if v != PAD_ID and not repeats_an_ngram(output[:t] + [v], 2)
+        ]
+        assert token == max(allowed, key=lambda v: logits[t, v]), (row, t)
 
 
 def _count_steps(model):
@@ -513,6 +592,8 @@ def test_invalid_search_options_are_rejected():
     decode.sample(model.tokens_to_logits, cache, jax.random.key(0), 1, 5, top_p=0.0)
   with pytest.raises(ValueError, match='temperature'):
     decode.sample(model.tokens_to_logits, cache, jax.random.key(0), 1, 5, temperature=-1.0)
+  with pytest.raises(ValueError, match='no_repeat_ngram_size'):
+    decode.beam_search(model.tokens_to_logits, cache, 1, 2, 5, no_repeat_ngram_size=-1)
 
 
 def test_searches_have_no_host_callbacks():

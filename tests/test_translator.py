@@ -31,6 +31,7 @@ from configs import tiny
 from transformer_jax import checkpointing
 from transformer_jax import decode
 from transformer_jax import translator as translator_lib
+from transformer_jax.config import ConfigError
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.config import TransformerConfig
@@ -516,6 +517,25 @@ def test_n_best_lists_the_beam_best_first_with_log_probabilities(loaded, run_dir
   _assert_log_probs_are_the_models(checkpoint, n_best, texts, lists[:-1])
   with pytest.raises(ValueError, match='raise beam_size to at least 4'):
     translator_lib.DecodeOptions(beam_size=3, n_best=4)
+
+
+@pytest.mark.slow
+def test_no_repeat_ngram_size_reaches_the_search_from_the_loaded_run(run_dir):
+  """`load_translator(..., no_repeat_ngram_size=1)`, as translate.py's flag passes it: no
+  output repeats a token, where the run's own setting (0, off) repeats some."""
+  sources, _ = _test_sources(run_dir)
+  outputs = {}
+  for n in (0, 1):
+    translator, _ = translator_lib.load_translator(
+        run_dir, batch_size=4, buckets=(8, 16), no_repeat_ngram_size=n
+    )
+    assert translator.options.no_repeat_ngram_size == n
+    lists, _ = translator.translate_n_best(sources)
+    outputs[n] = [hypotheses[0].tokens for hypotheses in lists]
+  assert not [t for t in outputs[1] if len(set(t)) < len(t)]
+  assert [t for t in outputs[0] if len(set(t)) < len(t)]  # So the option changed something.
+  with pytest.raises(ConfigError, match='no_repeat_ngram_size=-1 must be an int >= 0'):
+    translator_lib.load_translator(run_dir, no_repeat_ngram_size=-1)
 
 
 @pytest.mark.slow

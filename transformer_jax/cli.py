@@ -270,6 +270,7 @@ class CheckpointFlags:
   beam_size: Any
   length_penalty: Any
   length_penalty_form: Any
+  no_repeat_ngram_size: Any
   max_decode_extra_length: Any
   batch_size: Any
   sampling: Any
@@ -330,6 +331,12 @@ def define_checkpoint_flags() -> CheckpointFlags:
           None,
           list(LENGTH_PENALTY_FORMS),
           'gnmt: ((5+|Y|)/6)^alpha; power: |Y|^alpha.',
+      ),
+      no_repeat_ngram_size=flags.DEFINE_integer(
+          'no_repeat_ngram_size',
+          None,
+          'n > 0: no output repeats an n-gram of its own tokens (as fairseq and Hugging '
+          "Face's option of that name); 0: off. Default: the run's config (0 unless set).",
       ),
       max_decode_extra_length=flags.DEFINE_integer(
           'max_decode_extra_length',
@@ -417,6 +424,7 @@ def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
       beam_size=f.beam_size.value,
       length_penalty=f.length_penalty.value,
       length_penalty_form=f.length_penalty_form.value,
+      no_repeat_ngram_size=f.no_repeat_ngram_size.value,
       max_decode_extra_length=f.max_decode_extra_length.value,
       batch_size=f.batch_size.value,
       n_best=n_best,

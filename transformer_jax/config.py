@@ -100,6 +100,7 @@ RESUMABLE_FIELDS = frozenset(
         'beam_size',
         'length_penalty',
         'length_penalty_form',
+        'no_repeat_ngram_size',
         'max_decode_extra_length',
         'decode_batch_size',
         'checkpoints_to_average',
@@ -278,6 +279,9 @@ def base_config() -> ml_collections.ConfigDict:
   c.beam_size = 4  # Beam width of the search (1: greedy).
   c.length_penalty = 0.6  # alpha.
   c.length_penalty_form = 'gnmt'  # 'gnmt': ((5+|Y|)/6)^alpha | 'power': |Y|^alpha.
+  # n > 0: no output repeats an n-gram of its own tokens (fairseq's and Hugging Face's
+  # no_repeat_ngram_size; searches leave out the tokens that would); 0: off, the paper.
+  c.no_repeat_ngram_size = 0
   # Each sentence's output limit = its source length (tokens, EOS included) + this; with
   # learned positions at most max_len (decoding warns about the sentences it cuts).
   c.max_decode_extra_length = 50

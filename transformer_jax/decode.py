@@ -215,6 +215,50 @@ def _row_limits(max_lengths: jax.Array | None, batch_size: int, max_decode_len: 
   return jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len)
 
 
+def _check_no_repeat(no_repeat_ngram_size: int) -> None:
+  if not isinstance(no_repeat_ngram_size, int) or no_repeat_ngram_size < 0:
+    raise ValueError(
+        f'no_repeat_ngram_size={no_repeat_ngram_size!r} must be an int >= 0 (0 turns it off).'
+    )
+
+
+def ban_repeated_ngrams(
+    logits: jax.Array, history: jax.Array, length: jax.Array, n: int
+) -> jax.Array:
+  """Sets to -inf the logit of every token that would repeat an n-gram of the history.
+
+  A row's next token t is banned when its last n - 1 tokens followed by t already occur in
+  it (with n = 1, every token it holds). fairseq's and Hugging Face's
+  `no_repeat_ngram_size`, over the output tokens only (the fed `bos_id` is not part of
+  any n-gram).
+
+  Args:
+    logits: float [rows, vocab], this step's.
+    history: int32 [rows, positions], each row's tokens so far in its first `length`
+      positions (anything after them is ignored).
+    length: int32 [], the tokens each row holds (the same for every row: the step).
+    n: the n-gram size, >= 1.
+
+  Returns:
+    `logits` with the banned tokens at -inf.
+  """
+  rows, positions = history.shape
+  if n > positions:
+    return logits
+  starts = positions - n + 1  # n-grams that fit in the history.
+  # match[r, j]: the n-gram at j is complete (ends before `length`) and its first n - 1
+  # tokens are the row's last n - 1.
+  match = (jnp.arange(starts) + n - 1 < length)[None, :]  # [1, starts]
+  for i in range(n - 1):
+    last = lax.dynamic_index_in_dim(
+        history, jnp.maximum(length - (n - 1) + i, 0), axis=1, keepdims=True
+    )  # [rows, 1]
+    match = match & (history[:, i : i + starts] == last)
+  follows = history[:, n - 1 :]  # [rows, starts]: each n-gram's last token.
+  banned = jnp.zeros(logits.shape, bool).at[jnp.arange(rows)[:, None], follows].max(match)
+  return jnp.where(banned, NEG_INF, logits)
+
+
 # --- Greedy search and sampling. ---
 
 
@@ -240,9 +284,11 @@ def _sampling_loop(
     pad_id: int,
     grow_cache: GrowCache | None = None,
     max_lengths: jax.Array | None = None,
+    no_repeat_ngram_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Decodes one token a row a step with `select(logits [batch, vocab], rng) -> [batch]`."""
   _check_common(batch_size, max_decode_len)
+  _check_no_repeat(no_repeat_ngram_size)
   limits = _row_limits(max_lengths, batch_size, max_decode_len)
   positions = jnp.arange(max_decode_len)[None, :]  # [1, max_decode_len]
 
@@ -253,7 +299,10 @@ def _sampling_loop(
     logits, cache = tokens_to_logits(state.tokens[:, None], state.cache)
     logits = logits.astype(jnp.float32)  # [batch, vocab]
     step_rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
-    token = select(logits.at[:, pad_id].set(NEG_INF), step_rng).astype(jnp.int32)
+    allowed = logits.at[:, pad_id].set(NEG_INF)
+    if no_repeat_ngram_size:
+      allowed = ban_repeated_ngrams(allowed, state.sequences, state.step, no_repeat_ngram_size)
+    token = select(allowed, step_rng).astype(jnp.int32)
     token = jnp.where(state.finished, pad_id, token)  # [batch]
     token_log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=1)[:, 0]
     return _SamplingState(
@@ -289,6 +338,7 @@ def greedy_search(
     pad_id: int = PAD_ID,
     grow_cache: GrowCache | None = None,
     max_lengths: jax.Array | None = None,
+    no_repeat_ngram_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Picks the most probable next token (never `pad_id`) until EOS or `max_decode_len`.
 
@@ -306,6 +356,8 @@ def greedy_search(
     max_lengths: int32 [batch], each row's own limit (at most `max_decode_len`, the size
       of the outputs): a row stops there as if `max_decode_len` were its limit. None: every
       row `max_decode_len`.
+    no_repeat_ngram_size: n > 0: a row never repeats an n-gram of its output (see
+      `ban_repeated_ngrams`); 0: off. The log-probabilities stay the model's.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -324,6 +376,7 @@ def greedy_search(
       pad_id,
       grow_cache,
       max_lengths,
+      no_repeat_ngram_size,
   )
 
 
@@ -366,6 +419,7 @@ def sample(
     pad_id: int = PAD_ID,
     grow_cache: GrowCache | None = None,
     max_lengths: jax.Array | None = None,
+    no_repeat_ngram_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples each next token (never `pad_id`) until EOS or `max_decode_len`.
 
@@ -386,6 +440,7 @@ def sample(
     pad_id: fills rows after their EOS; never sampled.
     grow_cache: see `greedy_search`.
     max_lengths: see `greedy_search`.
+    no_repeat_ngram_size: see `greedy_search`.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -417,6 +472,7 @@ def sample(
       pad_id,
       grow_cache,
       max_lengths,
+      no_repeat_ngram_size,
   )
 
 
@@ -447,6 +503,7 @@ def beam_search(
     pad_id: int = PAD_ID,
     grow_cache: GrowCache | None = None,
     max_lengths: jax.Array | None = None,
+    no_repeat_ngram_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search with a length penalty, as in the paper (beam 4, alpha 0.6).
 
@@ -488,6 +545,9 @@ def beam_search(
     max_lengths: int32 [batch], each row's own limit (at most `max_decode_len`): a row's
       search ends there exactly as a search with that `max_decode_len` would (its state is
       kept while the other rows go on). None: every row `max_decode_len`.
+    no_repeat_ngram_size: n > 0: no hypothesis repeats an n-gram of its tokens (each beam's
+      candidates that would are left out, as in fairseq and Hugging Face; scores stay the
+      model's log-probabilities); 0: off.
 
   Returns:
     sequences: int32 [batch, beam_size, max_decode_len], best first; each the tokens, the
@@ -498,6 +558,7 @@ def beam_search(
       that happens only when a beam is wider than the number of possible sequences.
   """
   _check_common(batch_size, max_decode_len)
+  _check_no_repeat(no_repeat_ngram_size)
   if beam_size < 1:
     raise ValueError(f'beam_size={beam_size} must be >= 1.')
   if length_penalty_form not in LENGTH_PENALTY_FORMS:
@@ -542,7 +603,11 @@ def beam_search(
     shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
     normalizer = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
     per_beam = min(2 * beam_size, vocab_size)
-    beam_top, beam_tokens = top_k_of_rows(shifted.at[:, pad_id].set(NEG_INF), per_beam)
+    allowed = shifted.at[:, pad_id].set(NEG_INF)
+    if no_repeat_ngram_size:  # Each beam's tokens so far: columns 1..step, after bos_id.
+      history = state.alive_seqs[:, :, 1:].reshape(batch_size * beam_size, max_decode_len)
+      allowed = ban_repeated_ngrams(allowed, history, step, no_repeat_ngram_size)
+    beam_top, beam_tokens = top_k_of_rows(allowed, per_beam)
     candidates = state.alive_log_probs[:, :, None] + (beam_top - normalizer).reshape(
         batch_size, beam_size, per_beam
     )  # [batch, beam, per_beam]

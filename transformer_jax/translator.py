@@ -64,6 +64,8 @@ class DecodeOptions:
     beam_size: hypotheses kept per sentence; 1 is greedy search.
     length_penalty: alpha of the length penalty (0: none).
     length_penalty_form: 'gnmt', ((5 + |Y|) / 6)^alpha, or 'power', |Y|^alpha.
+    no_repeat_ngram_size: n > 0: no output repeats an n-gram of its tokens (every search
+      and sampling leave out the tokens that would); 0: off.
     max_decode_extra_length: each sentence's output limit = its source length + this.
     batch_size: sentences decoded together (each takes `beam_size` rows of the search, or
       `n_best` rows when sampling).
@@ -81,6 +83,7 @@ class DecodeOptions:
   beam_size: int = 4
   length_penalty: float = 0.6
   length_penalty_form: str = 'gnmt'
+  no_repeat_ngram_size: int = 0
   max_decode_extra_length: int = 50
   batch_size: int = 32
   buckets: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -108,6 +111,11 @@ class DecodeOptions:
       raise ConfigError(f'top_k={self.top_k!r} must be an int >= 0 (0 keeps every token).')
     if not 0.0 < self.top_p <= 1.0:
       raise ConfigError(f'top_p={self.top_p!r} must be in (0, 1] (1 keeps every token).')
+    if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
+      raise ConfigError(
+          f'no_repeat_ngram_size={self.no_repeat_ngram_size!r} must be an int >= 0 (0 turns '
+          'it off; 3 or 4 keep phrases from repeating).'
+      )
     if not isinstance(self.max_decode_extra_length, int) or self.max_decode_extra_length < 1:
       raise ConfigError(
           f'max_decode_extra_length={self.max_decode_extra_length!r} must be '
@@ -135,6 +143,7 @@ class DecodeOptions:
         beam_size=config.beam_size,
         length_penalty=float(config.length_penalty),
         length_penalty_form=config.length_penalty_form,
+        no_repeat_ngram_size=config.no_repeat_ngram_size,
         max_decode_extra_length=config.max_decode_extra_length,
         batch_size=config.decode_batch_size,
         buckets=tuple(int(b) for b in config.bucket_boundaries),
@@ -321,6 +330,7 @@ def search(
           bos_id=model_config.decoder_start_id,
           grow_cache=grow_cache,
           max_lengths=decode.tile_beams(max_lengths, n),
+          no_repeat_ngram_size=options.no_repeat_ngram_size,
       )
     else:
       sequences, log_probs = decode.greedy_search(
@@ -331,6 +341,7 @@ def search(
           bos_id=model_config.decoder_start_id,
           grow_cache=grow_cache,
           max_lengths=max_lengths,
+          no_repeat_ngram_size=options.no_repeat_ngram_size,
       )
     sequences = sequences.reshape(batch_size, n, max_decode_len)
     log_probs = log_probs.reshape(batch_size, n)
@@ -352,6 +363,7 @@ def search(
       bos_id=model_config.decoder_start_id,
       grow_cache=grow_cache,
       max_lengths=max_lengths,
+      no_repeat_ngram_size=options.no_repeat_ngram_size,
   )
   sequences, scores = sequences[:, : options.n_best], scores[:, : options.n_best]
   return sequences, scores, scores * penalty(sequences)
