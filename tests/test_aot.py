@@ -79,7 +79,14 @@ def _check_kernels(train: dict, stdout: str) -> None:
 @pytest.mark.parametrize(
     'topology,flags,kind,hosts,mesh',
     [
-        ('v5e-8', [], 'TPU v5 lite', 1, {'data': 8, 'fsdp': 1, 'tensor': 1}),
+        # One layer a side: every kind of layer and kernel, half the program to compile.
+        (
+            'v5e-8',
+            ['--config.num_encoder_layers=1', '--config.num_decoder_layers=1'],
+            'TPU v5 lite',
+            1,
+            {'data': 8, 'fsdp': 1, 'tensor': 1},
+        ),
         # Two hosts of 4: the mesh spans both; fsdp adds the parameter all-gathers and the
         # gradient reduce-scatters. The post-norm kernels are Pallas's, compiled by Triton, one
         # each way a sub-layer on each device's rows: one layer a side has every kind of them
