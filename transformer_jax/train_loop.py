@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
@@ -285,18 +286,19 @@ def _train_and_evaluate(
       batches = prefetch.DevicePrefetcher(
           datasets.train, partitioner.shard_batch, config.prefetch_batches
       )
+      tx, schedule = optimizer.create_optimizer(optimizer_config)
+      abstract, shardings = train_steps.abstract_state(model_config, tx, partitioner)
       state = _restore_or_initialize(
           config,
           checkpointer,
           datasets,
           batches,
           model_config,
-          optimizer_config,
+          tx,
+          (abstract, shardings),
           partitioner,
           init_source,
       )
-      tx, schedule = optimizer.create_optimizer(optimizer_config)
-      _, shardings = train_steps.abstract_state(model_config, tx, partitioner)
       step_config = train_steps.StepConfig.from_config(config, model_config)
       train_step = train_steps.jit_train_step(step_config, tx, schedule, partitioner, shardings)
       eval_step = train_steps.jit_eval_step(
@@ -477,14 +479,15 @@ def _restore_or_initialize(
     datasets: input_pipeline.Datasets,
     batches: prefetch.DevicePrefetcher,
     model_config: TransformerConfig,
-    optimizer_config: optimizer.OptimizerConfig,
+    tx: optax.GradientTransformation,
+    abstract_and_shardings: tuple[train_steps.TrainState, train_steps.TrainState],
     partitioner: Partitioner,
     init_source: _InitSource | None = None,
 ) -> train_steps.TrainState:
   """The latest checkpoint's state (after checking its config), or a fresh one: random
-  parameters, or those of `init_source` with a fresh optimizer state and step 0."""
-  tx, _ = optimizer.create_optimizer(optimizer_config)
-  abstract, shardings = train_steps.abstract_state(model_config, tx, partitioner)
+  parameters, or those of `init_source` with a fresh optimizer state and step 0.
+  `abstract_and_shardings`: `train_steps.abstract_state(model_config, tx, partitioner)`."""
+  abstract, shardings = abstract_and_shardings
   steps = checkpointer.steps()
   if not steps:
     state = train_steps.create_train_state(config.seed, model_config, tx, partitioner, shardings)
