@@ -75,6 +75,7 @@ LONGEST_FIRST = (
     'test_translate_cli',
     'test_train',
     'test_translator',
+    'test_two_hosts',
     'test_decode',
     'test_sharding',
 )

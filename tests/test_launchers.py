@@ -89,17 +89,18 @@ def in_cluster(
   )
 
 
-def recipe(config_path: str, workdir: str, *flags: str, **sbatch: str) -> str:
-  """docs/distributed.md's sbatch script with only its sizes changed: one node of 2 tasks,
-  one per (simulated) device group, so without JAX_LOCAL_DEVICE_IDS (the layout the guide
-  names beside it); the test's config and work directory; `sbatch` replaces #SBATCH values."""
+def recipe(config_path: str, workdir: str, *flags: str, nodes: int = 1, **sbatch: str) -> str:
+  """docs/distributed.md's sbatch script with only its sizes changed: 2 tasks of 4 (simulated)
+  devices, one node of 2 tasks (so without JAX_LOCAL_DEVICE_IDS, the layout the guide names
+  beside it) or, with `nodes=2`, one task on each; the test's config and work directory;
+  `sbatch` replaces #SBATCH values."""
   with open(os.path.join(REPO, 'docs', 'distributed.md')) as f:
     text = f.read()
   start = text.index('    #!/bin/bash\n')
   script = '\n'.join(line[4:] for line in text[start : text.index('\n\n', start)].split('\n'))
   changes = [
-      ('--nodes=4', '--nodes=1'),
-      ('--ntasks-per-node=1', '--ntasks-per-node=2'),
+      ('--nodes=4', f'--nodes={nodes}'),
+      ('--ntasks-per-node=1', f'--ntasks-per-node={2 // nodes}'),
       ('#SBATCH --gpus-per-node=8\n', ''),
       (
           'export JAX_LOCAL_DEVICE_IDS=0,1,2,3,4,5,6,7   # else JAX gives each process '
@@ -123,14 +124,16 @@ def recipe(config_path: str, workdir: str, *flags: str, **sbatch: str) -> str:
 
 
 class Job:
-  """An sbatch job of `script`; its output (both tasks' stderr) goes to `name`.out."""
+  """An sbatch job of `script`; its output (both tasks' stderr) goes to `name`.out. `env`:
+  the cluster's (`job_env` with its LOCAL_SLURM_* variables; default: the one-node one)."""
 
-  def __init__(self, script: str, directory: str, name: str):
+  def __init__(self, script: str, directory: str, name: str, env: dict[str, str] | None = None):
+    self.env = env
     self.out = os.path.join(directory, f'{name}.out')
     path = os.path.join(directory, f'{name}.sbatch')
     with open(path, 'w') as f:
       f.write(script)
-    submitted = in_cluster('sbatch', '--parsable', f'--output={self.out}', path)
+    submitted = in_cluster('sbatch', '--parsable', f'--output={self.out}', path, env=env)
     assert submitted.returncode == 0, submitted.stderr
     self.id = submitted.stdout.strip().split(';')[0]
 
@@ -153,14 +156,14 @@ class Job:
 
   def state(self) -> tuple[str, str]:
     """(JobState, ExitCode) as scontrol shows them."""
-    shown = in_cluster('scontrol', 'show', 'job', self.id).stdout
+    shown = in_cluster('scontrol', 'show', 'job', self.id, env=self.env).stdout
     return (re.search(r'JobState=(\S+)', shown)[1], re.search(r'ExitCode=(\S+)', shown)[1])
 
   def finish(self, timeout: float = 300) -> tuple[str, str]:
     deadline = time.time() + timeout
     while (state := self.state())[0] not in ENDED:
       if time.time() > deadline:
-        in_cluster('scancel', '--signal=KILL', self.id)
+        in_cluster('scancel', '--signal=KILL', self.id, env=self.env)
         raise AssertionError(
             f'job {self.id} still {state} after {timeout}s:\n' + self.log()[-4000:]
         )
@@ -169,7 +172,7 @@ class Job:
 
   def pid_of_task(self, task: int) -> int:
     """The process id of task `task` of the job's step 0 (the srun line)."""
-    listed = in_cluster('scontrol', 'listpids', self.id).stdout
+    listed = in_cluster('scontrol', 'listpids', self.id, env=self.env).stdout
     for row in listed.splitlines()[1:]:
       pid, _, step, _, global_id = row.split()[:5]
       if step == '0' and global_id == str(task):
