@@ -107,48 +107,24 @@ start_munge() {
 
 write_conf() {
   mkdir -p "$dir/state" "$dir/spool"
+  local about controller nodes names
   if two_hosts; then
-    write_two_host_conf
-    return
+    about='start --nodes=2: two hosts of this machine, node1 and node2, joined by a virtual
+# link inside network namespaces; nothing outside can reach them.'
+    controller='node1(10.231.0.1)'
+    nodes='NodeName=node1 NodeAddr=10.231.0.1 CPUs=8 State=UNKNOWN
+NodeName=node2 NodeAddr=10.231.0.2 CPUs=8 State=UNKNOWN'
+    names=node1,node2
+  else
+    about='one node, this machine, reachable only on loopback.'
+    controller='localhost(127.0.0.1)'
+    nodes='NodeName=localhost NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN'
+    names=localhost
   fi
   cat >"$conf" <<EOF
-# Written by scripts/local_slurm.sh: one node, this machine, reachable only on loopback.
+# Written by scripts/local_slurm.sh $about
 ClusterName=transformer_jax
-SlurmctldHost=localhost(127.0.0.1)
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool
-SlurmctldPidFile=$dir/slurmctld.pid
-SlurmdPidFile=$dir/slurmd.pid
-SlurmctldLogFile=$dir/slurmctld.log
-SlurmdLogFile=$dir/slurmd.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-MpiDefault=none
-# With IPv4 alone SLURM asks getaddrinfo for AI_ADDRCONFIG addresses, and a namespace with
-# loopback only has none; with IPv6 enabled it asks for any family, and binds both.
-CommunicationParameters=EnableIPv6
-ReturnToService=2
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
-# Seconds between SIGTERM and SIGKILL at a time limit or scancel (SLURM's default: 30).
-KillWait=30
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
-PartitionName=local Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
-EOF
-}
-
-write_two_host_conf() {
-  cat >"$conf" <<EOF
-# Written by scripts/local_slurm.sh start --nodes=2: two hosts of this machine, node1 and
-# node2, joined by a virtual link inside network namespaces; nothing outside can reach them.
-ClusterName=transformer_jax
-SlurmctldHost=node1(10.231.0.1)
+SlurmctldHost=$controller
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -163,14 +139,17 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
+# With IPv4 alone SLURM asks getaddrinfo for AI_ADDRCONFIG addresses, and a namespace with
+# loopback only has none; with IPv6 enabled it asks for any family, and binds both.
+CommunicationParameters=EnableIPv6
 ReturnToService=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
+# Seconds between SIGTERM and SIGKILL at a time limit or scancel (SLURM's default: 30).
 KillWait=30
-NodeName=node1 NodeAddr=10.231.0.1 CPUs=8 State=UNKNOWN
-NodeName=node2 NodeAddr=10.231.0.2 CPUs=8 State=UNKNOWN
-PartitionName=local Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+$nodes
+PartitionName=local Nodes=$names Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
 }
 

@@ -217,14 +217,19 @@ def uninterrupted(cluster, config_path, tmp_path_factory):
   return workdir, job.log()
 
 
-def test_the_sbatch_recipe_trains_as_one_process_does(uninterrupted, reference):
-  workdir, log = uninterrupted
+def assert_both_joined(log: str, coordinator_host: str) -> None:
+  """Both processes found the job from SLURM's environment, 4 of the 8 devices each."""
   for process in (0, 1):
     assert re.search(
         rf'Process {process} of 2 joined the job \(slurm, coordinator '
-        r'localhost:\d+\); 4 local / 8 global devices',
+        rf'{coordinator_host}:\d+\); 4 local / 8 global devices',
         log,
     ), log[-3000:]
+
+
+def test_the_sbatch_recipe_trains_as_one_process_does(uninterrupted, reference):
+  workdir, log = uninterrupted
+  assert_both_joined(log, 'localhost')
   assert_same_losses(workdir, reference)
 
 

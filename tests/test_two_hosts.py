@@ -9,15 +9,19 @@ The cluster must start: these tests fail, never skip, where it cannot (not root,
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import subprocess
 
+import jax
+import numpy as np
 import pytest
 
 import test_launchers
 from test_launchers import Job
 from test_launchers import recipe
+import test_multihost
+from transformer_jax import checkpointing
 
 pytestmark = pytest.mark.slow  # a two-node SLURM cluster, training through it.
 
@@ -71,17 +75,75 @@ def test_two_hosts_srun_runs_a_task_on_each_with_its_own_name_and_address(two_ho
   assert sorted(addresses.stdout.splitlines()) == ['0: 10.231.0.1', '1: 10.231.0.2']
 
 
-def test_two_hosts_the_sbatch_recipe_trains_across_both_as_one_process_does(
-    two_hosts, multihost_config, multihost_reference, tmp_path
-):
-  workdir = str(tmp_path / 'run')
-  job = Job(recipe(multihost_config, workdir, nodes=2), str(tmp_path), 'two_hosts', cluster_env())
+@pytest.fixture(scope='module')
+def across_two_hosts(two_hosts, multihost_config, tmp_path_factory) -> tuple[str, str]:
+  """docs/distributed.md's recipe with --nodes=2, one task a host, run to the end: (its work
+  directory, its output)."""
+  directory = str(tmp_path_factory.mktemp('two_hosts'))
+  workdir = os.path.join(directory, 'run')
+  job = Job(recipe(multihost_config, workdir, nodes=2), directory, 'two_hosts', cluster_env())
   assert job.finish() == ('COMPLETED', '0:0'), job.log()[-4000:]
-  log = job.log()
-  for process in (0, 1):
-    assert re.search(
-        rf'Process {process} of 2 joined the job \(slurm, coordinator node1:\d+\); '
-        r'4 local / 8 global devices',
-        log,
-    ), log[-3000:]
+  return workdir, job.log()
+
+
+def test_two_hosts_the_sbatch_recipe_trains_across_both_as_one_process_does(
+    across_two_hosts, multihost_reference
+):
+  workdir, log = across_two_hosts
+  test_launchers.assert_both_joined(log, 'node1')
   test_launchers.assert_same_losses(workdir, multihost_reference)
+
+
+# `tc` on node2's end of the link: 512 kbit/s out of node2 (tbf; this kernel has no netem).
+# The test model's gradients (25,480 float32) need 1.6 s at that rate; a step took 0.8 s on
+# a quiet 2-core machine without the shaping, 9 s with it (tbf drops what would queue longer
+# than 400 ms, and TCP waits to resend it).
+SLOW_LINK = ('tbf', 'rate', '512kbit', 'burst', '32kbit', 'latency', '400ms')
+SLOW_LINK_BYTES_PER_S = 512e3 / 8
+
+
+def _step_seconds(workdir: str) -> list[float]:
+  """Each training step's wall time from metrics.jsonl (logged every step), the first
+  (which compiles) left out."""
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    times = [json.loads(line)['time'] for line in f if '"split": "train"' in line]
+  return [b - a for a, b in zip(times[1:], times[2:])]
+
+
+def _tc(*command: str) -> subprocess.CompletedProcess:
+  """`tc` in node2's network namespace."""
+  return subprocess.run(
+      ['ip', 'netns', 'exec', CLUSTER['LOCAL_SLURM_NETNS_2'], 'tc', *command],
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
+
+
+def test_two_hosts_a_slow_link_gives_the_same_losses_in_slower_steps(
+    across_two_hosts, multihost_config, multihost_reference, tmp_path
+):
+  """The recipe's first 4 steps with node2's link shaped to 512 kbit/s: the losses of one
+  8-device process, and every step takes at least what node2's share of the gradients needs
+  on that link. Each process holds all the parameters (fsdp over its own 4 devices, data
+  parallel across the hosts), so every step node2 sends node1 at least one float32 a
+  parameter."""
+  workdir = str(tmp_path / 'run')
+  added = _tc('qdisc', 'add', 'dev', 'eth0', 'root', *SLOW_LINK)
+  assert added.returncode == 0, added.stderr
+  try:
+    script = recipe(multihost_config, workdir, '--config.num_train_steps=4', nodes=2)
+    job = Job(script, str(tmp_path), 'slow_link', cluster_env())
+    assert job.finish() == ('COMPLETED', '0:0'), job.log()[-4000:]
+  finally:
+    _tc('qdisc', 'del', 'dev', 'eth0', 'root')
+  ours, theirs = (test_multihost.train_losses(w) for w in (workdir, multihost_reference))
+  assert sorted(ours) == [1, 2, 3, 4]
+  np.testing.assert_allclose([ours[s] for s in ours], [theirs[s] for s in ours], rtol=2e-5)
+
+  params, _ = checkpointing.restore_params(workdir)
+  floor = 4 * sum(np.size(p) for p in jax.tree.leaves(params)) / SLOW_LINK_BYTES_PER_S
+  plain, slow = _step_seconds(across_two_hosts[0]), _step_seconds(workdir)
+  shown = f'steps (s): unshaped {plain}, slow link {slow}; the link needs {floor:.2f}'
+  assert min(slow) >= 0.9 * floor, shown
+  assert np.median(slow) > 3 * np.median(plain), shown
