@@ -449,7 +449,7 @@ def test_a_cluster_whose_daemons_were_killed_mid_job_starts_again_idle(cluster, 
     while job.state()[0] != 'RUNNING':
       assert time.time() < deadline, job.state()
       time.sleep(0.2)
-    for daemon in ('slurmctld', 'slurmd'):
+    for daemon in ('slurmctld', 'slurmd-localhost'):  # slurmd-%n.pid, %n: the node.
       with open(os.path.join(directory, f'{daemon}.pid')) as f:
         os.kill(int(f.read()), signal.SIGKILL)
 
