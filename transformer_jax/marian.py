@@ -12,8 +12,8 @@ Transformer with a few differences, each a config field here:
     says so, and records its own for the import back).
 
 An export also records how the run decodes (DECODING_FIELDS; Hugging Face's `num_beams`,
-and `length_penalty` where the run's is the 'power' form, which is Hugging Face's), and an
-import restores them.
+`length_penalty` where the run's is the 'power' form, which is Hugging Face's, and
+`no_repeat_ngram_size` where it is set), and an import restores them.
 
 Weights: Hugging Face's `nn.Linear` stores [out, in]; this project's kernels are [in, out],
 with the attention's heads as their own axis ([d_model, heads, head_dim] for the query, key
@@ -62,7 +62,13 @@ _RUN_FIELDS = (
     'max_target_length',
 )
 # How the run decodes: an export records them, and an import of that export restores them.
-DECODING_FIELDS = ('beam_size', 'length_penalty', 'length_penalty_form', 'max_decode_extra_length')
+DECODING_FIELDS = (
+    'beam_size',
+    'length_penalty',
+    'length_penalty_form',
+    'max_decode_extra_length',
+    'no_repeat_ngram_size',
+)
 # Hugging Face's Marian layers use nn.LayerNorm's default, and config.json has no field for it.
 MARIAN_LAYER_NORM_EPSILON = 1e-5
 
@@ -427,9 +433,10 @@ def _write_import(
 
 def imported_decoding(model_dir: str, hf_config: Mapping[str, Any]) -> dict[str, Any]:
   """The decoding options a model directory states: all of them where this project exported
-  it; else Hugging Face's `num_beams`, and its `length_penalty` (score / length**penalty,
-  this project's 'power' form), from generation_config.json or config.json. Others keep
-  this project's defaults."""
+  it; else Hugging Face's `num_beams`, its `length_penalty` (score / length**penalty, this
+  project's 'power' form) and its `no_repeat_ngram_size` (the same rule: Marian's decoder
+  starts from <pad>, which is never generated, so no n-gram holds it), from
+  generation_config.json or config.json. Others keep this project's defaults."""
   own = (hf_config.get(EXPORT_KEY) or {}).get('decoding')
   if own:
     return {name: own[name] for name in DECODING_FIELDS if name in own}
@@ -441,6 +448,9 @@ def imported_decoding(model_dir: str, hf_config: Mapping[str, Any]) -> dict[str,
     decoding['beam_size'] = stated['num_beams']
   if isinstance(stated.get('length_penalty'), (int, float)):
     decoding.update(length_penalty=float(stated['length_penalty']), length_penalty_form='power')
+  no_repeat = stated.get('no_repeat_ngram_size')
+  if isinstance(no_repeat, int) and not isinstance(no_repeat, bool) and no_repeat > 0:
+    decoding['no_repeat_ngram_size'] = no_repeat
   return decoding
 
 
@@ -755,7 +765,12 @@ def write_model(
           'max_length': config.max_len,
           'num_beams': decoding['beam_size'],
       }
-      | length_penalty,
+      | length_penalty
+      | (
+          {'no_repeat_ngram_size': decoding['no_repeat_ngram_size']}
+          if decoding['no_repeat_ngram_size']
+          else {}
+      ),
       'vocab.json': {pieces[i]: j for j, i in enumerate(order)},
       'tokenizer_config.json': {
           'tokenizer_class': 'MarianTokenizer',
