@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -217,11 +218,12 @@ def uninterrupted(cluster, config_path, tmp_path_factory):
   return workdir, job.log()
 
 
-def assert_both_joined(log: str, coordinator_host: str) -> None:
-  """Both processes found the job from SLURM's environment, 4 of the 8 devices each."""
-  for process in (0, 1):
+def assert_both_joined(log: str, coordinator_host: str, hosts: tuple[str, str]) -> None:
+  """Both processes found the job from SLURM's environment, 4 of the 8 devices each, and
+  said which host they are on (`hosts`: process 0's and 1's)."""
+  for process, host in enumerate(hosts):
     assert re.search(
-        rf'Process {process} of 2 joined the job \(slurm, coordinator '
+        rf'Process {process} of 2 joined the job on {host} \(slurm, coordinator '
         rf'{coordinator_host}:\d+\); 4 local / 8 global devices',
         log,
     ), log[-3000:]
@@ -229,7 +231,7 @@ def assert_both_joined(log: str, coordinator_host: str) -> None:
 
 def test_the_sbatch_recipe_trains_as_one_process_does(uninterrupted, reference):
   workdir, log = uninterrupted
-  assert_both_joined(log, 'localhost')
+  assert_both_joined(log, 'localhost', (socket.gethostname(),) * 2)
   assert_same_losses(workdir, reference)
 
 
@@ -324,7 +326,7 @@ def test_mpirun_trains_as_one_process_does(cluster, config_path, reference, tmp_
   assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
   for process in (0, 1):
     assert re.search(
-        rf'Process {process} of 2 joined the job \(ompi, coordinator 127\.0\.0\.1:\d+\)',
+        rf'Process {process} of 2 joined the job on \S+ \(ompi, coordinator 127\.0\.0\.1:\d+\)',
         done.stderr,
     ), done.stderr[-3000:]
   assert_same_losses(workdir, reference)

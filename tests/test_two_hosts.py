@@ -90,7 +90,7 @@ def test_two_hosts_the_sbatch_recipe_trains_across_both_as_one_process_does(
     across_two_hosts, multihost_reference
 ):
   workdir, log = across_two_hosts
-  test_launchers.assert_both_joined(log, 'node1')
+  test_launchers.assert_both_joined(log, 'node1', ('node1', 'node2'))
   test_launchers.assert_same_losses(workdir, multihost_reference)
 
 

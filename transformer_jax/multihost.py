@@ -94,10 +94,14 @@ def initialize(
       heartbeat_timeout_seconds=heartbeat_timeout_seconds,
   )
   joined.set()
+  # Its host too: when a process is lost, JAX names its index only ("The following tasks are
+  # unhealthy (stopped sending heartbeats): 1"); these lines say which host that is.
   logging.info(
-      'Process %d of %d joined the job (%s, coordinator %s); %d local / %d global devices.',
+      'Process %d of %d joined the job on %s (%s, coordinator %s); %d local / %d global '
+      'devices.',
       jax.process_index(),
       jax.process_count(),
+      socket.gethostname(),
       launcher,
       coordinator_address,
       jax.local_device_count(),
