@@ -89,10 +89,16 @@ def main_job_config() -> ml_collections.ConfigDict:
 
 
 def run_config(
-    model: str, vocab_size: int, dtype: str = 'float32', remat: str = 'none', attention: str = ''
+    model: str,
+    vocab_size: int,
+    dtype: str = 'float32',
+    remat: str = 'none',
+    attention: str = '',
+    overrides: Mapping[str, Any] | None = None,
 ) -> ml_collections.ConfigDict:
   """The run config of a benchmark model: `base_config()` with the size's fields, or for
-  'main' the main job's config."""
+  'main' the main job's config; then `overrides` (config field -> value: the GPU plan's
+  `--variants`, which `bench.run` checks before any worker starts)."""
   if model == 'main':
     config = main_job_config()
   else:
@@ -102,6 +108,8 @@ def run_config(
   config.dtype = dtype
   config.remat_policy = remat
   config.attention_implementation = attention
+  for field, value in (overrides or {}).items():
+    config[field] = value
   return config
 
 
@@ -165,8 +173,9 @@ class _TrainSetup:
       remat: str,
       seed: int = 0,
       attention: str = '',
+      overrides: Mapping[str, Any] | None = None,
   ):
-    self.config = run_config(model, vocab_size, dtype, remat, attention)
+    self.config = run_config(model, vocab_size, dtype, remat, attention, overrides)
     self.model_config = TransformerConfig.from_config(self.config)
     self.partitioner = Partitioner.from_config(self.config)
     opt_config = optimizer.OptimizerConfig.from_config(self.config, self.model_config.d_model)
@@ -219,9 +228,18 @@ class TrainTask:
       remat: str = 'none',
       attention: str = '',
       packed: bool = False,
+      overrides: Mapping[str, Any] | None = None,
   ):
     self.train = _TrainSetup(
-        model, dtype, rows, source_length, target_length, vocab_size, remat, attention=attention
+        model,
+        dtype,
+        rows,
+        source_length,
+        target_length,
+        vocab_size,
+        remat,
+        attention=attention,
+        overrides=overrides,
     )
     self.packed = packed
 

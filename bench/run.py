@@ -36,9 +36,11 @@ from typing import Any
 from bench import breakdown
 from bench import worker
 from bench.jax_side import run_config
+from transformer_jax import config as config_lib
 from transformer_jax import flops
 from transformer_jax import host_memory
 from transformer_jax.config import TransformerConfig
+from transformer_jax.errors import ConfigError
 
 GIB = 1024**3
 MAIN_JOB_RSS_GOAL = 8 * GIB
@@ -548,6 +550,42 @@ def gpu_sizes(quick: bool) -> dict[str, Any]:
 GPU_PARTS = ('train', 'budget', 'decode')
 
 
+def parse_variants(text: str) -> list[dict[str, Any]]:
+  """`--variants`: the defaults ({}) first, then one change from them per ';'-separated
+  item, each item `field=value[,field=value]` of the run config. Every variant is checked
+  with `config.validate` here, before any worker starts: a typo fails in a second, not
+  after the minutes of the variants before it."""
+  variants: list[dict[str, Any]] = [{}]
+  for item in filter(None, (part.strip() for part in text.split(';'))):
+    overrides = {}
+    for pair in item.split(','):
+      field, sep, value = pair.partition('=')
+      field = field.strip()
+      defaults = config_lib.base_config()
+      if not sep or field not in defaults:
+        raise SystemExit(
+            f'--variants: {pair!r} is not field=value of a run config field; '
+            "e.g. --variants='qkv_projection=separate;logits_sum=reduce'"
+        )
+      default = defaults[field]
+      try:
+        overrides[field] = (
+            value.strip().lower() in ('1', 'true', 'yes')
+            if isinstance(default, bool)
+            else type(default)(value.strip())
+        )
+      except ValueError as e:
+        raise SystemExit(f'--variants: {field}={value!r}: {e}') from None
+    config = config_lib.base_config()
+    config.update(overrides)
+    try:
+      config_lib.validate(config)
+    except ConfigError as e:
+      raise SystemExit(f'--variants: {item!r}: {e}') from None
+    variants.append(overrides)
+  return variants
+
+
 def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
   """The GPU plan; `--only`, `--models`, `--attention` and `--remat` pick a part of it, so
   that each command fits a 10-minute slot (bench/README.md lists the commands)."""
@@ -558,6 +596,7 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
     raise SystemExit(f'--only: unknown GPU parts {sorted(unknown)}; choose from {GPU_PARTS}')
   models = args.models.split(',') if args.models else g['models']
   attentions = args.attention.split(',')
+  variants = parse_variants(args.variants)
   remats = args.remat.split(',')
   env = jax_env(args.threads, 'gpu', args.xla_flags, args.profile_dir)
   results['sizes'] = g
@@ -614,9 +653,11 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
   for model in models:
     cfg = model_config(model, g['vocab'])
     step_flops = flops.batch_flops(cfg, [g['length']] * rows, [g['length']] * rows)
-    for attention in attentions if 'train' in parts else ():
+    runs = [(a, v) for a in attentions for v in variants] if 'train' in parts else []
+    for attention, overrides in runs:
+      change = ','.join(f'{k}={v}' for k, v in overrides.items())
       ready, times, exit_info = solo(
-          f'train_{model}_{attention or "auto"}',
+          f'train_{model}_{attention or "auto"}' + (f'_{change}' if change else ''),
           [
               dict(
                   name='train',
@@ -628,6 +669,7 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
                   target_length=g['length'],
                   vocab_size=g['vocab'],
                   attention=attention,
+                  overrides=overrides,
               )
           ],
           g['rounds'],
@@ -654,7 +696,9 @@ def run_gpu(args, results: dict[str, Any], log_dir: str) -> None:
         entry['chained_mfu_datasheet'] = (
             flops.mfu(step_flops, step_s, datasheet) if datasheet else None
         )
-      train[label(model, attention)] = entry
+      if change:
+        entry['change'] = change
+      train[label(model, attention) + (f' {{{change}}}' if change else '')] = entry
     for remat in remats if 'budget' in parts else ():
       spec = dict(
           name='budget',
@@ -1024,6 +1068,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
       help='GPU plan: comma-separated attention_implementation values to '
       "compare, e.g. 'xla,cudnn' ('' is automatic, the default: cuDNN on a "
       'GPU where it can serve, fed sequence lengths)',
+  )
+  parser.add_argument(
+      '--variants',
+      default='',
+      help='GPU plan: training steps with one change from the defaults each, after the '
+      "defaults: ';'-separated field=value[,field=value] of the run config, e.g. "
+      "'qkv_projection=separate;logits_sum=reduce'",
   )
   parser.add_argument(
       '--profile_dir',

@@ -158,3 +158,32 @@ def test_checkpoint_storage_bench_runs_and_reports_both_sides(tmp_path):
   rows = json.loads(out.read_text())['rows']
   assert sorted(row['where'] for row in rows) == ['gcs', 'local']
   assert all(row['save_s'] > 0 and row['restore_s'] > 0 for row in rows)
+
+
+def test_gpu_plan_variants_are_one_change_each_from_the_defaults_and_checked_first():
+  """`--variants`: the defaults first, then each item's changes alone, typed as the field's
+  default; a field that does not exist or a value `config.validate` refuses fails before
+  any worker starts, naming the item."""
+  sys.path.insert(0, str(train_testlib.REPO))
+  from bench import jax_side
+  from bench import run as bench_run
+
+  variants = bench_run.parse_variants(
+      'qkv_projection=separate; logits_sum=reduce,layer_norm_statistics=two_pass;'
+      'dropout_rate=0.3'
+  )
+  assert variants == [
+      {},
+      {'qkv_projection': 'separate'},
+      {'logits_sum': 'reduce', 'layer_norm_statistics': 'two_pass'},
+      {'dropout_rate': 0.3},
+  ]
+  config = jax_side.run_config('tiny', 1000, overrides=variants[2])
+  assert (config.logits_sum, config.layer_norm_statistics) == ('reduce', 'two_pass')
+  assert jax_side.run_config('tiny', 1000).logits_sum == ''
+  with pytest.raises(SystemExit, match="'qkv_projecton=separate' is not field=value"):
+    bench_run.parse_variants('qkv_projecton=separate')
+  with pytest.raises(SystemExit, match="'logits_sum=foo'.*not one of"):
+    bench_run.parse_variants('logits_sum=foo')
+  with pytest.raises(SystemExit, match='dropout_rate'):
+    bench_run.parse_variants('dropout_rate=lots')
