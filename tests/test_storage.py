@@ -91,6 +91,28 @@ def test_output_kinds_and_missing_directories_are_named(tmp_path):
   assert deep.is_dir()
 
 
+def test_a_work_directory_another_process_creates_meanwhile_is_not_called_a_file(
+    tmp_path, monkeypatch
+):
+  """The processes of a job check the same new work directory at once: one may make it
+  between another's look at it (not a directory yet) and that one's next look (it exists).
+  Seen on two hosts: process 1 stopped with 'is a file, not a directory'."""
+  workdir = tmp_path / 'run'
+  isdir = os.path.isdir
+  looks = []
+
+  def made_by_another_process_after_the_first_look(path):
+    if os.fspath(path) == str(workdir) and not looks:  # Not there yet when it looks; made
+      looks.append(path)  # before the walk up asks whether it exists.
+      workdir.mkdir()
+      return False
+    return isdir(path)
+
+  monkeypatch.setattr(os.path, 'isdir', made_by_another_process_after_the_first_look)
+  assert paths.check_output_directory(str(workdir), '--workdir') == str(workdir)
+  assert workdir.is_dir()
+
+
 def _mount_tmpfs(path, options: str) -> None:
   path.mkdir()
   mounted = subprocess.run(

@@ -192,7 +192,8 @@ def check_output_directory(
   existing = os.path.abspath(path)
   while not os.path.isdir(existing):
     parent = os.path.dirname(existing)
-    if os.path.exists(existing) or parent == existing:
+    # isdir again: another process of the job may have made it since (not a file then).
+    if (os.path.exists(existing) and not os.path.isdir(existing)) or parent == existing:
       raise PathError(
           f'{storage.describe(flag, path)}: {existing} is a file, not a directory; '
           'choose another path.'
