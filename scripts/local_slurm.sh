@@ -20,7 +20,9 @@
 # lets 4 jobs share a CPU (OverSubscribe=FORCE:4). Its files (slurm.conf, the daemons' logs
 # and state) are in LOCAL_SLURM_DIR. `start` is a no-op when the cluster answers already;
 # otherwise it starts from an empty state (no job of a cluster killed earlier comes back);
-# it exits 1 with the daemons' logs when the cluster does not come up within 60 s.
+# it exits 1 with the daemons' logs when the cluster does not come up within 60 s. When
+# slurmctld answers but a node's slurmd is gone (a host that died), `start` starts that
+# slurmd again and nothing else: the node comes back and the cluster keeps its jobs.
 #
 # `start --nodes=2` makes two hosts of this machine instead: node1 (slurmctld and a slurmd)
 # and node2 (a slurmd), each in a network namespace of its own (LOCAL_SLURM_NETNS and
@@ -71,6 +73,22 @@ answers() {
   [ -n "$states" ] && ! grep -qE '^(down|drain|fail|unknown)' <<<"$states"
 }
 
+node_names() { if two_hosts; then echo node1 node2; else echo localhost; fi; }
+
+# A host that died (its slurmd killed) and came back: start its slurmd again, in its own
+# namespaces, and let slurmctld take the node back (ReturnToService=2). Nothing else restarts.
+restart_lost_nodes() {
+  local n=0 name pid
+  for name in $(node_names); do
+    n=$((n + 1))
+    pid="$(cat "$dir/slurmd-$name.pid" 2>/dev/null || true)"
+    if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; then
+      in_node "$n" slurmd -N "$name" -f "$conf"
+      echo "Restarted slurmd on $name (its daemon was gone)."
+    fi
+  done
+}
+
 install() {
   local missing=()
   for package in "${packages[@]}"; do
@@ -107,8 +125,9 @@ start_munge() {
 
 write_conf() {
   mkdir -p "$dir/state" "$dir/spool"
-  local about controller nodes names
+  local about controller nodes names slurmd_timeout=300
   if two_hosts; then
+    slurmd_timeout=20
     about='start --nodes=2: two hosts of this machine, node1 and node2, joined by a virtual
 # link inside network namespaces; nothing outside can reach them.'
     controller='node1(10.231.0.1)'
@@ -148,6 +167,10 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 # Seconds between SIGTERM and SIGKILL at a time limit or scancel (SLURM's default: 30).
 KillWait=30
+# Seconds a node may not answer before slurmctld marks it DOWN and fails its jobs: SLURM's
+# default (300) on one node; 20 with two hosts, so that a host that died or lost its link
+# ends its job in seconds, not minutes.
+SlurmdTimeout=$slurmd_timeout
 $nodes
 PartitionName=local Nodes=$names Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 EOF
@@ -203,14 +226,23 @@ start() {
   esac
   [ "$(id -u)" -eq 0 ] || die "start needs root (it installs Debian packages and starts \
 munged, slurmctld and slurmd as root); run it with sudo."
-  if answers; then
+  if [ -n "$(node_states)" ]; then  # slurmctld answers: keep the cluster and its jobs.
     local running
     running="$(cat "$dir/nodes" 2>/dev/null || echo 1)"
     [ "$running" = "$nodes" ] || die "a cluster of $running node(s) is running in $dir; \
 stop it first (bash scripts/local_slurm.sh stop), or start this one with another \
 LOCAL_SLURM_DIR and LOCAL_SLURM_NETNS."
-    echo "The local SLURM cluster is up: bash scripts/local_slurm.sh run sinfo"
-    return
+    restart_lost_nodes
+    for _ in $(seq 120); do
+      if answers; then
+        echo "The local SLURM cluster is up: bash scripts/local_slurm.sh run sinfo"
+        return
+      fi
+      sleep 0.5
+    done
+    echo "local_slurm.sh: a node is still down 60 s after its slurmd started:" >&2
+    in_netns sinfo -N >&2 || true
+    exit 1
   fi
   install
   mkdir -p "$dir"
@@ -302,10 +334,12 @@ case "${1:-}" in
   install) install ;;
   start) start "${@:2}" ;;
   stop) stop ;;
-  status) if answers; then in_netns sinfo; else die "not running: run start first."; fi ;;
+  # A node that is down (a host that died) leaves the cluster usable: slurmctld answers.
+  status) if [ -n "$(node_states)" ]; then in_netns sinfo; else die "not running: run start first."; fi ;;
   run)
     shift
-    answers || die "the local SLURM cluster is not running: bash scripts/local_slurm.sh start"
+    [ -n "$(node_states)" ] \
+      || die "the local SLURM cluster is not running: bash scripts/local_slurm.sh start"
     # exec: the command keeps this process id, so a signal to it reaches the command.
     # --wd: entering a mount namespace would start the command in /, and sbatch would run
     # the job there.

@@ -65,6 +65,7 @@ def pytest_configure(config):
 LONGEST_FIRST = (
     'test_launchers',
     'test_gcs',
+    'test_two_hosts',
     'test_cli',
     'test_aot',
     'test_bench',
@@ -75,7 +76,6 @@ LONGEST_FIRST = (
     'test_translate_cli',
     'test_train',
     'test_translator',
-    'test_two_hosts',
     'test_decode',
     'test_sharding',
 )

@@ -157,8 +157,11 @@ class Job:
 
   def state(self) -> tuple[str, str]:
     """(JobState, ExitCode) as scontrol shows them."""
-    shown = in_cluster('scontrol', 'show', 'job', self.id, env=self.env).stdout
-    return (re.search(r'JobState=(\S+)', shown)[1], re.search(r'ExitCode=(\S+)', shown)[1])
+    shown = in_cluster('scontrol', 'show', 'job', self.id, env=self.env)
+    state, code = (re.search(rf'{k}=(\S+)', shown.stdout) for k in ('JobState', 'ExitCode'))
+    if not (state and code):  # slurmctld busy past scontrol's timeout (a lost node): ask again.
+      return 'NO ANSWER', shown.stderr.strip()
+    return state[1], code[1]
 
   def finish(self, timeout: float = 300) -> tuple[str, str]:
     deadline = time.time() + timeout

@@ -2,7 +2,10 @@
 node2 of this machine (network namespaces joined by a veth pair, each with its own address
 and host name, SLURM's daemons in each), and docs/distributed.md's sbatch recipe trains
 across them, one process of 4 (simulated) devices on each, with JAX's coordinator on node1's
-address, to the losses of one 8-device process.
+address, to the losses of one 8-device process. Then what only several hosts can have: a slow
+link (the same losses, slower steps), a link that goes down and a host that dies (the run
+stops within the heartbeat timeout and the next run resumes from the last complete
+checkpoint).
 
 The cluster must start: these tests fail, never skip, where it cannot (not root, no apt).
 """
@@ -11,7 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
+import time
 
 import jax
 import numpy as np
@@ -34,6 +40,9 @@ CLUSTER = {
 }
 
 
+NODE_NETNS = {'node1': CLUSTER['LOCAL_SLURM_NETNS'], 'node2': CLUSTER['LOCAL_SLURM_NETNS_2']}
+
+
 def cluster_env() -> dict[str, str]:
   return test_launchers.job_env(**CLUSTER)
 
@@ -42,18 +51,22 @@ def in_two_hosts(*command: str, timeout: float = 300) -> subprocess.CompletedPro
   return test_launchers.in_cluster(*command, env=cluster_env(), timeout=timeout)
 
 
+def local_slurm(*command: str, timeout: float = 120) -> subprocess.CompletedProcess:
+  """`scripts/local_slurm.sh COMMAND` for this module's cluster."""
+  return subprocess.run(
+      ['bash', LOCAL_SLURM, *command],
+      env={**os.environ, **CLUSTER},
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+  )
+
+
 @pytest.fixture(scope='module')
 def two_hosts():
   """The two-node cluster, started for this module and stopped after it (even when a test
   failed)."""
-  env = {**os.environ, **CLUSTER}
-  started = subprocess.run(
-      ['bash', LOCAL_SLURM, 'start', '--nodes=2'],
-      env=env,
-      capture_output=True,
-      text=True,
-      timeout=600,
-  )
+  started = local_slurm('start', '--nodes=2', timeout=600)
   try:
     assert started.returncode == 0, (
         'scripts/local_slurm.sh start --nodes=2 could not start the two-node cluster:\n'
@@ -61,7 +74,7 @@ def two_hosts():
     )
     yield
   finally:
-    subprocess.run(['bash', LOCAL_SLURM, 'stop'], env=env, capture_output=True, timeout=120)
+    local_slurm('stop')
 
 
 def test_two_hosts_srun_runs_a_task_on_each_with_its_own_name_and_address(two_hosts):
@@ -147,3 +160,137 @@ def test_two_hosts_a_slow_link_gives_the_same_losses_in_slower_steps(
   shown = f'steps (s): unshaped {plain}, slow link {slow}; the link needs {floor:.2f}'
   assert min(slow) >= 0.9 * floor, shown
   assert np.median(slow) > 3 * np.median(plain), shown
+
+
+# The fault tests' jobs: JAX's heartbeat timeout, and the two-node cluster's SlurmdTimeout
+# (scripts/local_slurm.sh: how long node2 may not answer before SLURM marks it DOWN).
+HEARTBEAT = 10
+SLURMD_TIMEOUT = 20
+LONG_RUN = ('--config.num_train_steps=100000', f'--heartbeat_timeout_seconds={HEARTBEAT}')
+
+
+def _pids_in(node: str) -> dict[int, list[str]]:
+  """{pid: argv} of every process in `node`'s network namespace."""
+  listed = subprocess.run(
+      ['ip', 'netns', 'pids', NODE_NETNS[node]], capture_output=True, text=True, timeout=30
+  )
+  assert listed.returncode == 0, listed.stderr
+  pids = {}
+  for pid in map(int, listed.stdout.split()):
+    try:
+      with open(f'/proc/{pid}/cmdline', 'rb') as f:
+        pids[pid] = f.read().decode(errors='replace').split('\0')
+    except FileNotFoundError:  # Ended since.
+      pass
+  return pids
+
+
+def _trainers(node: str) -> list[int]:
+  """The train.py processes on `node` (not srun or the batch script, which name it too)."""
+  return [
+      pid
+      for pid, argv in _pids_in(node).items()
+      if os.path.basename(argv[0]).startswith('python') and argv[1:2] == ['train.py']
+  ]
+
+
+def _seconds_until_no_trainer(began: float, limit: float) -> float:
+  """Waits (at most `limit` s from `began`) until neither host runs a train.py process."""
+  while time.time() - began < limit:
+    if not _trainers('node1') and not _trainers('node2'):
+      return time.time() - began
+    time.sleep(0.2)
+  running = {node: _trainers(node) for node in NODE_NETNS}
+  raise AssertionError(f'train.py still running {limit:.0f} s after the fault: {running}')
+
+
+def _long_job_on_both(multihost_config: str, directory: str, name: str) -> tuple[Job, str]:
+  """(the job, its work directory): the recipe's 100,000-step run on both hosts, once both
+  processes train and checkpoint 8 is being written (so at least step 4's is complete)."""
+  workdir = os.path.join(directory, 'run')
+  job = Job(recipe(multihost_config, workdir, *LONG_RUN, nodes=2), directory, name, cluster_env())
+  job.wait_for(r'Saving checkpoint 8 ')
+  assert len(_trainers('node1')) == 1 and len(_trainers('node2')) == 1, {
+      node: _pids_in(node) for node in NODE_NETNS
+  }
+  return job, workdir
+
+
+def _node_state(node: str) -> str:
+  return in_two_hosts('sinfo', '-h', '-n', node, '-o', '%T').stdout.strip()
+
+
+def _resumes_to_the_end(multihost_config: str, workdir: str, directory: str) -> None:
+  """The next submission resumes from the last complete checkpoint and trains on both hosts."""
+  last = max(int(n) for n in os.listdir(os.path.join(workdir, 'checkpoints')) if n.isdigit())
+  assert last >= 4
+  steps = f'--config.num_train_steps={last + 2}'
+  job = Job(recipe(multihost_config, workdir, steps, nodes=2), directory, 'next', cluster_env())
+  assert job.finish() == ('COMPLETED', '0:0'), job.log()[-4000:]
+  log = job.log()
+  test_launchers.assert_both_joined(log, 'node1', ('node1', 'node2'))
+  assert f'Resumed from the checkpoint at step {last}' in log, log[-3000:]
+  assert f'step {last + 2}/{last + 2}' in log, log[-3000:]
+
+
+def test_two_hosts_a_lost_link_stops_both_within_the_heartbeat_timeout_and_the_next_job_resumes(
+    two_hosts, multihost_config, tmp_path
+):
+  """node2's link goes down mid-run: JAX's heartbeats stop both processes within the
+  heartbeat timeout (no connection breaks: the link only goes quiet), the job's log names
+  the lost process and its host; with the link back, the job ends and the next resumes."""
+  job, workdir = _long_job_on_both(multihost_config, str(tmp_path), 'lost_link')
+  link = ['ip', '-n', NODE_NETNS['node2'], 'link', 'set', 'eth0']
+  assert subprocess.run([*link, 'down'], capture_output=True, timeout=30).returncode == 0
+  began = time.time()
+  try:
+    _seconds_until_no_trainer(began, HEARTBEAT + 30)
+  finally:
+    subprocess.run([*link, 'up'], capture_output=True, timeout=30)
+  state, _ = job.finish(timeout=SLURMD_TIMEOUT + 120)
+  log = job.log()
+  assert state != 'COMPLETED', log[-3000:]
+  test_launchers.assert_both_joined(log, 'node1', ('node1', 'node2'))
+  # The heartbeats ended both (no connection broke: the link just went quiet). Process 0's
+  # coordinator names process 1, which the join lines put on node2; process 1's heartbeat to
+  # the coordinator (node1) timed out; srun names node2's task.
+  assert re.search(r'unhealthy \(stopped sending heartbeats\):\s*1\b', log), log[-3000:]
+  assert re.search(r'Deadline Exceeded\s+RPC: \S+CoordinationService/Heartbeat', log), log[-3000:]
+  assert 'srun: error: node2: task 1: Aborted' in log, log[-3000:]
+  started = local_slurm('start', '--nodes=2')
+  assert started.returncode == 0, started.stdout + started.stderr
+  _resumes_to_the_end(multihost_config, workdir, str(tmp_path))
+
+
+def test_two_hosts_a_dead_host_ends_the_run_is_marked_down_and_after_it_returns_the_next_resumes(
+    two_hosts, multihost_config, tmp_path
+):
+  """node2 dies: its train.py, slurmstepd and slurmd killed with SIGKILL. Process 0 stops
+  within the heartbeat timeout; SLURM marks node2 down and requeues the batch job (its
+  default for a node failure), holding it back by a BeginTime. The test cancels that, brings
+  node2's slurmd back (`start --nodes=2`), and the next job resumes on both hosts."""
+  job, workdir = _long_job_on_both(multihost_config, str(tmp_path), 'dead_host')
+  node2 = _pids_in('node2')
+  assert any(os.path.basename(argv[0]) == 'slurmd' for argv in node2.values()), node2
+  for pid in node2:
+    try:
+      os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+      pass
+  began = time.time()
+  _seconds_until_no_trainer(began, HEARTBEAT + 30)
+  while not (_node_state('node2').startswith('down') and job.state()[0] == 'PENDING'):
+    assert time.time() - began < SLURMD_TIMEOUT + 60, (_node_state('node2'), job.state())
+    time.sleep(0.5)
+  log = job.log()
+  assert 'srun: error: Node failure on node2' in log, log[-3000:]
+  assert 'DUE TO NODE FAILURE' in log, log[-3000:]
+  shown = in_two_hosts('scontrol', 'show', 'job', job.id).stdout
+  assert re.search(r'\bRestarts=1\b', shown) and 'Reason=BeginTime' in shown, shown
+  assert in_two_hosts('scancel', job.id).returncode == 0
+
+  started = local_slurm('start', '--nodes=2')
+  assert started.returncode == 0, started.stdout + started.stderr
+  assert 'Restarted slurmd on node2' in started.stdout, started.stdout
+  assert _node_state('node2') == 'idle'
+  _resumes_to_the_end(multihost_config, workdir, str(tmp_path))
