@@ -556,12 +556,12 @@ def parse_variants(text: str) -> list[dict[str, Any]]:
   with `config.validate` here, before any worker starts: a typo fails in a second, not
   after the minutes of the variants before it."""
   variants: list[dict[str, Any]] = [{}]
+  defaults = config_lib.base_config()
   for item in filter(None, (part.strip() for part in text.split(';'))):
     overrides = {}
     for pair in item.split(','):
       field, sep, value = pair.partition('=')
       field = field.strip()
-      defaults = config_lib.base_config()
       if not sep or field not in defaults:
         raise SystemExit(
             f'--variants: {pair!r} is not field=value of a run config field; '
