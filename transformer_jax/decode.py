@@ -190,8 +190,12 @@ def argmax_of_rows(x: jax.Array) -> jax.Array:
 
   Through `top_k_of_rows` with k=1: XLA:CPU's argmax is a variadic (value, index)
   reduction it does not vectorise (1.9 ms for a greedy step's [32, 37000] on a Xeon with
-  AVX-512, a sixteenth of the step; 0.22 ms through the blocks).
+  AVX-512, a sixteenth of the step; 0.22 ms through the blocks). Other backends get
+  `jnp.argmax`, their own reduction kernel, as before that change (bench/RESULTS.md,
+  2026-11-27: greedy at batch 1,024 on an H200 was slower through `lax.top_k`).
   """
+  if jax.default_backend() != 'cpu':
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
   return top_k_of_rows(x, 1)[1][:, 0]
 
 
