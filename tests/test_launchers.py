@@ -280,8 +280,11 @@ def test_the_time_limit_signal_stops_every_task_and_a_lost_task_ends_the_job(
 ):
   workdir = str(tmp_path / 'run')
   long_run = ('--config.num_train_steps=100000', f'--heartbeat_timeout_seconds={HEARTBEAT}')
-  # A 1-minute limit, SIGTERM 10 s before it: SLURM looks every 30 s, so it comes 20-50 s in.
-  limited = recipe(config_path, workdir, *long_run, time='1', signal='TERM@10')
+  # SLURM looks every 30 s and sends the signal on the first look within 30 s of its time: with
+  # a 2-minute limit and TERM@70 it comes 20-50 s in, and the limit at least 70 s after it, time
+  # enough to finish compiling, agree on a step and save on a loaded machine (TERM@10 on a
+  # 1-minute limit left 30-60 s, and a job that took 20 s to stop once ended TIMEOUT in CI).
+  limited = recipe(config_path, workdir, *long_run, time='2', signal='TERM@70')
   job = Job(limited, str(tmp_path), 'time_limit')
   assert job.finish(timeout=180) == ('COMPLETED', '0:0'), job.log()[-4000:]
   stops = stop_steps(job.log())
