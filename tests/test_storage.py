@@ -18,6 +18,7 @@ import time
 import pytest
 
 import train_testlib
+from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
 from transformer_jax import paths
 from transformer_jax import storage
@@ -294,6 +295,46 @@ def test_a_wait_on_a_bucket_past_the_bound_stops_and_a_retried_one_counts_from_i
       with storage.waiting('gs://other/lock', 'renewing the lock', key='lock'):
         time.sleep(0.15)
     assert len(stops) == 2
+  finally:
+    storage.limit_waits(None, stops.append)
+
+
+def test_a_failure_while_the_bucket_is_silent_waits_for_it_and_is_reported_as_the_outage(
+    monkeypatch,
+):
+  """`wait_for_answer` after a failure at a gs:// path: nothing listening at the endpoint is
+  an outage (reported once the bound has passed, naming the bucket and what was being done);
+  any HTTP answer, a refusal too, returns at once (the caller raises its own error)."""
+  import gcs_testlib
+
+  stops = []
+  storage.limit_waits(0.5, stops.append)
+  try:
+    silent = f'http://127.0.0.1:{gcs_testlib.free_port()}'
+    monkeypatch.setenv('STORAGE_EMULATOR_HOST', silent)
+    storage.wait_for_answer('gs://bkt/run/checkpoints', 'finishing checkpoint 10')
+    assert len(stops) == 1, stops
+    assert 'while finishing checkpoint 10: gs://bkt is unreachable' in stops[0], stops
+
+    # What orbax raises when the bucket went silent as it finished a step (gcsfs: "no such
+    # path" when it cannot ask): the checkpoint manager's call waits, and the outage is
+    # reported before the error goes on.
+    class Manager:
+
+      def check_for_errors(self):
+        raise ValueError('Checkpoint directory does not exist: gs://bkt/run/checkpoints/10/params.')
+
+    manager = checkpointing._Bounded('gs://bkt/run/checkpoints', Manager)
+    with pytest.raises(ValueError, match='does not exist'):
+      manager.check_for_errors()
+    assert len(stops) == 2 and 'gs://bkt is unreachable' in stops[1], stops
+    with gcs_testlib.refusing_server(403) as url:
+      monkeypatch.setenv('STORAGE_EMULATOR_HOST', url)
+      began = time.monotonic()
+      storage.wait_for_answer('gs://bkt/run/checkpoints', 'finishing checkpoint 15')
+      assert time.monotonic() - began < 5
+    assert len(stops) == 2, stops
+    storage.wait_for_answer(os.getcwd(), 'a local path')  # Not Cloud Storage: at once.
   finally:
     storage.limit_waits(None, stops.append)
 

@@ -473,7 +473,10 @@ def _reader(workdir: str) -> '_Bounded':
 class _Bounded:
   """An orbax `CheckpointManager` of `directory` whose every call (and its creation, which
   lists the steps) is a wait on storage, bounded on Cloud Storage (`storage.waiting`): orbax
-  and TensorStore retry a lost bucket for many minutes on their own."""
+  and TensorStore retry a lost bucket for many minutes on their own. A call that fails while
+  the bucket is silent waits for it to answer (`storage.wait_for_answer`), so that an outage
+  orbax reports as something else ("Checkpoint directory does not exist" for the step it
+  was finishing) ends with the outage's message."""
 
   def __init__(self, directory: str, make: Callable[[], ocp.CheckpointManager]):
     self._directory = directory
@@ -488,8 +491,13 @@ class _Bounded:
 
     def bounded(*args, **kwargs):
       step = f' {args[0]}' if args and isinstance(args[0], int) else ''
-      with storage.waiting(self._directory, f'{what}{step} in {self._directory}'):
-        return attribute(*args, **kwargs)
+      doing = f'{what}{step} in {self._directory}'
+      with storage.waiting(self._directory, doing):
+        try:
+          return attribute(*args, **kwargs)
+        except Exception:
+          storage.wait_for_answer(self._directory, doing)  # An outage, reported as one.
+          raise
 
     return bounded
 

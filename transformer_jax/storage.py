@@ -46,6 +46,8 @@ import tempfile
 import threading
 import time
 from typing import Any, IO
+import urllib.error
+import urllib.request
 import uuid
 
 from transformer_jax.errors import from_os_error
@@ -270,6 +272,37 @@ def _watch() -> None:
           f'{bucket} answers again, rerun the same command (training resumes from its last '
           'complete checkpoint).'
       )
+
+
+def _answers(bucket: str) -> bool:
+  """Whether Cloud Storage (STORAGE_EMULATOR_HOST where set, as gcsfs) gives any HTTP answer
+  about `bucket` (gs://NAME) within 5 s: "no such bucket" and "not allowed" are answers."""
+  endpoint = os.environ.get('STORAGE_EMULATOR_HOST') or 'https://storage.googleapis.com'
+  if '://' not in endpoint:
+    endpoint = 'http://' + endpoint
+  url = f'{endpoint.rstrip("/")}/storage/v1/b/{bucket[len("gs://") :]}'
+  try:
+    urllib.request.urlopen(url, timeout=5).close()
+  except urllib.error.HTTPError:
+    return True
+  except (OSError, ValueError):
+    return False
+  return True
+
+
+def wait_for_answer(path: str, what: str) -> None:
+  """After a failure at the gs:// `path`: returns once its bucket answers again (at once, if
+  it does), or, while it stays silent, waits as any wait does (`waiting`), so that an outage
+  past the bound of `limit_waits` is reported as one. Some failures are an outage in
+  disguise: gcsfs answers "does not exist" when it cannot ask, and orbax raises
+  "Checkpoint directory does not exist" for a checkpoint it has just written. The caller
+  re-raises its error if this returns. Local paths, and no bound: returns at once."""
+  if not is_remote(path) or _limit['seconds'] is None:
+    return
+  key = object()
+  with waiting(path, what, key=key):
+    while key in _waits and not _answers(bucket_of(path)):  # Reported: the stop came.
+      time.sleep(0.5)
 
 
 def cloud_error(error: BaseException, path: str, flag: str = 'the path') -> PathError:
