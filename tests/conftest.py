@@ -9,13 +9,18 @@ import pathlib
 
 import pytest
 
-# Before anything compiles: LLVM's optimization off for every program the tests compile, in
-# this process and in the commands they start (which inherit XLA_FLAGS). The HLO programs,
-# and so what the tests check, are unchanged; the machine code is less tuned and compiles in
-# about 2/3 of the CPU time (bench/RESULTS.md, Test suite). Both sides of every comparison
-# are compiled alike, here or in a subprocess.
+# Before anything compiles, for every program the tests compile, in this process and in the
+# commands they start (which inherit XLA_FLAGS): LLVM's optimization off, and XLA:CPU's
+# elemental emitters instead of its MLIR fusion emitters. The HLO programs, and so what the
+# tests check, are unchanged; the machine code is less tuned and compiles in less than half
+# the CPU time (bench/RESULTS.md, Test suite). Both sides of every comparison are compiled
+# alike, here or in a subprocess.
 os.environ['XLA_FLAGS'] = ' '.join(
-    [*os.environ.get('XLA_FLAGS', '').split(), '--xla_backend_optimization_level=0']
+    [
+        *os.environ.get('XLA_FLAGS', '').split(),
+        '--xla_backend_optimization_level=0',
+        '--xla_cpu_use_fusion_emitters=false',
+    ]
 )
 
 
