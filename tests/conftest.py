@@ -10,16 +10,18 @@ import pathlib
 import pytest
 
 # Before anything compiles, for every program the tests compile, in this process and in the
-# commands they start (which inherit XLA_FLAGS): LLVM's optimization off, and XLA:CPU's
-# elemental emitters instead of its MLIR fusion emitters. The HLO programs, and so what the
-# tests check, are unchanged; the machine code is less tuned and compiles in less than half
-# the CPU time (bench/RESULTS.md, Test suite). Both sides of every comparison are compiled
-# alike, here or in a subprocess.
+# commands they start (which inherit XLA_FLAGS): LLVM's optimization off, XLA:CPU's elemental
+# emitters instead of its MLIR fusion emitters, and each program's machine code made as one
+# LLVM module (the cores are busy with other tests' work, so splitting it across threads
+# only adds work). The HLO programs, and so what the tests check, are unchanged; the machine
+# code is less tuned and compiles in less than half the CPU time (bench/RESULTS.md, Test
+# suite). Both sides of every comparison are compiled alike, here or in a subprocess.
 os.environ['XLA_FLAGS'] = ' '.join(
     [
         *os.environ.get('XLA_FLAGS', '').split(),
         '--xla_backend_optimization_level=0',
         '--xla_cpu_use_fusion_emitters=false',
+        '--xla_cpu_parallel_codegen_split_count=1',
     ]
 )
 

@@ -594,6 +594,28 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(
   assert sorted(expected) == list(range(1, STEPS + 1))
 
 
+def _what_the_bucket_kept(root: str, first: str, final: str) -> str:
+  """A failed resume's report: the checkpoint folders the server keeps under `root` (each
+  with its object count and whether orbax's commit mark is there), the first run's
+  checkpoint and warning lines, and the end of the resumed run's log."""
+  objects = []
+  for checkpoints, steps, _ in os.walk(root):
+    if os.path.basename(checkpoints) == 'checkpoints':
+      for step in sorted(steps):
+        folder = os.path.join(checkpoints, step)
+        count = sum(len(names) for _, _, names in os.walk(folder))
+        marked = os.path.exists(os.path.join(folder, 'commit_success.txt'))
+        objects.append(f'{os.path.relpath(folder, root)}: {count} objects, commit mark {marked}')
+  lines = [
+      line
+      for line in first.splitlines()
+      if 'heckpoint' in line or line[:1] in 'WE' or 'error' in line
+  ]
+  return '\n'.join(
+      ['objects:', *objects[:80], 'the first run:', *lines[-40:], 'the resumed run:', final[-2000:]]
+  )
+
+
 def test_a_short_outage_is_ridden_out_and_a_long_one_stops_in_one_paragraph(
     config_and_reference, tmp_path
 ):
@@ -621,13 +643,16 @@ def test_a_short_outage_is_ridden_out_and_a_long_one_stops_in_one_paragraph(
         stderr=subprocess.PIPE,
         text=True,
     )
+    seen = []  # The first run's log, for the report of a failure.
     for line in first.stderr:
+      seen.append(line)
       if 'Saving checkpoint 5 ' in line:
         break
     server.stop()  # While it trains (every step's metrics row waits for the bucket).
     time.sleep(4)
     server.restart(root)
     for line in first.stderr:
+      seen.append(line)
       if 'Saving checkpoint 10 ' in line:
         break
     assert first.poll() is None  # Ridden out.
@@ -636,6 +661,7 @@ def test_a_short_outage_is_ridden_out_and_a_long_one_stops_in_one_paragraph(
     began = time.time()
     first.send_signal(signal.SIGCONT)
     rest = first.stderr.read()
+    seen.append(rest)
     assert first.wait(timeout=bound + 120) == 2, rest[-3000:]
     assert time.time() - began < bound + 45, rest[-3000:]
     last = rest.strip().splitlines()[-1]
@@ -648,7 +674,9 @@ def test_a_short_outage_is_ridden_out_and_a_long_one_stops_in_one_paragraph(
         train_testlib.train_command(config, run), env=env, capture_output=True, text=True
     )
     assert final.returncode == 0, final.stderr[-3000:]
-    assert 'Resumed from the checkpoint at step' in final.stderr, final.stderr[-3000:]
+    assert 'Resumed from the checkpoint at step' in final.stderr, _what_the_bucket_kept(
+        root, ''.join(seen), final.stderr
+    )
     # Compared in a process whose clients talk to this server (this one's talk to the
     # session's).
     compare = (
