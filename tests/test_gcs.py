@@ -594,25 +594,31 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(
   assert sorted(expected) == list(range(1, STEPS + 1))
 
 
-def _what_the_bucket_kept(root: str, first: str, final: str) -> str:
-  """A failed resume's report: the checkpoint folders the server keeps under `root` (each
-  with its object count and whether orbax's commit mark is there), the first run's
-  checkpoint and warning lines, and the end of the resumed run's log."""
-  objects = []
+def _checkpoint_folders(root: str) -> list[str]:
+  """The checkpoint folders a filesystem-backed server keeps under `root`: each with its
+  object count and whether orbax's commit mark is there."""
+  folders = []
   for checkpoints, steps, _ in os.walk(root):
     if os.path.basename(checkpoints) == 'checkpoints':
       for step in sorted(steps):
         folder = os.path.join(checkpoints, step)
         count = sum(len(names) for _, _, names in os.walk(folder))
         marked = os.path.exists(os.path.join(folder, 'commit_success.txt'))
-        objects.append(f'{os.path.relpath(folder, root)}: {count} objects, commit mark {marked}')
+        folders.append(f'{os.path.relpath(folder, root)}: {count} objects, commit mark {marked}')
+  return folders
+
+
+def _not_resumed(folders: list[str], first: str, final: str) -> str:
+  """A failed resume's report: the checkpoint folders before the resumed run, the first
+  run's checkpoint and warning lines, and the end of the resumed run's log."""
   lines = [
       line
       for line in first.splitlines()
       if 'heckpoint' in line or line[:1] in 'WE' or 'error' in line
   ]
   return '\n'.join(
-      ['objects:', *objects[:80], 'the first run:', *lines[-40:], 'the resumed run:', final[-2000:]]
+      ['before the resumed run:', *folders, 'the first run:', *lines[-40:], 'the resumed run:']
+      + [final[-2000:]]
   )
 
 
@@ -670,12 +676,13 @@ def test_a_short_outage_is_ridden_out_and_a_long_one_stops_in_one_paragraph(
     assert 'Traceback' not in rest and 'RuntimeWarning' not in rest, rest[-3000:]
 
     server.restart(root)
+    folders = _checkpoint_folders(root)
     final = subprocess.run(
         train_testlib.train_command(config, run), env=env, capture_output=True, text=True
     )
     assert final.returncode == 0, final.stderr[-3000:]
-    assert 'Resumed from the checkpoint at step' in final.stderr, _what_the_bucket_kept(
-        root, ''.join(seen), final.stderr
+    assert 'Resumed from the checkpoint at step' in final.stderr, _not_resumed(
+        folders, ''.join(seen), final.stderr
     )
     # Compared in a process whose clients talk to this server (this one's talk to the
     # session's).
