@@ -279,8 +279,19 @@ def test_two_hosts_a_dead_host_ends_the_run_is_marked_down_and_after_it_returns_
       pass
   began = time.time()
   _seconds_until_no_trainer(began, HEARTBEAT + 30)
-  while not (_node_state('node2').startswith('down') and job.state()[0] == 'PENDING'):
-    assert time.time() - began < SLURMD_TIMEOUT + 60, (_node_state('node2'), job.state())
+  # The controller requeues the job (PENDING) before node1's slurmstepd, told to end the
+  # batch step, writes its 'CANCELLED ... DUE TO NODE FAILURE' line to the job's log: wait
+  # for all three (CI once read the log between the two).
+  while not (
+      _node_state('node2').startswith('down')
+      and job.state()[0] == 'PENDING'
+      and 'DUE TO NODE FAILURE' in job.log()
+  ):
+    assert time.time() - began < SLURMD_TIMEOUT + 60, (
+        _node_state('node2'),
+        job.state(),
+        job.log()[-3000:],
+    )
     time.sleep(0.5)
   log = job.log()
   assert 'srun: error: Node failure on node2' in log, log[-3000:]
