@@ -155,3 +155,6 @@ def test_open_split_iterates_every_pair_once(prepared):
   listed = list(pairs)
   assert len(listed) == len(pairs) == 1378
   assert listed[-1] == pairs[-1]
+  # Batched reads (the vocabulary's sentences, the token store) give the same pairs.
+  assert pairs.at([1377, 0, 5, 5]) == [listed[1377], listed[0], listed[5], listed[5]]
+  assert pairs.range(1370, 2000) == listed[1370:]

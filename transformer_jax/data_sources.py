@@ -15,7 +15,7 @@ skipped and counted everywhere (`nonblank_pairs`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 import hashlib
 import importlib
 import os
@@ -69,7 +69,13 @@ class ParallelText(Sequence):
 
   def range(self, start: int, end: int) -> list[tuple[str, str]]:
     """Pairs [start, end), read in one batched call where the source has one."""
-    indices = list(range(start, min(end, len(self))))
+    return self.at(range(start, min(end, len(self))))
+
+  def at(self, indices: Iterable[int]) -> list[tuple[str, str]]:
+    """The pairs at `indices` (in [0, len)), read in one batched call where the source has
+    one: an array_record source reads and parses a batch about 3x faster than one record at
+    a time (the Bible's 28,533 training pairs: 1.8 against 5.9 CPU-s)."""
+    indices = [int(i) for i in indices]
     try:
       records = self._records.__getitems__(indices)
     except (AttributeError, TypeError):  # No batched read (or a mocked one that differs).

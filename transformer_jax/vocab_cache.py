@@ -24,6 +24,9 @@ from transformer_jax.data_sources import ParallelText
 from transformer_jax.tokenizer import load_or_train_tokenizer
 from transformer_jax.tokenizer import Tokenizer
 
+# Pairs read at a time for the vocabulary's sentences (batched reads, bounded memory).
+_READ_CHUNK = 4096
+
 
 def local_directory(workdir: str) -> str:
   """Where the vocabulary and token stores of `workdir` are read from: the work directory
@@ -96,8 +99,11 @@ def _load_or_train(
     num_pairs = min(len(train_pairs), max(1, config.vocab_train_sentences // 2))
     rng = np.random.default_rng(config.data_seed)
     chosen = np.sort(rng.choice(len(train_pairs), size=num_pairs, replace=False))
-    for i in chosen:
-      yield from train_pairs[int(i)]
+    read = getattr(train_pairs, 'at', None)  # Batched reads where the pairs offer them.
+    for start in range(0, num_pairs, _READ_CHUNK):
+      part = chosen[start : start + _READ_CHUNK]
+      for pair in read(part) if read else [train_pairs[int(i)] for i in part]:
+        yield from pair
 
   return load_or_train_tokenizer(
       path, sentences, vocab_size=config.vocab_size_target, model_type=config.vocab_model_type
