@@ -64,18 +64,23 @@ def pytest_configure(config):
 
 
 # The files that took longest in the last measured whole run (bench/RESULTS.md, Test suite),
-# longest first. The workers take whole files (`--dist loadfile`) in collection order
+# longest first, except that the three files that mostly wait on a service (SLURM, Cloud
+# Storage) do not all start together: test_bench, which keeps a core busy, starts beside two
+# of them and test_two_hosts when a worker is free, so the cores do not idle while three
+# workers wait at once. The workers take whole files (`--dist loadfile`) in collection order
 # (`--no-loadscope-reorder`; xdist would otherwise start with the files of most tests, the
 # quick ones), so these start first and no long file is left to run alone at the end. A file
 # not named here runs after them, in name order; a stale order costs time, never a result.
-# test_model_options and test_decode are placed for the quick tier, where they are longest.
+# test_model_options and test_decode are placed for the quick tier, where they are longest;
+# test_resume and test_multihost, which wait on the subprocesses they kill, before the
+# quick files that end the run.
 LONGEST_FIRST = (
     'test_launchers',
     'test_gcs',
+    'test_bench',
     'test_two_hosts',
     'test_cli',
     'test_aot',
-    'test_bench',
     'test_docs',
     'test_marian',
     'test_models',
@@ -83,6 +88,8 @@ LONGEST_FIRST = (
     'test_translate_cli',
     'test_train',
     'test_translator',
+    'test_resume',
+    'test_multihost',
     'test_decode',
     'test_sharding',
 )
