@@ -328,13 +328,31 @@ def run_cpu_train(args, s, results, log_dir, jenv, tenv, has_torch, machine_peak
           f'--models: {model!r} is not one of {sorted(CPU_TRAIN_SHAPES)} on the CPU plan.'
       )
     results['train'][model] = run_cpu_train_model(
-        model, s, log_dir, jenv, tenv, has_torch, machine_peak, args.glibc_malloc_too
+        model,
+        s,
+        log_dir,
+        jenv,
+        tenv,
+        has_torch,
+        machine_peak,
+        args.glibc_malloc_too,
+        args.attention.split(','),
     )
 
 
 def run_cpu_train_model(
-    model, s, log_dir, jenv, tenv, has_torch, machine_peak, glibc_malloc_too=False
+    model,
+    s,
+    log_dir,
+    jenv,
+    tenv,
+    has_torch,
+    machine_peak,
+    glibc_malloc_too=False,
+    attentions=('',),
 ):
+  """Our step (`attentions[0]`) against Hugging Face's, and with `glibc_malloc_too` and each
+  further value of `attentions` another worker of ours in the same rounds."""
   rows, length, vocab, packed = CPU_TRAIN_SHAPES[model]
   cfg = model_config(model, vocab)
   step_flops = flops.batch_flops(cfg, [length] * rows, [length] * rows)
@@ -354,6 +372,7 @@ def run_cpu_train_model(
                       target_length=length,
                       vocab_size=vocab,
                       packed=packed,
+                      attention=attentions[0],
                   )
               ],
               jenv,
@@ -395,6 +414,17 @@ def run_cpu_train_model(
         ),
         'train',
     )
+  for attention in attentions[1:]:  # Our step with another attention_implementation.
+    group[f'jax [{attention}]'] = (
+        Worker(
+            f'train_{model}_jax_{attention or "auto"}',
+            'bench.jax_side',
+            [dict(group['jax'][0].specs[0], attention=attention)],
+            jenv,
+            log_dir,
+        ),
+        'train',
+    )
   times = interleave(group, s.rounds, s.train_iters)
   train = {
       'model_flops_per_step': step_flops,
@@ -428,6 +458,10 @@ def run_cpu_train_model(
   if glibc_malloc_too:
     train['speedup_vs_glibc_malloc'] = paired_speedup(
         train['jax'].get('times'), train['jax_glibc_malloc'].get('times')
+    )
+  for attention in attentions[1:]:
+    train[f'speedup_vs_jax [{attention}]'] = paired_speedup(
+        train['jax'].get('times'), train[f'jax [{attention}]'].get('times')
     )
   return train
 
@@ -837,6 +871,16 @@ def train_table(lines: list[str], model: str, t: dict[str, Any]) -> None:
             _fmt(t['speedup_vs_glibc_malloc'], '.2f', 1, 'x'),
         )
     )
+  for name in t:
+    if name.startswith('jax ['):
+      add(
+          row.format(
+              f'ours, attention_implementation={name[5:-1]!r}',
+              _fmt(t[name].get('tokens_per_s')),
+              '',
+              _fmt(t[f'speedup_vs_{name}'], '.2f', 1, 'x'),
+          )
+      )
   jb, pb = j.get('breakdown'), p.get('breakdown')
   if jb:
     add(f'  where a step goes, ms (profiled, {BREAKDOWN_STEPS} steps; bench/breakdown.py):')
@@ -1065,9 +1109,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   parser.add_argument(
       '--attention',
       default='',
-      help='GPU plan: comma-separated attention_implementation values to '
-      "compare, e.g. 'xla,cudnn' ('' is automatic, the default: cuDNN on a "
-      'GPU where it can serve, fed sequence lengths)',
+      help='comma-separated attention_implementation values to compare, e.g. '
+      "'xla,cudnn' ('' is automatic, the default: cuDNN on a GPU where it can "
+      'serve, the explicit softmax on a CPU); on the CPU plan the first is ours '
+      'and each further one another worker timed in the same rounds',
   )
   parser.add_argument(
       '--variants',

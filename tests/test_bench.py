@@ -76,8 +76,11 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
 @needs_references
 def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp_path):
   """`--models=main`: the main job's config (pre-norm, packed rows) against Hugging Face's
-  pre-norm M2M100 of the same size, with each step's time by kind on both sides."""
-  results, table = run_bench(tmp_path, '--quick', '--only=train', '--models=main')
+  pre-norm M2M100 of the same size, with each step's time by kind on both sides; with
+  `--attention=,xla` also our step with jax.nn's XLA attention, in the same rounds."""
+  results, table = run_bench(
+      tmp_path, '--quick', '--only=train', '--models=main', '--attention=,xla'
+  )
   train = results['train']['main']
   assert train['norm_position'] == 'pre'
   assert train['reference'] == 'M2M100ForConditionalGeneration'
@@ -96,6 +99,16 @@ def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp
     if side == 'jax':  # The union of the operations' intervals lies within their span.
       assert breakdown['busy_ms'] <= breakdown['span_ms'] * (1 + 1e-6), breakdown
   assert 'where a step goes' in table and 'M2M100' in table
+  # Each worker trained with its own attention: automatic (on a CPU the explicit softmax) and
+  # jax.nn's, the same loss to rounding from the same parameters and batch.
+  xla = train['jax [xla]']
+  assert train['jax']['setup']['attention_implementation'].startswith('explicit softmax')
+  assert xla['setup']['attention_implementation'] == 'XLA attention, as configured'
+  assert xla['tokens_per_s'] > 0 and train['speedup_vs_jax [xla]'] > 0
+  assert xla['setup']['loss_per_token'] == pytest.approx(
+      train['jax']['setup']['loss_per_token'], rel=1e-5
+  )
+  assert "ours, attention_implementation='xla'" in table
 
 
 def test_gpu_plan_times_steps_back_to_back_besides_blocked_ones(tmp_path):

@@ -206,7 +206,8 @@ def test_config_imports_nothing_of_the_package_but_errors_and_kernel_choice():
     'overrides,platform,implementation,lengths,reason',
     [
         ({}, 'gpu', 'cudnn', True, 'cuDNN fused attention (automatic on GPU)'),
-        ({}, 'cpu', None, False, 'XLA attention (automatic on cpu)'),
+        ({}, 'cpu', 'explicit', False, 'explicit softmax attention (automatic on cpu)'),
+        ({'attention_implementation': 'explicit'}, 'gpu', 'explicit', False, 'as configured'),
         ({}, 'tpu', None, False, 'XLA attention (automatic on tpu)'),
         ({'packing': True}, 'gpu', 'xla', False, 'cannot serve packed rows'),
         ({'dtype': 'float32'}, 'gpu', 'xla', False, 'cannot serve dtype float32'),

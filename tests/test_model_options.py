@@ -1,7 +1,7 @@
 """The model's implementation options against the plain computation they replace, from the
 same parameters: logits and gradients to rounding (remat policies, cuDNN's sequence
-lengths, one-pass layer norm statistics, the linear logits sum, the Pallas post-norm kernel,
-stacked q/k/v projections)."""
+lengths, the explicit softmax attention, one-pass layer norm statistics, the linear logits
+sum, the Pallas post-norm kernel, stacked q/k/v projections)."""
 
 import dataclasses
 
@@ -87,6 +87,59 @@ def test_attention_fed_lengths_equals_the_dense_mask(attention_dropout):
   jax.tree_util.tree_map(
       lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grads_l, grads
   )
+
+
+def test_explicit_softmax_attention_equals_jax_nn_on_packed_and_padded_rows():
+  """`attention_implementation='explicit'` (what a CPU takes when automatic) gives what
+  `jax.nn.dot_product_attention` gives ('xla'), logits and gradients, with every kind of
+  mask at once: two examples packed in a row (segments and positions), padding, causal."""
+  rng = np.random.default_rng(13)
+  inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)
+  # Row 0: two packed examples a side, then padding; the other rows: one, right-padded.
+  source_segments = np.ones(SOURCE, np.int32)
+  target_segments = np.ones(TARGET, np.int32)
+  source_segments[0, 3:7], source_segments[0, 7:] = 2, 0
+  target_segments[0, 2:4], target_segments[0, 4:] = 2, 0
+  source_segments[1, 5:], target_segments[2, 3:] = 0, 0
+  inputs = jnp.where(source_segments > 0, inputs, PAD_ID)
+  targets = jnp.where(target_segments > 0, targets, PAD_ID)
+
+  def positions(segments):
+    starts = np.r_[True, segments[1:] != segments[:-1]]
+    index = np.arange(len(segments))
+    return index - np.maximum.accumulate(np.where(starts, index, 0))
+
+  batch = dict(
+      inputs_positions=np.stack([positions(s) for s in source_segments]),
+      targets_positions=np.stack([positions(s) for s in target_segments]),
+      inputs_segmentation=source_segments,
+      targets_segmentation=target_segments,
+  )
+  xla = dataclasses.replace(ONE_LAYER, attention_implementation='xla')
+  explicit = dataclasses.replace(ONE_LAYER, attention_implementation='explicit')
+  params = init(xla)
+  weights = targets > 0
+
+  def loss_and_grads(cfg):
+    def loss(p):
+      logits = Transformer(cfg).apply({'params': p}, inputs, targets, **batch)
+      return losses.compute_metrics(logits, targets, weights)['loss'], logits
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+  (loss, logits), grads = loss_and_grads(xla)
+  (loss_e, logits_e), grads_e = loss_and_grads(explicit)
+  real = np.asarray(weights)
+  np.testing.assert_allclose(
+      np.asarray(logits_e)[real], np.asarray(logits)[real], atol=1e-5, rtol=1e-5
+  )
+  np.testing.assert_allclose(loss_e, loss, rtol=1e-6)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grads_e, grads
+  )
+  # The packing is seen: without segments the same rows give other logits.
+  unpacked = Transformer(explicit).apply({'params': params}, inputs, targets)
+  assert not np.allclose(np.asarray(unpacked)[0, :4], np.asarray(logits_e)[0, :4], atol=1e-3)
 
 
 @pytest.mark.parametrize('norm_position', ['post', 'pre'])

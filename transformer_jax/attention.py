@@ -117,9 +117,12 @@ def scaled_dot_product_attention(
 ) -> tuple[Array, Array | None]:
   """softmax(Q K^T / sqrt(d_k) + bias) V, masked positions excluded.
 
-  Without attention dropout, a request for the weights or heads-major keys and values this
-  goes through `jax.nn.dot_product_attention`, so that a GPU can pick its fused kernel.
-  Otherwise the weights are formed explicitly (softmax in float32 either way).
+  Without attention dropout, a request for the weights, heads-major keys and values or
+  `implementation='explicit'` this goes through `jax.nn.dot_product_attention`, so that a GPU
+  can pick its fused kernel. Otherwise the weights are formed explicitly (softmax in float32
+  either way): what `kernel_choice` picks on a CPU, where `jax.nn`'s XLA path spends about
+  twice as long in the softmax and masks (the main job's step 1.01-1.02x faster without it,
+  bench/RESULTS.md).
 
   Args:
     query: [batch, q_length, heads, head_dim].
@@ -131,7 +134,8 @@ def scaled_dot_product_attention(
     bias: float, broadcastable to [batch, heads, q_length, kv_length], or None.
     dropout_rate: dropout on the attention weights (needs `dropout_rng`).
     dropout_rng: PRNG key for that dropout; None means no dropout.
-    implementation: passed to `jax.nn.dot_product_attention` ('xla', 'cudnn' or None).
+    implementation: 'explicit' forms the weights here; else passed to
+      `jax.nn.dot_product_attention` ('xla', 'cudnn' or None).
     return_weights: also return the [batch, heads, q_length, kv_length] weights.
     heads_major_kv: keys and values are [batch, heads, kv_length, head_dim], the layout of
       the decode caches: XLA's batched products over (batch, heads) read them as they are,
@@ -142,7 +146,8 @@ def scaled_dot_product_attention(
     ([batch, q_length, heads, head_dim] output in the query's dtype, weights or None).
   """
   use_dropout = dropout_rng is not None and dropout_rate > 0.0
-  if not use_dropout and not return_weights and not heads_major_kv:
+  explicit = use_dropout or return_weights or heads_major_kv or implementation == 'explicit'
+  if not explicit:
     if bias is not None:
       bias = bias.astype(query.dtype)
     if isinstance(mask, Lengths):

@@ -56,7 +56,9 @@ DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16}
 DTYPE_CHOICES = ('auto',) + tuple(DTYPES)
 ACCELERATOR_PLATFORMS = ('gpu', 'cuda', 'rocm', 'tpu')
 REMAT_POLICIES = ('none', 'full', 'dots', 'dots_with_no_batch_dims')
-ATTENTION_IMPLEMENTATIONS = ('', 'xla', 'cudnn')  # '': automatic (`kernel_choice`).
+# '': automatic (`kernel_choice`); 'xla' and 'cudnn' go to `jax.nn.dot_product_attention`,
+# 'explicit' forms the softmax weights in the model's own code.
+ATTENTION_IMPLEMENTATIONS = ('', 'xla', 'cudnn', 'explicit')
 NONFINITE_MODES = ('skip', 'stop')
 DROPOUT_RNG_IMPLS = ('rbg', 'unsafe_rbg', 'threefry2x32')
 LENGTH_PENALTY_FORMS = ('gnmt', 'power')
@@ -178,7 +180,8 @@ def base_config() -> ml_collections.ConfigDict:
   # Computation dtype: 'auto' (bfloat16 on GPU/TPU, float32 on CPU) | 'bfloat16' | 'float32'.
   # Parameters, optimizer state, softmax and loss stay float32.
   c.dtype = 'auto'
-  # '' (automatic: cuDNN's fused kernel on GPU where it can serve, else XLA) | 'xla' | 'cudnn'.
+  # '' (automatic: cuDNN's fused kernel on GPU where it can serve, the explicit softmax on
+  # CPU, else XLA) | 'xla' | 'cudnn' | 'explicit'.
   c.attention_implementation = ''
   c.remat_policy = 'none'  # 'none' | 'full' | 'dots' | 'dots_with_no_batch_dims'.
 

@@ -61,16 +61,22 @@ def attention_choice(
   '' (automatic) takes cuDNN's fused kernel on a GPU when it can serve: a cuDNN library,
   16-bit compute, a head dimension that is a multiple of 8 up to 128, no attention dropout
   and no ALiBi bias (both need the explicit softmax), unpacked rows (JAX's cuDNN call takes
-  no segment ids). Otherwise XLA, with the reason. Unpacked rows give cuDNN sequence lengths
-  and a causal flag, never a mask.
+  no segment ids). Otherwise XLA, with the reason; on a CPU the explicit softmax. Unpacked
+  rows give cuDNN sequence lengths and a causal flag, never a mask.
   """
   requested = config.attention_implementation
   packed = bool(config.get('packing', False))
   if requested == 'xla':
     return AttentionChoice('xla', False, 'XLA attention, as configured')
+  if requested == 'explicit':
+    return AttentionChoice('explicit', False, 'explicit softmax attention, as configured')
   if requested == 'cudnn':
     how = 'a dense mask, as packed rows need' if packed else 'sequence lengths and a causal flag'
     return AttentionChoice('cudnn', not packed, f'cuDNN fused attention, as configured, fed {how}')
+  if platform == 'cpu':
+    # jax.nn.dot_product_attention's XLA path spends about twice as long in the softmax and
+    # masks there: the main job's step 1.01-1.02x faster without it (bench/RESULTS.md).
+    return AttentionChoice('explicit', False, 'explicit softmax attention (automatic on cpu)')
   if platform not in ('gpu', 'cuda'):
     return AttentionChoice(None, False, f'XLA attention (automatic on {platform})')
   head_dim = config.d_model // max(1, config.num_heads)
