@@ -328,31 +328,15 @@ def run_cpu_train(args, s, results, log_dir, jenv, tenv, has_torch, machine_peak
           f'--models: {model!r} is not one of {sorted(CPU_TRAIN_SHAPES)} on the CPU plan.'
       )
     results['train'][model] = run_cpu_train_model(
-        model,
-        s,
-        log_dir,
-        jenv,
-        tenv,
-        has_torch,
-        machine_peak,
-        args.glibc_malloc_too,
-        args.attention.split(','),
+        model, s, log_dir, jenv, tenv, has_torch, machine_peak, args
     )
 
 
-def run_cpu_train_model(
-    model,
-    s,
-    log_dir,
-    jenv,
-    tenv,
-    has_torch,
-    machine_peak,
-    glibc_malloc_too=False,
-    attentions=('',),
-):
-  """Our step (`attentions[0]`) against Hugging Face's, and with `glibc_malloc_too` and each
-  further value of `attentions` another worker of ours in the same rounds."""
+def run_cpu_train_model(model, s, log_dir, jenv, tenv, has_torch, machine_peak, args):
+  """Our step (the first of `--attention`) against Hugging Face's, and with
+  `--glibc_malloc_too` and each further value of `--attention` another worker of ours in the
+  same rounds."""
+  glibc_malloc_too, attentions = args.glibc_malloc_too, args.attention.split(',')
   rows, length, vocab, packed = CPU_TRAIN_SHAPES[model]
   cfg = model_config(model, vocab)
   step_flops = flops.batch_flops(cfg, [length] * rows, [length] * rows)

@@ -53,6 +53,20 @@ def test_remat_policies_give_the_same_gradients():
     )
 
 
+def assert_equal_to_rounding(result, reference, real):
+  """Two `jax.value_and_grad(..., has_aux=True)` results of (loss, logits): the same loss,
+  logits at the `real` target positions and gradients, to float32 rounding."""
+  (loss, logits), grads = result
+  (loss_r, logits_r), grads_r = reference
+  np.testing.assert_allclose(
+      np.asarray(logits)[real], np.asarray(logits_r)[real], atol=1e-5, rtol=1e-5
+  )
+  np.testing.assert_allclose(loss, loss_r, rtol=1e-6)
+  jax.tree_util.tree_map(
+      lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grads, grads_r
+  )
+
+
 @pytest.mark.parametrize('attention_dropout', [0.0, 0.3])
 def test_attention_fed_lengths_equals_the_dense_mask(attention_dropout):
   """What cuDNN is given on a GPU (sequence lengths and a causal flag) means what the dense
@@ -77,15 +91,10 @@ def test_attention_fed_lengths_equals_the_dense_mask(attention_dropout):
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
-  (loss, logits), grads = loss_and_grads(dense)
-  (loss_l, logits_l), grads_l = loss_and_grads(dataclasses.replace(dense, attention_lengths=True))
-  real = np.asarray(weights)
-  np.testing.assert_allclose(
-      np.asarray(logits_l)[real], np.asarray(logits)[real], atol=1e-5, rtol=1e-5
-  )
-  np.testing.assert_allclose(loss_l, loss, rtol=1e-6)
-  jax.tree_util.tree_map(
-      lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grads_l, grads
+  assert_equal_to_rounding(
+      loss_and_grads(dataclasses.replace(dense, attention_lengths=True)),
+      loss_and_grads(dense),
+      np.asarray(weights),
   )
 
 
@@ -127,16 +136,8 @@ def test_explicit_softmax_attention_equals_jax_nn_on_packed_and_padded_rows():
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
 
-  (loss, logits), grads = loss_and_grads(xla)
-  (loss_e, logits_e), grads_e = loss_and_grads(explicit)
-  real = np.asarray(weights)
-  np.testing.assert_allclose(
-      np.asarray(logits_e)[real], np.asarray(logits)[real], atol=1e-5, rtol=1e-5
-  )
-  np.testing.assert_allclose(loss_e, loss, rtol=1e-6)
-  jax.tree_util.tree_map(
-      lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), grads_e, grads
-  )
+  (_, logits_e), _ = result = loss_and_grads(explicit)
+  assert_equal_to_rounding(result, loss_and_grads(xla), np.asarray(weights))
   # The packing is seen: without segments the same rows give other logits.
   unpacked = Transformer(explicit).apply({'params': params}, inputs, targets)
   assert not np.allclose(np.asarray(unpacked)[0, :4], np.asarray(logits_e)[0, :4], atol=1e-3)
