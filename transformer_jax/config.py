@@ -413,7 +413,7 @@ def validate(
   _require(
       config.attention_implementation in ATTENTION_IMPLEMENTATIONS,
       f'attention_implementation={config.attention_implementation!r} must be one of '
-      f"{ATTENTION_IMPLEMENTATIONS} ('' lets JAX choose).",
+      f"{ATTENTION_IMPLEMENTATIONS} ('' chooses by platform).",
   )
   boundaries = tuple(config.bucket_boundaries)
   _require(
