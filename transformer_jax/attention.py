@@ -117,12 +117,12 @@ def scaled_dot_product_attention(
 ) -> tuple[Array, Array | None]:
   """softmax(Q K^T / sqrt(d_k) + bias) V, masked positions excluded.
 
-  Without attention dropout, a request for the weights, heads-major keys and values or
-  `implementation='explicit'` this goes through `jax.nn.dot_product_attention`, so that a GPU
-  can pick its fused kernel. Otherwise the weights are formed explicitly (softmax in float32
-  either way): what `kernel_choice` picks on a CPU, where `jax.nn`'s XLA path spends about
-  twice as long in the softmax and masks (the main job's step 1.01-1.02x faster without it,
-  bench/RESULTS.md).
+  This goes through `jax.nn.dot_product_attention`, so that a GPU can pick its fused kernel,
+  unless there is attention dropout, the weights are asked for, keys and values are
+  heads-major or `implementation='explicit'`; then the weights are formed here (softmax in
+  float32 either way). 'explicit' is what `kernel_choice` picks on a CPU, where `jax.nn`'s
+  XLA path spends about twice as long in the softmax and masks (the main job's step
+  1.01-1.02x faster without it, bench/RESULTS.md).
 
   Args:
     query: [batch, q_length, heads, head_dim].
