@@ -20,7 +20,12 @@ if [ "$mode" != "--aot" ]; then
     # SLURM, munge and Open MPI: tests/test_launchers.py starts a one-node cluster of them.
     bash scripts/local_slurm.sh install
   fi
-  python -m pip install -q --disable-pip-version-check -c requirements.txt -e ".[$extras]"
+  # pip resolves for about 10 s even when nothing is missing: ask first (scripts/installed.py).
+  if python scripts/installed.py "$extras" 2>/dev/null; then
+    echo "Python packages present: this checkout and requirements.txt's versions ($extras)"
+  else
+    python -m pip install -q --disable-pip-version-check -c requirements.txt -e ".[$extras]"
+  fi
 fi
 if [ "$mode" = "--aot" ] || [ "$mode" = "--test" ]; then
   # The wheels of the installed jax's exact version (transformer_jax/aot_env.py says which).

@@ -472,3 +472,46 @@ def test_console_scripts_take_shipped_config_names(tmp_path):
       timeout=120,
   )
   assert installed.stdout.strip() == '32', installed.stderr[-2000:]
+
+
+def _installed_module():
+  import importlib.util
+
+  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'scripts', 'installed.py')
+  spec = importlib.util.spec_from_file_location('installed', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_setup_skips_pip_only_when_the_environment_is_what_it_would_install():
+  """scripts/installed.py (setup.sh asks it before pip): yes for the environment the tests run
+  in (set up by setup.sh --test), no with a reason for anything that differs."""
+  installed = _installed_module()
+  root = os.path.dirname(os.path.dirname(__file__))
+  with open(os.path.join(root, 'pyproject.toml')) as f:
+    pyproject = f.read()
+  with open(os.path.join(root, 'requirements.txt')) as f:
+    requirements = f.read()
+  # Installed editable from another checkout (a developer's second clone) is a difference too,
+  # but not one this environment's packages have.
+  found = [
+      p
+      for p in installed.problems(['test', 'tensorboard'], pyproject, requirements)
+      if 'not installed editable from' not in p
+  ]
+  assert found == []
+
+  cases = {
+      'jax': (pyproject, requirements.replace('\njax==', '\njax==0.0.1\n#')),
+      'not-a-package is not installed': (
+          pyproject.replace('dependencies = [\n', 'dependencies = [\n  "not-a-package>=1",\n'),
+          requirements,
+      ),
+      '99.0': (pyproject.replace('version = "0.1.0"', 'version = "99.0"'), requirements),
+      "no extra 'nope'": (pyproject, requirements),
+  }
+  for phrase, (project_text, requirements_text) in cases.items():
+    extras = ['nope'] if 'nope' in phrase else ['tensorboard']
+    found = installed.problems(extras, project_text, requirements_text)
+    assert any(phrase in p for p in found), (phrase, found)
