@@ -27,7 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Verses are 30-40 tokens on average; 128 keeps all but a handful.
   c.max_source_length = 128
   c.max_target_length = 128
-  c.bucket_boundaries = (16, 24, 32, 48, 64, 96, 128)
+  # With packed rows these shape only validation and decoding, where each bucket is one
+  # more program to compile (about 4.5 s for a beam search on 2 cores): two buckets evaluate
+  # the test books in 39 s instead of 60, validation costs the same, the output is identical.
+  c.bucket_boundaries = (48, 128)
   # Several examples a row: 8% padding instead of 20% with buckets, one compiled shape.
   c.packing = True
   # Small batches, many updates: on a 2-core CPU the run is compute-bound, and more updates
