@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -106,7 +105,6 @@ def main() -> int:
         [sys.executable, '-m', 'pip', 'check', '--disable-pip-version-check'],
         capture_output=True,
         text=True,
-        env={**os.environ, 'PIP_NO_INPUT': '1'},
     )
     if check.returncode != 0:
       found.append('pip check: ' + ' / '.join(check.stdout.strip().splitlines()[:3]))

@@ -503,7 +503,10 @@ def test_setup_skips_pip_only_when_the_environment_is_what_it_would_install():
   assert found == []
 
   cases = {
-      'jax': (pyproject, requirements.replace('\njax==', '\njax==0.0.1\n#')),
+      'requirements.txt pins 0.0.1': (
+          pyproject,
+          requirements.replace('\njax==', '\njax==0.0.1\n#'),
+      ),
       'not-a-package is not installed': (
           pyproject.replace('dependencies = [\n', 'dependencies = [\n  "not-a-package>=1",\n'),
           requirements,
