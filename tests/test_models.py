@@ -30,6 +30,30 @@ def variant(request):
   return VARIANTS[request.param]
 
 
+def test_rope_turns_each_half_split_pair_by_its_angle_and_keeps_dtypes():
+  """Su et al.'s rotation in GPT-NeoX's layout: the pair (x[i], x[i + d/2]) as the complex
+  number x[i] + j x[i + d/2], times exp(j * position * 10000^(-i/(d/2))); so a query at m and
+  a key at n score by m - n alone."""
+  rng = np.random.default_rng(3)
+  x = rng.standard_normal((2, 5, 3, 8)).astype(np.float32)
+  positions = np.array([[0, 1, 2, 0, 1], [4, 9, 2, 7, 100]])
+  half = 4
+  z = x[..., :half] + 1j * x[..., half:]
+  angle = positions[:, :, None, None] * 10000.0 ** (-np.arange(half) / half)
+  turned = z * np.exp(1j * angle)
+  want = np.concatenate([turned.real, turned.imag], axis=-1)
+  np.testing.assert_allclose(
+      attention.rope(jnp.asarray(x), jnp.asarray(positions)), want, atol=2e-5
+  )
+  q, k = jnp.asarray(x[:1, :1]), jnp.asarray(x[1:, :1])
+  score = lambda m, n: float(
+      jnp.sum(attention.rope(q, jnp.array([[m]])) * attention.rope(k, jnp.array([[n]])))
+  )
+  assert score(7, 3) == pytest.approx(score(4, 0), rel=1e-4, abs=1e-5)
+  assert abs(score(7, 3) - score(3, 7)) > 1e-3  # Direction matters.
+  assert attention.rope(jnp.asarray(x, jnp.bfloat16), jnp.asarray(positions)).dtype == jnp.bfloat16
+
+
 def test_alibi_slopes_and_bias_are_press_et_als():
   """The geometric slopes 2^(-8i/n), and for a head count that is not a power of two the
   closest power's slopes plus every other slope of twice as many (Press et al. 2021, 3.1)."""
