@@ -794,7 +794,10 @@ def test_import_and_export_on_a_bucket_match_the_local_ones(opus_mt_dir, bucket,
 
 
 def test_export_refuses_what_marian_lacks_naming_the_field(tmp_path):
-  workdir = _own_checkpoint(tmp_path, norm_position='pre')
-  with pytest.raises(ConfigError, match="norm_position='pre'"):
+  # The main job's model: both fields at once, each named.
+  workdir = _own_checkpoint(tmp_path, norm_position='pre', positional_encoding='rope')
+  with pytest.raises(ConfigError) as error:
     marian.export_model(workdir, str(tmp_path / 'out'))
+  assert "norm_position='pre'" in str(error.value)
+  assert "positional_encoding='rope'" in str(error.value)
   assert not os.path.exists(tmp_path / 'out')

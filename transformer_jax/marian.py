@@ -563,17 +563,22 @@ def state_dict_from_params(
 
 
 def exportable(config: TransformerConfig) -> None:
-  """Raises ConfigError unless Marian has everything `config` uses."""
-  for name, value, allowed in (
-      ('norm_position', config.norm_position, ('post',)),
-      ('positional_encoding', config.positional_encoding, ('sinusoidal',)),
-  ):
-    if value not in allowed:
-      raise ConfigError(
-          f'This model cannot be exported to Marian: {name}={value!r}, and '
-          f'Marian has only {allowed[0]!r} (a model trained with another '
-          f'{name} has nothing to map it to).'
+  """Raises ConfigError unless Marian has everything `config` uses, naming every field it
+  lacks."""
+  lacking = [
+      f'{name}={value!r}, and Marian has only {allowed!r}'
+      for name, value, allowed in (
+          ('norm_position', config.norm_position, 'post'),
+          ('positional_encoding', config.positional_encoding, 'sinusoidal'),
       )
+      if value != allowed
+  ]
+  if lacking:
+    raise ConfigError(
+        f'This model cannot be exported to Marian: {"; ".join(lacking)} (a model trained '
+        'with other values has nothing to map them to; docs/finetuning.md trains one that '
+        'exports).'
+    )
 
 
 def _hf_config(config: TransformerConfig, decoding: Mapping[str, Any]) -> dict[str, Any]:
