@@ -81,6 +81,19 @@ MAIN_JOB_CONFIG = os.path.join(
 )
 
 
+# The main job's output layer (output_vocabulary='target') scores the 5,314 pieces on the
+# Spanish side of the Bible corpus's training split with EOS and UNK (of 8,000); a benchmark
+# of its step scores as many, EOS and UNK first (which ids does not change the time).
+MAIN_JOB_OUTPUT_PIECES = 5314
+
+
+def output_ids(config: ml_collections.ConfigDict) -> tuple[int, ...] | None:
+  """The ids a benchmark's output layer scores: None (all) unless output_vocabulary='target'."""
+  if config.output_vocabulary != 'target':
+    return None
+  return tuple(range(EOS_ID, EOS_ID + min(MAIN_JOB_OUTPUT_PIECES, config.vocab_size - EOS_ID)))
+
+
 def main_job_config() -> ml_collections.ConfigDict:
   spec = importlib.util.spec_from_file_location('bench_main_job_config', MAIN_JOB_CONFIG)
   module = importlib.util.module_from_spec(spec)
@@ -176,7 +189,9 @@ class _TrainSetup:
       overrides: Mapping[str, Any] | None = None,
   ):
     self.config = run_config(model, vocab_size, dtype, remat, attention, overrides)
-    self.model_config = TransformerConfig.from_config(self.config)
+    self.model_config = TransformerConfig.from_config(
+        self.config, output_ids=output_ids(self.config)
+    )
     self.partitioner = Partitioner.from_config(self.config)
     opt_config = optimizer.OptimizerConfig.from_config(self.config, self.model_config.d_model)
     self.tx, self.schedule = optimizer.create_optimizer(opt_config)

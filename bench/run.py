@@ -35,6 +35,7 @@ from typing import Any
 
 from bench import breakdown
 from bench import worker
+from bench.jax_side import output_ids
 from bench.jax_side import run_config
 from transformer_jax import config as config_lib
 from transformer_jax import flops
@@ -247,7 +248,8 @@ def cpu_sizes(quick: bool) -> Sizes:
 
 
 def model_config(model: str, vocab: int) -> TransformerConfig:
-  return TransformerConfig.from_config(run_config(model, vocab))
+  config = run_config(model, vocab)
+  return TransformerConfig.from_config(config, output_ids=output_ids(config))
 
 
 def run_cpu(args, results: dict[str, Any], log_dir: str) -> None:
@@ -420,6 +422,12 @@ def run_cpu_train_model(model, s, log_dir, jenv, tenv, has_torch, machine_peak, 
       'batch': (
           f'{rows} x {length} source + {length} target, no padding'
           + (' (ours packed, several examples a row)' if packed else '')
+          + (
+              f'; our output layer scores {cfg.output_size:,} of the {cfg.vocab_size:,} pieces, '
+              "theirs all (output_vocabulary='target')"
+              if cfg.output_ids is not None
+              else ''
+          )
       ),
   }
   for name, (w, task) in group.items():

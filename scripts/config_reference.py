@@ -29,6 +29,7 @@ CHOICES = {
     'sinusoid_layout': config_lib.SINUSOID_LAYOUTS,
     'norm_position': config_lib.NORM_POSITIONS,
     'activation': config_lib.ACTIVATIONS,
+    'output_vocabulary': config_lib.OUTPUT_VOCABULARIES,
     'decoder_start': tuple(config_lib.DECODER_STARTS),
     'dtype': config_lib.DTYPE_CHOICES,
     'remat_policy': config_lib.REMAT_POLICIES,

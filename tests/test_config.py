@@ -93,6 +93,21 @@ def test_bad_config_fails_when_built_with_a_clear_message(field, value, message)
   assert message in str(error.value)
 
 
+def test_output_ids_come_only_with_target_and_must_hold_eos_and_unk():
+  config = base_config()
+  config.vocab_size = 10
+  assert TransformerConfig.from_config(config, output_ids=[2, 3, 7]).output_ids is None
+  config.output_vocabulary = 'target'
+  model = TransformerConfig.from_config(config, output_ids=[2, 3, 7])
+  assert model.output_ids == (2, 3, 7) and model.output_size == 3
+  # Each id's index among the logits; ids the layer does not score get UNK's.
+  assert model.output_positions().tolist() == [1, 1, 0, 1, 1, 1, 1, 2, 1, 1]
+  assert TransformerConfig.from_config(config).output_size == 10  # No ids: all.
+  for bad in ([2, 7], [0, 2, 3], [3, 2, 7], [2, 3, 10]):
+    with pytest.raises(ConfigError, match='output_ids must be ascending ids below'):
+      TransformerConfig.from_config(config, output_ids=bad)
+
+
 @pytest.mark.parametrize(
     'platform,dtype',
     [
@@ -167,6 +182,7 @@ def test_a_saved_config_gets_legacy_values_and_todays_defaults_for_missing_field
         ('warmup_steps', 0, 'warmup_steps'),
         ('profile_steps', '5:3', "profile_steps='5:3' must be 'A:B'"),
         ('profile_steps', '10', "profile_steps='10' must be 'A:B'"),
+        ('output_vocabulary', 'source', "output_vocabulary='source' must be one of"),
     ],
 )
 def test_validate_names_the_field(field, value, message):

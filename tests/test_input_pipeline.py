@@ -1,6 +1,7 @@
 """Tests for the input pipeline on small generated data and on mock TFDS WMT data."""
 
 import collections
+import glob
 import json
 import os
 import types
@@ -19,6 +20,7 @@ from transformer_jax import token_store
 from transformer_jax import vocab_cache
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
+from transformer_jax.config import UNK_ID
 from transformer_jax.models import BATCH_KEYS
 
 WORDS = (
@@ -331,6 +333,15 @@ def test_get_datasets_on_text_files(corpus):
   data = ip.get_datasets(config, workdir, process_index=0, process_count=1, row_multiple=1)
   batch = next(data.train)
   assert set(batch) == set(BATCH_KEYS)
+  assert data.output_ids is None  # output_vocabulary='all'.
+  with config.unlocked():
+    config.output_vocabulary = 'target'
+  ids = ip.get_datasets(config, workdir, process_index=0, process_count=1).output_ids
+  (directory,) = glob.glob(os.path.join(workdir, 'vocab', '*.tokens', '*_train_*'))
+  store = token_store.TokenStore.open(directory)
+  seen = set(np.unique(store.target).tolist())
+  assert set(ids) == seen | {EOS_ID, UNK_ID} and list(ids) == sorted(ids)
+  assert len(ids) < data.tokenizer.vocab_size and PAD_ID not in ids
   test_pairs = data_sources.nonblank_pairs(data_sources.open_split(config, 'test'))
   assert len(test_pairs) == NUM_PAIRS - 3
   assert all(s.strip() and t.strip() for s, t in test_pairs)

@@ -506,9 +506,9 @@ def test_import_command_reports_a_bad_directory_in_one_paragraph(tmp_path):
 # --- Export: this project's checkpoints as Marian directories, and back. ---
 
 
-def _own_checkpoint(root, **fields) -> str:
+def _own_checkpoint(root, output_ids=None, **fields) -> str:
   """A random post-norm model of this project with its own SentencePiece vocabulary,
-  written as a checkpoint (what a training run leaves)."""
+  written as a checkpoint (what a training run leaves; `output_ids` go to its meta)."""
   from configs import tiny
 
   tokenizer = train_tokenizer(
@@ -544,7 +544,7 @@ def _own_checkpoint(root, **fields) -> str:
     )
   workdir = str(root / 'run')
   checkpointing.write_params_checkpoint(
-      workdir, 7, params, checkpointing.make_meta(config, tokenizer)
+      workdir, 7, params, checkpointing.make_meta(config, tokenizer, output_ids)
   )
   return workdir
 
@@ -794,10 +794,17 @@ def test_import_and_export_on_a_bucket_match_the_local_ones(opus_mt_dir, bucket,
 
 
 def test_export_refuses_what_marian_lacks_naming_the_field(tmp_path):
-  # The main job's model: both fields at once, each named.
-  workdir = _own_checkpoint(tmp_path, norm_position='pre', positional_encoding='rope')
+  # The main job's model: the three fields at once, each named.
+  workdir = _own_checkpoint(
+      tmp_path,
+      output_ids=(2, 3, 5, 8, 13),
+      norm_position='pre',
+      positional_encoding='rope',
+      output_vocabulary='target',
+  )
   with pytest.raises(ConfigError) as error:
     marian.export_model(workdir, str(tmp_path / 'out'))
   assert "norm_position='pre'" in str(error.value)
   assert "positional_encoding='rope'" in str(error.value)
+  assert "output_vocabulary='target' (an output layer of 5 of the 48" in str(error.value)
   assert not os.path.exists(tmp_path / 'out')

@@ -20,8 +20,12 @@ from models_testlib import VARIANTS
 from models_testlib import VOCAB
 from transformer_jax import attention
 from transformer_jax import losses
+from transformer_jax import train_steps
 from transformer_jax.config import BOS_ID
+from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
+from transformer_jax.config import UNK_ID
+from transformer_jax.models import BATCH_KEYS
 from transformer_jax.models import Transformer
 
 
@@ -169,6 +173,44 @@ def test_cached_decoding_equals_full_forward_pass(variant):
   full = apply(variant, {'params': params}, inputs, targets)
   cached = _decode_step_by_step(variant, params, inputs, targets)
   np.testing.assert_allclose(cached, full, atol=1e-5, rtol=1e-5)
+
+
+def test_output_ids_score_only_their_pieces_and_the_loss_counts_others_as_unk():
+  # The main job's output layer (output_vocabulary='target'): tied, pre-norm, with a bias.
+  full = dataclasses.replace(VARIANTS['pre_norm'], logits_bias=True)
+  ids = (EOS_ID, UNK_ID, 5, 9, 17, 30, 39)
+  short = dataclasses.replace(full, output_ids=ids)
+  rng = np.random.default_rng(4)
+  inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)
+  targets = targets.at[:, :3].set(jnp.asarray([17, 5, EOS_ID])).at[2, 5:].set(PAD_ID)
+  params = init(full)
+  params['decoder']['logits_bias'] = jnp.linspace(-1.0, 1.0, VOCAB)
+  logits = apply(full, {'params': params}, inputs, targets)
+  kept = logits[..., list(ids)]
+  # Training: the columns of `ids`, in their order, and nothing else.
+  trained = apply(short, {'params': params}, inputs, targets)
+  np.testing.assert_allclose(trained, kept, rtol=1e-5, atol=1e-5)
+  # Decoding: the whole vocabulary, -inf where the layer scores nothing.
+  cached = _decode_step_by_step(short, params, inputs, targets)
+  real = np.asarray(targets != PAD_ID)  # The full pass masks the padding; decoding cannot.
+  np.testing.assert_allclose(cached[..., list(ids)][real], kept[real], rtol=1e-5, atol=1e-5)
+  others = np.setdiff1d(np.arange(VOCAB), ids)
+  assert np.all(np.isneginf(cached[..., others])) and np.all(np.isfinite(cached[..., list(ids)]))
+  # The loss: a softmax over `ids`; a reference outside them is scored as UNK. Both ways of
+  # summing the logits for label smoothing sum over `ids` only.
+  log_probs = jax.nn.log_softmax(kept, axis=-1)
+  column = np.where(np.isin(targets, ids), np.searchsorted(ids, targets), ids.index(UNK_ID))
+  assert (column[:, :3] == [4, 2, 0]).all()
+  assert (~np.isin(targets, ids) & (targets != PAD_ID)).sum() >= 3  # Counted as UNK.
+  nll = -np.take_along_axis(np.asarray(log_probs), column[..., None], -1)[..., 0]
+  weights = real
+  smoothed = 0.9 * nll - 0.1 * np.asarray(log_probs).mean(-1)
+  batch = {k: None for k in BATCH_KEYS} | {'inputs': inputs, 'targets': targets}
+  for logits_sum in ('reduce', 'linear'):
+    model = Transformer(dataclasses.replace(short, logits_sum=logits_sum))
+    metrics = train_steps.batch_metrics(model, params, batch, 0.1)
+    np.testing.assert_allclose(metrics['nll'], (nll * weights).sum(), rtol=1e-5)
+    np.testing.assert_allclose(metrics['loss'], (smoothed * weights).sum(), rtol=1e-5)
 
 
 def _leaf_paths(tree) -> set[str]:

@@ -25,6 +25,7 @@ from configs import tiny
 import train_testlib
 from transformer_jax import checkpointing
 from transformer_jax import errors
+from transformer_jax import input_pipeline
 from transformer_jax import loading
 from transformer_jax import metrics_writer
 from transformer_jax import models
@@ -170,10 +171,12 @@ def data_files(tmp_path_factory):
 @pytest.fixture(scope='module')
 def finished_run(data_files, tmp_path_factory):
   """Six steps with validation (BLEU of 8 sentences) every 3 and checkpoints every 2 (keep 1,
-  plus every 4th, plus the best by BLEU); steps 5 and 6 traced by jax.profiler."""
+  plus every 4th, plus the best by BLEU); steps 5 and 6 traced by jax.profiler; the output
+  layer over the target side's pieces."""
   workdir = str(tmp_path_factory.mktemp('run'))
   config = train_testlib.small_config(
       data_files,
+      output_vocabulary='target',
       eval_every_steps=3,
       keep_checkpoints=1,
       keep_checkpoint_period=4,
@@ -384,6 +387,10 @@ def test_loading_for_inference_needs_only_the_workdir(finished_run, tmp_path):
   loaded = loading.load(workdir)
   assert loaded.step == 6
   assert loaded.model_config.deterministic and loaded.model_config.num_encoder_layers == 1
+  # The output layer's pieces come with the checkpoint: the target side's, not all 128.
+  ids = loaded.model_config.output_ids
+  assert ids == tuple(checkpointing.read_meta(workdir)[0]['output_ids'])
+  assert 2 < len(ids) < loaded.model_config.vocab_size == 128
   assert loaded.config.d_model == config.d_model
   jax.tree.map(
       np.testing.assert_array_equal,
@@ -467,6 +474,20 @@ def test_a_refused_resume_builds_nothing_first(finished_run):
       for f in files
   )
   assert after == before
+
+
+@pytest.mark.slow
+def test_a_resume_whose_data_gives_other_output_pieces_is_refused(
+    finished_run, tmp_path, monkeypatch
+):
+  config, workdir, _ = finished_run
+  copy = str(tmp_path / 'run')
+  shutil.copytree(workdir, copy)
+  found = input_pipeline.target_side_ids
+  # As if a piece had left the training targets since the checkpoints were written.
+  monkeypatch.setattr(input_pipeline, 'target_side_ids', lambda *a: found(*a)[:-1])
+  with pytest.raises(ConfigError, match=r'scores \d+ pieces in its output layer, but the '):
+    train_loop.train_and_evaluate(config, copy)
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ Evaluation and checkpoint averaging read checkpoints through `list_steps`, `read
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 import contextlib
 import hashlib
 import json
@@ -115,11 +115,16 @@ def check_config_matches(
     )
 
 
-def make_meta(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> dict[str, Any]:
-  """The `meta` item: enough to rebuild the model and its vocabulary without flags."""
+def make_meta(
+    config: ml_collections.ConfigDict,
+    tokenizer: Tokenizer,
+    output_ids: Sequence[int] | None = None,
+) -> dict[str, Any]:
+  """The `meta` item: enough to rebuild the model and its vocabulary without flags (and,
+  with `output_vocabulary='target'`, the ids its output layer scores: 'output_ids')."""
   with open(tokenizer.model_path, 'rb') as f:
     model_bytes = f.read()
-  return {
+  meta = {
       'format': META_FORMAT,
       'config': config_to_json(config),
       'vocab_size': tokenizer.vocab_size,
@@ -129,6 +134,9 @@ def make_meta(config: ml_collections.ConfigDict, tokenizer: Tokenizer) -> dict[s
           'model_base64': base64.b64encode(model_bytes).decode('ascii'),
       },
   }
+  if output_ids is not None:
+    meta['output_ids'] = [int(i) for i in output_ids]
+  return meta
 
 
 def _words(x: jax.Array) -> jax.Array:

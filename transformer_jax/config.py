@@ -14,12 +14,14 @@ see the frozen dataclass. Other modes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from transformer_jax import kernel_choice
 from transformer_jax.errors import ConfigError  # Re-exported.
@@ -45,6 +47,9 @@ QKV_PROJECTIONS = ('', 'separate', 'stacked')  # '': automatic (`TransformerConf
 # The feed-forward nonlinearity: the paper's ReLU, or Marian's others ('swish' is
 # x * sigmoid(x); 'gelu' is the exact, erf-based one).
 ACTIVATIONS = ('relu', 'swish', 'gelu')
+# What the output layer scores: every piece of the vocabulary (the paper), or the pieces on the
+# target side of the training split plus EOS and UNK (`TransformerConfig.output_ids`).
+OUTPUT_VOCABULARIES = ('all', 'target')
 # The decoder's first input, by the id fed: BOS (this project); PAD, with its learned embedding
 # (Hugging Face's MarianMTModel); or a zero vector (Marian itself, CTranslate2, tensor2tensor),
 # fed as PAD with <pad>'s embedding row held at zero.
@@ -173,6 +178,13 @@ def base_config() -> ml_collections.ConfigDict:
   c.sinusoid_layout = 'interleaved'  # 'interleaved' (paper) | 'concatenated' (Marian).
   c.activation = 'relu'  # Feed-forward nonlinearity: 'relu' (paper) | 'swish' | 'gelu'.
   c.logits_bias = False  # A learned bias on the output logits (Marian's final_logits_bias).
+  # 'all' | 'target' (OUTPUT_VOCABULARIES): the output layer scores every piece (the paper),
+  # or only the pieces that occur on the target side of the training split, plus EOS and UNK
+  # (a shortlist found once from the token ids and saved with each checkpoint; a reference
+  # piece outside it counts as UNK in validation). With one vocabulary for two languages the
+  # other language's pieces cost output-layer time and are never right: the Bible corpus's
+  # Spanish side uses 5,312 of its 8,000 pieces. The parameters are the same either way.
+  c.output_vocabulary = 'all'
   # The decoder's first input: 'bos' | 'pad' (<pad>'s embedding, as MarianMTModel) | 'zero' (a
   # zero vector, as Marian, CTranslate2 and tensor2tensor: <pad>'s embedding held at zero).
   c.decoder_start = 'bos'
@@ -393,6 +405,10 @@ def validate(
       config, 'vocab_size_target', 8, ' (4 ids are taken by pad, bos, eos, unk; the paper: 37000)'
   )
   _require(
+      config.output_vocabulary in OUTPUT_VOCABULARIES,
+      f'output_vocabulary={config.output_vocabulary!r} must be one of {OUTPUT_VOCABULARIES}.',
+  )
+  _require(
       config.vocab_model_type in VOCAB_MODEL_TYPES,
       f'vocab_model_type={config.vocab_model_type!r} must be one of {VOCAB_MODEL_TYPES}.',
   )
@@ -499,6 +515,10 @@ class TransformerConfig:
   sinusoid_layout: str = 'interleaved'
   activation: str = 'relu'
   logits_bias: bool = False
+  # The ids the output layer scores, ascending (`output_vocabulary='target'`); None: all.
+  # Training's logits then have len(output_ids) entries (targets map into them with
+  # `output_positions`), decoding's the whole vocabulary, -inf outside them.
+  output_ids: tuple[int, ...] | None = None
   decoder_start: str = 'bos'
   max_len: int = 256
   dtype: Any = jnp.float32
@@ -600,6 +620,19 @@ class TransformerConfig:
         isinstance(self.logits_bias, bool),
         f'logits_bias={self.logits_bias!r} must be True or False.',
     )
+    if self.output_ids is not None:
+      ids = self.output_ids
+      _require(
+          isinstance(ids, tuple)
+          and all(isinstance(i, int) for i in ids)
+          and list(ids) == sorted(set(ids))
+          and {EOS_ID, UNK_ID} <= set(ids)
+          and PAD_ID not in ids
+          and ids[-1] < self.vocab_size,
+          f'output_ids must be ascending ids below vocab_size={self.vocab_size} with EOS '
+          f'({EOS_ID}) and UNK ({UNK_ID}) and without PAD ({PAD_ID}); got {len(ids)} ids '
+          f'{ids[:6]}...',
+      )
     _require(
         self.attention_implementation in (None,) + ATTENTION_IMPLEMENTATIONS[1:],
         f'attention_implementation={self.attention_implementation!r} must be '
@@ -609,6 +642,19 @@ class TransformerConfig:
         self.remat_policy in REMAT_POLICIES,
         f'remat_policy={self.remat_policy!r} is not one of {REMAT_POLICIES}.',
     )
+
+  @property
+  def output_size(self) -> int:
+    """Logits a token gets in training: len(output_ids), or the vocabulary."""
+    return self.vocab_size if self.output_ids is None else len(self.output_ids)
+
+  def output_positions(self) -> np.ndarray:
+    """[vocab_size] int32: each id's index in `output_ids` (UNK's for ids outside them)."""
+    if self.output_ids is None:
+      return np.arange(self.vocab_size, dtype=np.int32)
+    positions = np.full(self.vocab_size, self.output_ids.index(UNK_ID), np.int32)
+    positions[list(self.output_ids)] = np.arange(len(self.output_ids), dtype=np.int32)
+    return positions
 
   @property
   def head_dim(self) -> int:
@@ -626,6 +672,7 @@ class TransformerConfig:
       vocab_size: int | None = None,
       *,
       platform: str | None = None,
+      output_ids: Sequence[int] | None = None,
       **overrides: Any,
   ) -> 'TransformerConfig':
     """Validates and freezes the model fields of `config`.
@@ -635,6 +682,9 @@ class TransformerConfig:
       vocab_size: the tokenizer's size; used when `config.vocab_size` is 0.
       platform: where the model runs ('cpu', 'gpu', 'tpu'), for `dtype='auto'`; default
         JAX's default backend.
+      output_ids: with `output_vocabulary='target'`, the ids the output layer scores (the
+        training data's, `input_pipeline.output_ids`; a checkpoint's meta); ignored with
+        'all'. Without them (compiling ahead of time, config checks) it scores all.
       **overrides: fields to replace (e.g. `deterministic=True`).
 
     Returns:
@@ -686,6 +736,11 @@ class TransformerConfig:
         sinusoid_layout=config.sinusoid_layout,
         activation=config.activation,
         logits_bias=config.logits_bias,
+        output_ids=(
+            tuple(int(i) for i in output_ids)
+            if output_ids is not None and config.output_vocabulary == 'target'
+            else None
+        ),
         decoder_start=config.decoder_start,
         max_len=config.max_len,
         dtype=DTYPES[dtype_name],

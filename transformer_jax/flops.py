@@ -14,7 +14,8 @@ An encoder-decoder splits the parameters between the two kinds of token:
     encoder-decoder attention (2 d^2 each);
   * a target token passes through every decoder layer (self-attention: 4 d^2; the query and
     output projections of encoder-decoder attention: 2 d^2; feed-forward: 2 d d_ff) and
-    through the pre-softmax projection (d * vocab, the tied embedding counted here);
+    through the pre-softmax projection (d * vocab, the tied embedding counted here; d *
+    len(output_ids) where the output layer scores only those);
   * attention adds 2 * 2 * kv_length * d forward FLOPs per query token and layer: encoder
     self-attention over the source, decoder self-attention over the target, decoder
     encoder-decoder attention over the source.
@@ -52,7 +53,7 @@ def matmul_params(cfg: TransformerConfig) -> MatmulParams:
   decoder_layer = 4 * d * d + 2 * d * d + 2 * d * f
   return MatmulParams(
       source=cfg.num_encoder_layers * encoder_layer + cfg.num_decoder_layers * cross_key_value,
-      target=cfg.num_decoder_layers * decoder_layer + d * cfg.vocab_size,
+      target=cfg.num_decoder_layers * decoder_layer + d * cfg.output_size,
   )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from absl import logging
 import jax
 import ml_collections
+import numpy as np
 
 from transformer_jax import multihost
 from transformer_jax import storage
@@ -22,8 +23,13 @@ from transformer_jax.batching import Batch
 from transformer_jax.batching import eval_batches
 from transformer_jax.batching import train_dataset
 from transformer_jax.batching import TrainData
+from transformer_jax.config import BOS_ID
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import PAD_ID
+from transformer_jax.config import UNK_ID
 from transformer_jax.data_sources import open_split
 from transformer_jax.data_sources import ParallelText
+from transformer_jax.token_store import TokenStore
 from transformer_jax.tokenizer import Tokenizer
 from transformer_jax.vocab_cache import tokenized
 from transformer_jax.vocab_cache import tokenizer_for
@@ -43,6 +49,8 @@ class Datasets:
     tokenizer: the shared vocabulary.
     train_info: the `TrainData` (counts of kept, dropped and skipped examples).
     eval_text: the validation split's (source, target) texts.
+    output_ids: with `output_vocabulary='target'`, the ids the output layer scores
+      (`target_side_ids`); otherwise None.
   """
 
   train: Any
@@ -51,6 +59,16 @@ class Datasets:
   tokenizer: Tokenizer
   train_info: TrainData
   eval_text: ParallelText
+  output_ids: tuple[int, ...] | None = None
+
+
+def target_side_ids(store: TokenStore, vocab_size: int) -> tuple[int, ...]:
+  """The ids that occur on the target side of `store`, with EOS and UNK, ascending (PAD and
+  BOS are never output). One counting pass over the memory-mapped ids."""
+  counts = np.bincount(np.asarray(store.target, np.int64), minlength=vocab_size)
+  counts[[EOS_ID, UNK_ID]] += 1
+  counts[[PAD_ID, BOS_ID]] = 0
+  return tuple(int(i) for i in np.flatnonzero(counts))
 
 
 def _tokenized_on_every_host(config, workdir, tokenizer, splits):
@@ -123,4 +141,9 @@ def get_datasets(
       tokenizer=tokenizer,
       train_info=info,
       eval_text=eval_pairs,
+      output_ids=(
+          target_side_ids(stores[0], tokenizer.vocab_size)
+          if config.output_vocabulary == 'target'
+          else None
+      ),
   )

@@ -126,7 +126,10 @@ def _load(workdir: str, step: int | str | None, average_last: int) -> InferenceC
   config = config_lib.from_saved(meta['config'])
   config_lib.validate(config, vocab_size=meta['vocab_size'])
   model_config = TransformerConfig.from_config(
-      config, vocab_size=meta['vocab_size'], deterministic=True
+      config,
+      vocab_size=meta['vocab_size'],
+      output_ids=meta.get('output_ids'),
+      deterministic=True,
   )
   partitioner = Partitioner.for_inference(config)
   shardings = param_shardings(model_config, partitioner)

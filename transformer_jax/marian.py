@@ -573,6 +573,11 @@ def exportable(config: TransformerConfig) -> None:
       )
       if value != allowed
   ]
+  if config.output_ids is not None:
+    lacking.append(
+        f"output_vocabulary='target' (an output layer of {config.output_size} of the "
+        f"{config.vocab_size} pieces), and Marian scores them all ('all')"
+    )
   if lacking:
     raise ConfigError(
         f'This model cannot be exported to Marian: {"; ".join(lacking)} (a model trained '
@@ -644,14 +649,18 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
 
   Raises:
     ConfigError: the model uses what Marian lacks (pre-norm, positions other than
-      sinusoidal), named with the field.
+      sinusoidal, an output layer over some pieces only), named with the field.
     OutputExistsError: `output_dir` already holds a model, or other files.
   """
   from transformer_jax import loading
 
   meta, _ = checkpointing.read_meta(workdir, step)
   exportable(
-      TransformerConfig.from_config(config_lib.from_saved(meta['config']), meta['vocab_size'])
+      TransformerConfig.from_config(
+          config_lib.from_saved(meta['config']),
+          meta['vocab_size'],
+          output_ids=meta.get('output_ids'),
+      )
   )
   if storage.exists(f'{output_dir}/config.json'):
     raise OutputExistsError(

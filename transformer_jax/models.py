@@ -102,16 +102,23 @@ class Embed(nn.Module):
       x = jnp.where((tokens == PAD_ID)[..., None], jnp.zeros((), x.dtype), x)
     return x * jnp.asarray(np.sqrt(cfg.d_model), cfg.dtype)
 
-  def attend(self, x: Array) -> Array:
-    """[batch, length, d_model] -> [batch, length, vocab] logits against the embedding."""
-    logits = jnp.einsum('bld,vd->blv', x, jnp.asarray(self.embedding, self.config.dtype))
-    return logits.at[..., PAD_ID].set(0) if self._zero_pad else logits
+  def _rows(self, ids: np.ndarray | None) -> Array:
+    """The embedding's rows of `ids` (None: all) in the computation dtype."""
+    table = jnp.asarray(self.embedding, self.config.dtype)
+    return table if ids is None else jnp.take(table, ids, axis=0)
 
-  def attend_sums(self) -> Array:
-    """[d_model] float32: y times it is the sum over the vocabulary of `attend(y)`."""
-    rows = jnp.asarray(self.embedding, self.config.dtype).astype(jnp.float32)
+  def attend(self, x: Array, ids: np.ndarray | None = None) -> Array:
+    """[batch, length, d_model] -> [batch, length, vocab] logits against the embedding;
+    [..., len(ids)] against the rows of `ids` only (which hold no PAD)."""
+    logits = jnp.einsum('bld,vd->blv', x, self._rows(ids))
+    return logits.at[..., PAD_ID].set(0) if self._zero_pad and ids is None else logits
+
+  def attend_sums(self, ids: np.ndarray | None = None) -> Array:
+    """[d_model] float32: y times it is the sum over the vocabulary (or `ids`) of
+    `attend(y, ids)`."""
+    rows = self._rows(ids).astype(jnp.float32)
     total = jnp.sum(rows, axis=0)
-    return total - rows[PAD_ID] if self._zero_pad else total
+    return total - rows[PAD_ID] if self._zero_pad and ids is None else total
 
 
 class AddPositions(nn.Module):
@@ -336,7 +343,8 @@ class Decoder(nn.Module):
       self_mask: Array | None,
       cross_mask: Array | None,
   ) -> Array:
-    """Decoder inputs [batch, length] -> logits [batch, length, vocab].
+    """Decoder inputs [batch, length] -> logits [batch, length, vocab] (training with
+    `config.output_ids`: [batch, length, len(output_ids)], in their order).
 
     In a decode step (`config.decode` and a cache exists) `decoder_inputs` is [batch, 1],
     the position comes from the cache index and `encoded` and the masks are not needed.
@@ -358,9 +366,10 @@ class Decoder(nn.Module):
       y = layer(cfg, name=f'layer_{i}')(y, encoded, self_mask, cross_mask, positions, decode_index)
     if cfg.norm_position == 'pre':
       y = layer_norm(cfg, 'final_norm')(y)
+    ids = None if cfg.output_ids is None else np.asarray(cfg.output_ids, np.int32)
     if cfg.tie_output_embedding:
-      logits = self.embed.attend(y)
-      column_sums = self.embed.attend_sums
+      logits = self.embed.attend(y, ids)
+      column_sums = lambda: self.embed.attend_sums(ids)
     else:
       projection = nn.Dense(
           cfg.vocab_size,
@@ -372,13 +381,17 @@ class Decoder(nn.Module):
           ),
           name='output_projection',
       )
+      # Every column is multiplied; a shortlist then keeps its own (the tied layer, the
+      # default, multiplies only those).
       logits = projection(y)
-      column_sums = lambda: jnp.sum(
-          jnp.asarray(nn.meta.unbox(projection.variables['params']['kernel']), cfg.dtype).astype(
-              jnp.float32
-          ),
-          axis=1,
-      )
+      if ids is not None:
+        logits = jnp.take(logits, ids, axis=-1)
+
+      def column_sums():
+        kernel = jnp.asarray(nn.meta.unbox(projection.variables['params']['kernel']), cfg.dtype)
+        kernel = kernel if ids is None else jnp.take(kernel, ids, axis=1)
+        return jnp.sum(kernel.astype(jnp.float32), axis=1)
+
     bias_sum = 0.0
     if cfg.logits_bias:
       bias = self.param(
@@ -387,8 +400,10 @@ class Decoder(nn.Module):
           (cfg.vocab_size,),
           cfg.param_dtype,
       )
-      logits = logits + jnp.asarray(bias, cfg.dtype)
-      bias_sum = jnp.sum(jnp.asarray(bias, cfg.dtype).astype(jnp.float32))
+      bias = jnp.asarray(bias, cfg.dtype)
+      bias = bias if ids is None else jnp.take(bias, ids)
+      logits = logits + bias
+      bias_sum = jnp.sum(bias.astype(jnp.float32))
     if self.is_mutable_collection('logit_sums'):
       # Each token's logits summed over the vocabulary, from their linear map of y
       # (`losses.token_losses_given_sums`): no pass over the logits.
@@ -397,6 +412,10 @@ class Decoder(nn.Module):
           'sums',
           jnp.einsum('bld,d->bl', y.astype(jnp.float32), column_sums()) + bias_sum,
       )
+    if ids is not None and cfg.decode:
+      # The search sees the whole vocabulary; what the layer does not score cannot be chosen.
+      full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, logits.dtype)
+      logits = full.at[..., ids].set(logits)
     return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
 
 
@@ -485,7 +504,9 @@ class Transformer(nn.Module):
     and updates 'cache' (`mutable=['cache']`).
 
     Returns:
-      [batch, target_length, vocab] logits in the computation dtype.
+      [batch, target_length, vocab] logits in the computation dtype (training and scoring
+      with `config.output_ids`: `config.output_size` of them, the targets' indices given by
+      `config.output_positions()`).
     """
     cfg = self.config
     if cfg.decode:
@@ -542,7 +563,7 @@ class Transformer(nn.Module):
       inputs_segmentation: Array | None = None,
       targets_segmentation: Array | None = None,
   ) -> Array:
-    """Training-time forward pass: [batch, target_length, vocab] logits."""
+    """Training-time forward pass: [batch, target_length, config.output_size] logits."""
     encoded = self.encode(inputs, inputs_positions, inputs_segmentation)
     return self.decode(
         encoded, inputs, targets, targets_positions, inputs_segmentation, targets_segmentation

@@ -262,7 +262,16 @@ def _train_and_evaluate(
       process_count=jax.process_count(),
       row_multiple=rows_multiple,
   )
-  model_config = TransformerConfig.from_config(config, vocab_size=datasets.tokenizer.vocab_size)
+  model_config = TransformerConfig.from_config(
+      config, vocab_size=datasets.tokenizer.vocab_size, output_ids=datasets.output_ids
+  )
+  if model_config.output_ids is not None:
+    logging.info(
+        'The output layer scores the %d of %d pieces on the target side of the training '
+        'split (output_vocabulary=target).',
+        model_config.output_size,
+        model_config.vocab_size,
+    )
   logging.info(
       'Attention: %s.',
       kernel_choice.attention_choice(
@@ -323,7 +332,7 @@ def _train_and_evaluate(
           f'{train_steps.count_params(state.params):,} parameters; '
           f'{datasets.steps_per_epoch} steps an epoch; {to_do}.'
       )
-      meta = checkpointing.make_meta(config, datasets.tokenizer)
+      meta = checkpointing.make_meta(config, datasets.tokenizer, model_config.output_ids)
       validation = None
       if config.eval_every_steps and config.eval_bleu_sentences:
         validation = ValidationTranslation(
@@ -517,6 +526,15 @@ def _restore_or_initialize(
             f'vocabulary, but {datasets.tokenizer.model_path} has '
             f'{datasets.tokenizer.vocab_size}; point --config.vocab_path at the original '
             f'model ({saved["tokenizer"]["path"]}) or use a new --workdir.'
+        )
+      ids = datasets.output_ids
+      if saved.get('output_ids') != (None if ids is None else list(ids)):
+        raise ConfigError(
+            f'The checkpoint at step {step} scores '
+            f'{len(saved.get("output_ids") or []) or "all"} pieces in its output layer, but the '
+            f'training data now gives {len(ids or []) or "all"} (output_vocabulary='
+            f'{config.output_vocabulary}: the pieces on the target side of the training '
+            'split): the data changed under the run; restore it, or use a new --workdir.'
         )
       state = checkpointer.restore(step, abstract, batches, saved.get('checksums'))
     except CheckpointError as e:

@@ -116,9 +116,12 @@ def batch_metrics(
     logits, state = model.apply({'params': params}, **inputs, rngs=rngs, mutable=['logit_sums'])
     logit_sums = state['logit_sums']['decoder']['sums'][0]
   else:
-    logits = model.apply({'params': params}, **inputs, rngs=rngs)  # [rows, length, vocab]
-  weights = batch['targets'] != PAD_ID
-  return losses.compute_metrics(logits, batch['targets'], weights, label_smoothing, logit_sums)
+    logits = model.apply({'params': params}, **inputs, rngs=rngs)  # [rows, length, output]
+  targets = batch['targets']
+  weights = targets != PAD_ID
+  if model.config.output_ids is not None:  # Ids -> their indices among the logits.
+    targets = jnp.asarray(model.config.output_positions())[targets]
+  return losses.compute_metrics(logits, targets, weights, label_smoothing, logit_sums)
 
 
 def _microbatches(batch: Batch, k: int) -> Batch:
