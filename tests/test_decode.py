@@ -298,9 +298,19 @@ def repeats_an_ngram(tokens, n: int) -> bool:
   return len(grams) != len(set(grams))
 
 
-def reference_beam_search_np(model, source, beam_size, max_len, alpha, no_repeat=0):
+def says_a_span_twice_in_a_row(tokens, n: int) -> bool:
+  """Whether some span of 1..n tokens is followed at once by itself in `tokens`."""
+  return any(
+      tokens[i : i + m] == tokens[i + m : i + 2 * m]
+      for m in range(1, n + 1)
+      for i in range(len(tokens) - 2 * m + 1)
+  )
+
+
+def reference_beam_search_np(model, source, beam_size, max_len, alpha, no_repeat=0, no_adjacent=0):
   """The documented beam search for one row, in numpy float64, over every candidate at once
-  (with `no_repeat`, only the candidates whose output repeats no n-gram of that size).
+  (with `no_repeat`, only the candidates whose output repeats no n-gram of that size; with
+  `no_adjacent`, only those that say no span of up to that size twice in a row).
 
   Returns the `beam_size` (output, score) pairs, finished ones first, and the smallest gap
   between the last candidate kept at a step and the first one dropped (a near-tie there
@@ -315,7 +325,9 @@ def reference_beam_search_np(model, source, beam_size, max_len, alpha, no_repeat
       candidates += [
           (log_prob + log_probs[t], seq + (t,))
           for t in range(model.vocab_size)
-          if t != PAD_ID and not (no_repeat and repeats_an_ngram(seq[1:] + (t,), no_repeat))
+          if t != PAD_ID
+          and not (no_repeat and repeats_an_ngram(seq[1:] + (t,), no_repeat))
+          and not (no_adjacent and says_a_span_twice_in_a_row(seq[1:] + (t,), no_adjacent))
       ]
     candidates.sort(key=lambda c: -c[0])
     if len(candidates) > 2 * beam_size:
@@ -388,6 +400,48 @@ def test_beam_search_without_repeated_ngrams_matches_the_reference(n):
     np.testing.assert_allclose(scores[row], [score for _, score in expected], rtol=1e-4)
 
 
+@pytest.mark.parametrize('n', [1, 2, 4])
+def test_banned_tokens_are_those_that_would_say_a_span_twice_in_a_row(n):
+  rng = np.random.default_rng(n)
+  rows, positions, vocab = 8, 12, 3  # Few tokens: many spans come back at once.
+  history = rng.integers(0, vocab, size=(rows, positions)).astype(np.int32)
+  logits = rng.normal(size=(rows, vocab)).astype(np.float32)
+  ban = jax.jit(decode.ban_adjacent_repeats, static_argnames='n')
+  seen = 0
+  for length in range(positions + 1):
+    got = np.asarray(ban(logits, history, jnp.int32(length), n=n))
+    for row in range(rows):
+      tokens = list(history[row, :length])
+      banned = {t for t in range(vocab) if _ends_in_a_doubled_span(tokens + [t], n)}
+      seen += len(banned)
+      assert set(np.flatnonzero(np.isneginf(got[row]))) == banned, (length, row, tokens)
+      kept = [t for t in range(vocab) if t not in banned]
+      np.testing.assert_array_equal(got[row, kept], logits[row, kept])
+  assert seen > rows * positions // 2
+
+
+def _ends_in_a_doubled_span(tokens, n):
+  return any(len(tokens) >= 2 * m and tokens[-2 * m : -m] == tokens[-m:] for m in range(1, n + 1))
+
+
+@pytest.mark.parametrize('n', [1, 3])
+def test_beam_search_without_spans_said_twice_in_a_row_matches_the_reference(n):
+  model = ToyDecoder(vocab_size=9, seed=2, eos_bias=-1.0)
+  sources = model.sources(3, seed=9)
+  plain, _ = run_beam(model, sources, beam_size=3, max_len=12, early_stopping=False)
+  assert any(says_a_span_twice_in_a_row(list(strip(s)), n) for s in plain.reshape(-1, 12))
+  sequences, scores = run_beam(
+      model, sources, beam_size=3, max_len=12, early_stopping=False, no_adjacent_repeat_size=n
+  )
+  for row in range(3):
+    expected, gap = reference_beam_search_np(model, sources[row], 3, 12, 0.6, no_adjacent=n)
+    assert gap > 1e-4  # No near-tie that float32 could break the other way.
+    outputs = [tuple(strip(s)) for s in sequences[row]]
+    assert outputs == [tuple(o) for o, _ in expected]
+    assert not any(says_a_span_twice_in_a_row(list(o), n) for o in outputs)
+    np.testing.assert_allclose(scores[row], [score for _, score in expected], rtol=1e-4)
+
+
 @pytest.mark.parametrize('search', ['greedy', 'sample'])
 def test_greedy_and_sampling_repeat_no_ngram_and_report_the_models_log_probs(search):
   model = ToyDecoder(vocab_size=9, seed=3, eos_bias=-1.0)
@@ -401,6 +455,14 @@ def test_greedy_and_sampling_repeat_no_ngram_and_report_the_models_log_probs(sea
 
   plain, _ = run()
   assert any(repeats_an_ngram(strip(s), 2) for s in plain)
+  assert any(says_a_span_twice_in_a_row(strip(s), 3) for s in plain)
+  sequences, log_probs = run(no_adjacent_repeat_size=3)
+  for row in range(8):
+    output = strip(sequences[row])
+    assert not says_a_span_twice_in_a_row(output, 3), output
+    np.testing.assert_allclose(
+        log_probs[row], model.log_prob_np(output, sources[row]), rtol=1e-4, atol=1e-4
+    )
   sequences, log_probs = run(no_repeat_ngram_size=2)
   for row in range(8):
     output = strip(sequences[row])
@@ -594,6 +656,8 @@ def test_invalid_search_options_are_rejected():
     decode.sample(model.tokens_to_logits, cache, jax.random.key(0), 1, 5, temperature=-1.0)
   with pytest.raises(ValueError, match='no_repeat_ngram_size'):
     decode.beam_search(model.tokens_to_logits, cache, 1, 2, 5, no_repeat_ngram_size=-1)
+  with pytest.raises(ValueError, match='no_adjacent_repeat_size=-1 must be an int >= 0'):
+    decode.greedy_search(model.tokens_to_logits, cache, 1, 5, no_adjacent_repeat_size=-1)
 
 
 def test_searches_have_no_host_callbacks():

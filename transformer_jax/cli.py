@@ -271,6 +271,7 @@ class CheckpointFlags:
   length_penalty: Any
   length_penalty_form: Any
   no_repeat_ngram_size: Any
+  no_adjacent_repeat_size: Any
   max_decode_extra_length: Any
   batch_size: Any
   sampling: Any
@@ -337,6 +338,13 @@ def define_checkpoint_flags() -> CheckpointFlags:
           None,
           'n > 0: no output repeats an n-gram of its own tokens (as fairseq and Hugging '
           "Face's option of that name); 0: off. Default: the run's config (0 unless set).",
+      ),
+      no_adjacent_repeat_size=flags.DEFINE_integer(
+          'no_adjacent_repeat_size',
+          None,
+          'n > 0: no output says a span of up to n tokens twice in a row (a piece doubled '
+          "inside a word, a phrase back to back); 0: off. Default: the run's config (0 "
+          'unless set).',
       ),
       max_decode_extra_length=flags.DEFINE_integer(
           'max_decode_extra_length',
@@ -425,6 +433,7 @@ def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
       length_penalty=f.length_penalty.value,
       length_penalty_form=f.length_penalty_form.value,
       no_repeat_ngram_size=f.no_repeat_ngram_size.value,
+      no_adjacent_repeat_size=f.no_adjacent_repeat_size.value,
       max_decode_extra_length=f.max_decode_extra_length.value,
       batch_size=f.batch_size.value,
       n_best=n_best,

@@ -108,6 +108,7 @@ RESUMABLE_FIELDS = frozenset(
         'length_penalty',
         'length_penalty_form',
         'no_repeat_ngram_size',
+        'no_adjacent_repeat_size',
         'max_decode_extra_length',
         'decode_batch_size',
         'checkpoints_to_average',
@@ -297,6 +298,10 @@ def base_config() -> ml_collections.ConfigDict:
   # n > 0: no output repeats an n-gram of its own tokens (fairseq's and Hugging Face's
   # no_repeat_ngram_size; searches leave out the tokens that would); 0: off, the paper.
   c.no_repeat_ngram_size = 0
+  # n > 0: no output says a span of up to n tokens twice in a row (a piece doubled inside a
+  # word, `te te te`; a phrase back to back, `con Dios con Dios`; the search leaves out the
+  # token that would complete one); 0: off, the paper. Repeats apart stay allowed.
+  c.no_adjacent_repeat_size = 0
   # Each sentence's output limit = its source length (tokens, EOS included) + this; with
   # learned positions at most max_len (decoding warns about the sentences it cuts).
   c.max_decode_extra_length = 50

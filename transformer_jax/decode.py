@@ -219,11 +219,65 @@ def _row_limits(max_lengths: jax.Array | None, batch_size: int, max_decode_len: 
   return jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len)
 
 
-def _check_no_repeat(no_repeat_ngram_size: int) -> None:
-  if not isinstance(no_repeat_ngram_size, int) or no_repeat_ngram_size < 0:
-    raise ValueError(
-        f'no_repeat_ngram_size={no_repeat_ngram_size!r} must be an int >= 0 (0 turns it off).'
-    )
+def _check_no_repeat(no_repeat_ngram_size: int, no_adjacent_repeat_size: int = 0) -> None:
+  for name, value in (
+      ('no_repeat_ngram_size', no_repeat_ngram_size),
+      ('no_adjacent_repeat_size', no_adjacent_repeat_size),
+  ):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+      raise ValueError(f'{name}={value!r} must be an int >= 0 (0 turns it off).')
+
+
+def _ban_repeats(
+    logits: jax.Array, history: jax.Array, length: jax.Array, ngram: int, adjacent: int
+) -> jax.Array:
+  """`ban_repeated_ngrams` with n = `ngram` and `ban_adjacent_repeats` with n = `adjacent`,
+  each where it is > 0."""
+  if ngram:
+    logits = ban_repeated_ngrams(logits, history, length, ngram)
+  if adjacent:
+    logits = ban_adjacent_repeats(logits, history, length, adjacent)
+  return logits
+
+
+def ban_adjacent_repeats(
+    logits: jax.Array, history: jax.Array, length: jax.Array, n: int
+) -> jax.Array:
+  """Sets to -inf the logit of every token that would end a span of up to n tokens said
+  twice in a row: a piece doubled (`la la`, `te te te` inside a word) or a phrase repeated
+  back to back (`con Dios con Dios`). Repeats apart from each other stay allowed.
+
+  For each span length m <= n, the one token that would do it is the row's m-th last, and
+  only where the m - 1 tokens before that equal the row's last m - 1.
+
+  Args:
+    logits: float [rows, vocab], this step's.
+    history: int32 [rows, positions], each row's tokens so far in its first `length`
+      positions.
+    length: int32 [], the tokens each row holds.
+    n: the longest span, >= 1.
+
+  Returns:
+    `logits` with the banned tokens at -inf.
+  """
+  rows = history.shape[0]
+  # The row's last 2n tokens, after n * 2 columns of -1 (no token) in front of the history:
+  # last[:, j] is the token 2n - j from the end.
+  padded = jnp.concatenate([jnp.full((rows, 2 * n), -1, history.dtype), history], axis=1)
+  last = lax.dynamic_slice_in_dim(padded, length, 2 * n, axis=1)
+  tokens, matches = [], []
+  for m in range(1, n + 1):
+    # The candidate ends s[-2m+1:] + [t] as two halves: t = s[-m], s[-2m+1:-m] = s[-m+1:].
+    first, second = last[:, 2 * n - 2 * m + 1 : 2 * n - m], last[:, 2 * n - m + 1 :]
+    match = jnp.all(first == second, axis=1) & (length >= 2 * m - 1)
+    tokens.append(jnp.where(match, last[:, 2 * n - m], 0))
+    matches.append(match)
+  banned = (
+      jnp.zeros(logits.shape, bool)
+      .at[jnp.arange(rows)[:, None], jnp.stack(tokens, axis=1)]
+      .max(jnp.stack(matches, axis=1))
+  )
+  return jnp.where(banned, NEG_INF, logits)
 
 
 def ban_repeated_ngrams(
@@ -289,10 +343,11 @@ def _sampling_loop(
     grow_cache: GrowCache | None = None,
     max_lengths: jax.Array | None = None,
     no_repeat_ngram_size: int = 0,
+    no_adjacent_repeat_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Decodes one token a row a step with `select(logits [batch, vocab], rng) -> [batch]`."""
   _check_common(batch_size, max_decode_len)
-  _check_no_repeat(no_repeat_ngram_size)
+  _check_no_repeat(no_repeat_ngram_size, no_adjacent_repeat_size)
   limits = _row_limits(max_lengths, batch_size, max_decode_len)
   positions = jnp.arange(max_decode_len)[None, :]  # [1, max_decode_len]
 
@@ -304,8 +359,9 @@ def _sampling_loop(
     logits = logits.astype(jnp.float32)  # [batch, vocab]
     step_rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
     allowed = logits.at[:, pad_id].set(NEG_INF)
-    if no_repeat_ngram_size:
-      allowed = ban_repeated_ngrams(allowed, state.sequences, state.step, no_repeat_ngram_size)
+    allowed = _ban_repeats(
+        allowed, state.sequences, state.step, no_repeat_ngram_size, no_adjacent_repeat_size
+    )
     token = select(allowed, step_rng).astype(jnp.int32)
     token = jnp.where(state.finished, pad_id, token)  # [batch]
     token_log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=1)[:, 0]
@@ -343,6 +399,7 @@ def greedy_search(
     grow_cache: GrowCache | None = None,
     max_lengths: jax.Array | None = None,
     no_repeat_ngram_size: int = 0,
+    no_adjacent_repeat_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Picks the most probable next token (never `pad_id`) until EOS or `max_decode_len`.
 
@@ -362,6 +419,8 @@ def greedy_search(
       row `max_decode_len`.
     no_repeat_ngram_size: n > 0: a row never repeats an n-gram of its output (see
       `ban_repeated_ngrams`); 0: off. The log-probabilities stay the model's.
+    no_adjacent_repeat_size: n > 0: a row never says a span of up to n tokens twice in a
+      row (see `ban_adjacent_repeats`); 0: off. The log-probabilities stay the model's.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -381,6 +440,7 @@ def greedy_search(
       grow_cache,
       max_lengths,
       no_repeat_ngram_size,
+      no_adjacent_repeat_size,
   )
 
 
@@ -424,6 +484,7 @@ def sample(
     grow_cache: GrowCache | None = None,
     max_lengths: jax.Array | None = None,
     no_repeat_ngram_size: int = 0,
+    no_adjacent_repeat_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples each next token (never `pad_id`) until EOS or `max_decode_len`.
 
@@ -445,6 +506,7 @@ def sample(
     grow_cache: see `greedy_search`.
     max_lengths: see `greedy_search`.
     no_repeat_ngram_size: see `greedy_search`.
+    no_adjacent_repeat_size: see `greedy_search`.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -477,6 +539,7 @@ def sample(
       grow_cache,
       max_lengths,
       no_repeat_ngram_size,
+      no_adjacent_repeat_size,
   )
 
 
@@ -508,6 +571,7 @@ def beam_search(
     grow_cache: GrowCache | None = None,
     max_lengths: jax.Array | None = None,
     no_repeat_ngram_size: int = 0,
+    no_adjacent_repeat_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search with a length penalty, as in the paper (beam 4, alpha 0.6).
 
@@ -552,6 +616,8 @@ def beam_search(
     no_repeat_ngram_size: n > 0: no hypothesis repeats an n-gram of its tokens (each beam's
       candidates that would are left out, as in fairseq and Hugging Face; scores stay the
       model's log-probabilities); 0: off.
+    no_adjacent_repeat_size: n > 0: no hypothesis says a span of up to n tokens twice in a
+      row (`ban_adjacent_repeats`; candidates that would are left out likewise); 0: off.
 
   Returns:
     sequences: int32 [batch, beam_size, max_decode_len], best first; each the tokens, the
@@ -562,7 +628,7 @@ def beam_search(
       that happens only when a beam is wider than the number of possible sequences.
   """
   _check_common(batch_size, max_decode_len)
-  _check_no_repeat(no_repeat_ngram_size)
+  _check_no_repeat(no_repeat_ngram_size, no_adjacent_repeat_size)
   if beam_size < 1:
     raise ValueError(f'beam_size={beam_size} must be >= 1.')
   if length_penalty_form not in LENGTH_PENALTY_FORMS:
@@ -608,9 +674,10 @@ def beam_search(
     normalizer = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
     per_beam = min(2 * beam_size, vocab_size)
     allowed = shifted.at[:, pad_id].set(NEG_INF)
-    if no_repeat_ngram_size:  # Each beam's tokens so far: columns 1..step, after bos_id.
+    if no_repeat_ngram_size or no_adjacent_repeat_size:
+      # Each beam's tokens so far: columns 1..step, after bos_id.
       history = state.alive_seqs[:, :, 1:].reshape(batch_size * beam_size, max_decode_len)
-      allowed = ban_repeated_ngrams(allowed, history, step, no_repeat_ngram_size)
+      allowed = _ban_repeats(allowed, history, step, no_repeat_ngram_size, no_adjacent_repeat_size)
     beam_top, beam_tokens = top_k_of_rows(allowed, per_beam)
     candidates = state.alive_log_probs[:, :, None] + (beam_top - normalizer).reshape(
         batch_size, beam_size, per_beam

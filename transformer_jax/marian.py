@@ -13,7 +13,8 @@ Transformer with a few differences, each a config field here:
 
 An export also records how the run decodes (DECODING_FIELDS; Hugging Face's `num_beams`,
 `length_penalty` where the run's is the 'power' form, which is Hugging Face's, and
-`no_repeat_ngram_size` where it is set), and an import restores them.
+`no_repeat_ngram_size` where it is set; `no_adjacent_repeat_size` has no equivalent there,
+which the export says), and an import restores them.
 
 Weights: Hugging Face's `nn.Linear` stores [out, in]; this project's kernels are [in, out],
 with the attention's heads as their own axis ([d_model, heads, head_dim] for the query, key
@@ -68,6 +69,7 @@ DECODING_FIELDS = (
     'length_penalty_form',
     'max_decode_extra_length',
     'no_repeat_ngram_size',
+    'no_adjacent_repeat_size',
 )
 # Hugging Face's Marian layers use nn.LayerNorm's default, and config.json has no field for it.
 MARIAN_LAYER_NORM_EPSILON = 1e-5
@@ -748,6 +750,15 @@ def write_model(
     )
   base = config_lib.base_config()
   decoding = {name: base[name] for name in DECODING_FIELDS} | dict(decoding)
+  if decoding['no_adjacent_repeat_size']:
+    logging.warning(
+        "The run decodes with no_adjacent_repeat_size=%d, which Hugging Face's generate and "
+        'CTranslate2 have no option for: their outputs may say a span twice in a row where '
+        "this project's do not. Importing this export back restores it (it is recorded "
+        'under %r in config.json).',
+        decoding['no_adjacent_repeat_size'],
+        EXPORT_KEY,
+    )
   os.makedirs(output_dir, exist_ok=True)
   weights = os.path.join(output_dir, 'model.safetensors')
   save_file(state, weights, metadata={'format': 'pt'})

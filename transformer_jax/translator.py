@@ -66,6 +66,8 @@ class DecodeOptions:
     length_penalty_form: 'gnmt', ((5 + |Y|) / 6)^alpha, or 'power', |Y|^alpha.
     no_repeat_ngram_size: n > 0: no output repeats an n-gram of its tokens (every search
       and sampling leave out the tokens that would); 0: off.
+    no_adjacent_repeat_size: n > 0: no output says a span of up to n tokens twice in a row
+      (a piece doubled, a phrase back to back; `decode.ban_adjacent_repeats`); 0: off.
     max_decode_extra_length: each sentence's output limit = its source length + this.
     batch_size: sentences decoded together (each takes `beam_size` rows of the search, or
       `n_best` rows when sampling).
@@ -84,6 +86,7 @@ class DecodeOptions:
   length_penalty: float = 0.6
   length_penalty_form: str = 'gnmt'
   no_repeat_ngram_size: int = 0
+  no_adjacent_repeat_size: int = 0
   max_decode_extra_length: int = 50
   batch_size: int = 32
   buckets: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -116,6 +119,15 @@ class DecodeOptions:
           f'no_repeat_ngram_size={self.no_repeat_ngram_size!r} must be an int >= 0 (0 turns '
           'it off; 3 or 4 keep phrases from repeating).'
       )
+    if (
+        not isinstance(self.no_adjacent_repeat_size, int)
+        or isinstance(self.no_adjacent_repeat_size, bool)
+        or self.no_adjacent_repeat_size < 0
+    ):
+      raise ConfigError(
+          f'no_adjacent_repeat_size={self.no_adjacent_repeat_size!r} must be an int >= 0 (0 '
+          'turns it off; 8 keeps spans of up to 8 tokens from being said twice in a row).'
+      )
     if not isinstance(self.max_decode_extra_length, int) or self.max_decode_extra_length < 1:
       raise ConfigError(
           f'max_decode_extra_length={self.max_decode_extra_length!r} must be '
@@ -144,6 +156,7 @@ class DecodeOptions:
         length_penalty=float(config.length_penalty),
         length_penalty_form=config.length_penalty_form,
         no_repeat_ngram_size=config.no_repeat_ngram_size,
+        no_adjacent_repeat_size=config.no_adjacent_repeat_size,
         max_decode_extra_length=config.max_decode_extra_length,
         batch_size=config.decode_batch_size,
         buckets=tuple(int(b) for b in config.bucket_boundaries),
@@ -331,6 +344,7 @@ def search(
           grow_cache=grow_cache,
           max_lengths=decode.tile_beams(max_lengths, n),
           no_repeat_ngram_size=options.no_repeat_ngram_size,
+          no_adjacent_repeat_size=options.no_adjacent_repeat_size,
       )
     else:
       sequences, log_probs = decode.greedy_search(
@@ -342,6 +356,7 @@ def search(
           grow_cache=grow_cache,
           max_lengths=max_lengths,
           no_repeat_ngram_size=options.no_repeat_ngram_size,
+          no_adjacent_repeat_size=options.no_adjacent_repeat_size,
       )
     sequences = sequences.reshape(batch_size, n, max_decode_len)
     log_probs = log_probs.reshape(batch_size, n)
@@ -364,6 +379,7 @@ def search(
       grow_cache=grow_cache,
       max_lengths=max_lengths,
       no_repeat_ngram_size=options.no_repeat_ngram_size,
+      no_adjacent_repeat_size=options.no_adjacent_repeat_size,
   )
   sequences, scores = sequences[:, : options.n_best], scores[:, : options.n_best]
   return sequences, scores, scores * penalty(sequences)
