@@ -380,22 +380,40 @@ def test_banned_tokens_are_those_that_would_repeat_an_ngram(n):
       np.testing.assert_array_equal(got[row, kept], logits[row, kept])
 
 
-@pytest.mark.parametrize('n', [2, 3])
-def test_beam_search_without_repeated_ngrams_matches_the_reference(n):
+# Each rule with the predicate it keeps true.
+REPEAT_RULES = {
+    'no_repeat_ngram_size': (lambda o, n: repeats_an_ngram(list(o), n), 'no_repeat'),
+    'no_adjacent_repeat_size': (lambda o, n: says_a_span_twice_in_a_row(list(o), n), 'no_adjacent'),
+}
+
+
+@pytest.mark.parametrize(
+    'rule,n',
+    [
+        ('no_repeat_ngram_size', 2),
+        ('no_repeat_ngram_size', 3),
+        ('no_adjacent_repeat_size', 1),
+        ('no_adjacent_repeat_size', 3),
+    ],
+)
+def test_beam_search_without_repeats_matches_the_reference(rule, n):
   # A 9-token toy over 12 steps repeats itself unless told not to.
+  repeats, reference_option = REPEAT_RULES[rule]
   model = ToyDecoder(vocab_size=9, seed=2, eos_bias=-1.0)
   sources = model.sources(3, seed=9)
   plain, _ = run_beam(model, sources, beam_size=3, max_len=12, early_stopping=False)
-  assert any(repeats_an_ngram(strip(s), n) for s in plain.reshape(-1, 12))
+  assert any(repeats(strip(s), n) for s in plain.reshape(-1, 12))
   sequences, scores = run_beam(
-      model, sources, beam_size=3, max_len=12, early_stopping=False, no_repeat_ngram_size=n
+      model, sources, beam_size=3, max_len=12, early_stopping=False, **{rule: n}
   )
   for row in range(3):
-    expected, gap = reference_beam_search_np(model, sources[row], 3, 12, 0.6, no_repeat=n)
+    expected, gap = reference_beam_search_np(
+        model, sources[row], 3, 12, 0.6, **{reference_option: n}
+    )
     assert gap > 1e-4  # No near-tie that float32 could break the other way.
     outputs = [tuple(strip(s)) for s in sequences[row]]
     assert outputs == [tuple(o) for o, _ in expected]
-    assert not any(repeats_an_ngram(o, n) for o in outputs)
+    assert not any(repeats(o, n) for o in outputs)
     # Scores stay the model's log-probabilities, penalised: the ban only removes candidates.
     np.testing.assert_allclose(scores[row], [score for _, score in expected], rtol=1e-4)
 
@@ -422,24 +440,6 @@ def test_banned_tokens_are_those_that_would_say_a_span_twice_in_a_row(n):
 
 def _ends_in_a_doubled_span(tokens, n):
   return any(len(tokens) >= 2 * m and tokens[-2 * m : -m] == tokens[-m:] for m in range(1, n + 1))
-
-
-@pytest.mark.parametrize('n', [1, 3])
-def test_beam_search_without_spans_said_twice_in_a_row_matches_the_reference(n):
-  model = ToyDecoder(vocab_size=9, seed=2, eos_bias=-1.0)
-  sources = model.sources(3, seed=9)
-  plain, _ = run_beam(model, sources, beam_size=3, max_len=12, early_stopping=False)
-  assert any(says_a_span_twice_in_a_row(list(strip(s)), n) for s in plain.reshape(-1, 12))
-  sequences, scores = run_beam(
-      model, sources, beam_size=3, max_len=12, early_stopping=False, no_adjacent_repeat_size=n
-  )
-  for row in range(3):
-    expected, gap = reference_beam_search_np(model, sources[row], 3, 12, 0.6, no_adjacent=n)
-    assert gap > 1e-4  # No near-tie that float32 could break the other way.
-    outputs = [tuple(strip(s)) for s in sequences[row]]
-    assert outputs == [tuple(o) for o, _ in expected]
-    assert not any(says_a_span_twice_in_a_row(list(o), n) for o in outputs)
-    np.testing.assert_allclose(scores[row], [score for _, score in expected], rtol=1e-4)
 
 
 @pytest.mark.parametrize('search', ['greedy', 'sample'])
