@@ -560,6 +560,7 @@ def exported(tmp_path_factory):
       length_penalty_form='power',
       max_decode_extra_length=7,
       no_repeat_ngram_size=3,
+      no_adjacent_repeat_size=5,
   )
   return workdir, marian.export_model(workdir, str(root / 'marian'))
 
@@ -580,8 +581,13 @@ def test_exported_model_translates_in_hugging_face_as_here(exported):
   workdir, directory = exported
   # Both searches without the export's no_repeat_ngram_size: this random model meets near-ties
   # (logits 3e-4 apart) once repeats are banned, and those fall either way on another CPU.
+  # (Hugging Face has no no_adjacent_repeat_size at all.)
   translator, checkpoint = translator_lib.load_translator(
-      workdir, beam_size=1, max_decode_extra_length=EXTRA, no_repeat_ngram_size=0
+      workdir,
+      beam_size=1,
+      max_decode_extra_length=EXTRA,
+      no_repeat_ngram_size=0,
+      no_adjacent_repeat_size=0,
   )
   model = transformers.MarianMTModel.from_pretrained(directory).eval()
   model.generation_config.no_repeat_ngram_size = 0
@@ -708,6 +714,10 @@ def test_export_says_when_hugging_face_uses_another_layer_norm_epsilon(exported,
   assert (
       "layer_norm_epsilon=1e-06 to the variance; Hugging Face's MarianMTModel and "
       'CTranslate2 add 1e-05' in caplog.text
+  ), caplog.text
+  assert (
+      "The run decodes with no_adjacent_repeat_size=5, which Hugging Face's generate and "
+      'CTranslate2 have no option for' in caplog.text
   ), caplog.text
 
 
