@@ -51,8 +51,9 @@ def get_config() -> ml_collections.ConfigDict:
   # sacreBLEU 25.05 against 22.30, for about 1% of the step.
   c.positional_encoding = 'rope'
   # The output layer scores only the 5,312 pieces of the Spanish side (and EOS, UNK) of the
-  # 8,000 the two languages share: the same test sacreBLEU (24.06 against 24.03 on a Zen 3)
-  # from a step 1.2x faster, the job's output layer being about half of it (bench/RESULTS.md).
+  # 8,000 the two languages share: the same test sacreBLEU (24.06 against 24.03 on a Zen 3),
+  # the step 1.15x faster alone and train.py 1.07x (the input pipeline shares the two cores;
+  # bench/RESULTS.md).
   c.output_vocabulary = 'target'
   c.dropout_rate = 0.0
   c.max_len = 256
