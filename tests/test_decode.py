@@ -454,31 +454,23 @@ def test_greedy_and_sampling_repeat_no_ngram_and_report_the_models_log_probs(sea
     return jax.device_get(_search(model.params, cache, rng, search, options))
 
   plain, _ = run()
-  assert any(repeats_an_ngram(strip(s), 2) for s in plain)
-  assert any(says_a_span_twice_in_a_row(strip(s), 3) for s in plain)
-  sequences, log_probs = run(no_adjacent_repeat_size=3)
-  for row in range(8):
-    output = strip(sequences[row])
-    assert not says_a_span_twice_in_a_row(output, 3), output
-    np.testing.assert_allclose(
-        log_probs[row], model.log_prob_np(output, sources[row]), rtol=1e-4, atol=1e-4
-    )
-  sequences, log_probs = run(no_repeat_ngram_size=2)
-  for row in range(8):
-    output = strip(sequences[row])
-    assert not repeats_an_ngram(output, 2), output
-    np.testing.assert_allclose(
-        log_probs[row], model.log_prob_np(output, sources[row]), rtol=1e-4, atol=1e-4
-    )
-    if search == 'greedy':  # Each token the best one the ban leaves.
-      logits = model.step_logits_np([BOS_ID] + output[:-1], sources[row])
-      for t, token in enumerate(output):
-        allowed = [
-            v
-            for v in range(model.vocab_size)
-            if v != PAD_ID and not repeats_an_ngram(output[:t] + [v], 2)
-        ]
-        assert token == max(allowed, key=lambda v: logits[t, v]), (row, t)
+  for rule, n in (('no_repeat_ngram_size', 2), ('no_adjacent_repeat_size', 3)):
+    repeats, _ = REPEAT_RULES[rule]
+    assert any(repeats(strip(s), n) for s in plain)
+    sequences, log_probs = run(**{rule: n})
+    for row in range(8):
+      output = strip(sequences[row])
+      assert not repeats(output, n), (rule, output)
+      np.testing.assert_allclose(
+          log_probs[row], model.log_prob_np(output, sources[row]), rtol=1e-4, atol=1e-4
+      )
+      if search == 'greedy':  # Each token the best one the ban leaves.
+        logits = model.step_logits_np([BOS_ID] + output[:-1], sources[row])
+        for t, token in enumerate(output):
+          allowed = [
+              v for v in range(model.vocab_size) if v != PAD_ID and not repeats(output[:t] + [v], n)
+          ]
+          assert token == max(allowed, key=lambda v: logits[t, v]), (rule, row, t)
 
 
 def _count_steps(model):

@@ -688,7 +688,7 @@ class TransformerConfig:
       platform: where the model runs ('cpu', 'gpu', 'tpu'), for `dtype='auto'`; default
         JAX's default backend.
       output_ids: with `output_vocabulary='target'`, the ids the output layer scores (the
-        training data's, `input_pipeline.output_ids`; a checkpoint's meta); ignored with
+        training data's, `input_pipeline.target_side_ids`; a checkpoint's meta); ignored with
         'all'. Without them (compiling ahead of time, config checks) it scores all.
       **overrides: fields to replace (e.g. `deterministic=True`).
 
