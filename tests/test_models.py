@@ -20,6 +20,7 @@ from models_testlib import VARIANTS
 from models_testlib import VOCAB
 from transformer_jax import attention
 from transformer_jax import losses
+from transformer_jax import models
 from transformer_jax import train_steps
 from transformer_jax.config import BOS_ID
 from transformer_jax.config import EOS_ID
@@ -451,6 +452,31 @@ def test_fused_loss_and_its_gradient_equal_the_plain_ones(dtype, rtol, eps):
         np.asarray(want, np.float32),
         rtol=rtol,
         atol=rtol * float(jnp.abs(want).max()),
+    )
+
+
+@pytest.mark.parametrize('dtype,rtol', [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize('shape', [(3, 5), (4,)])
+def test_tied_output_projection_and_its_gradient_equal_autodiffs(dtype, rtol, shape):
+  """`models.project`'s written-out backward (the logits' gradient read in one layout)
+  against autodiff through the plain einsum, for training's [batch, length] and decoding's
+  [rows] leading dimensions."""
+  rng = np.random.default_rng(5)
+  x = jnp.asarray(rng.normal(size=(*shape, 16)), dtype)
+  rows = jnp.asarray(rng.normal(size=(37, 16)), dtype)
+  cotangent = jnp.asarray(rng.normal(size=(*shape, 37)), dtype)
+  plain = lambda x, rows: jnp.einsum('...d,vd->...v', x, rows)
+  got, got_vjp = jax.vjp(models.project, x, rows)
+  want, want_vjp = jax.vjp(plain, x, rows)
+  assert got.shape == (*shape, 37) and got.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  for g, w in zip(got_vjp(cotangent), want_vjp(cotangent), strict=True):
+    assert g.shape == w.shape and g.dtype == dtype
+    np.testing.assert_allclose(
+        np.asarray(g, np.float32),
+        np.asarray(w, np.float32),
+        rtol=rtol,
+        atol=rtol * float(jnp.abs(w.astype(jnp.float32)).max()),
     )
 
 
