@@ -257,6 +257,10 @@ def abstract_state(
   return abstract, shardings
 
 
+# XLA:CPU without LLVM's optimization: for programs that run once.
+_UNOPTIMIZED = {'xla_backend_optimization_level': 0}
+
+
 def create_train_state(
     seed: int,
     model_config: TransformerConfig,
@@ -269,8 +273,14 @@ def create_train_state(
   def init(rng):
     return nn.unbox(_init_state(rng, model_config, tx))
 
+  key = jax.random.key(seed)
   with partitioner.activate():
-    return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
+    jitted = jax.jit(init, out_shardings=shardings)
+    if jax.default_backend() != 'cpu':
+      return jitted(key)
+    # It runs once, in milliseconds: LLVM's optimization passes would only add to its compile
+    # (on 2 cores the main job's 4.7 s; bench/RESULTS.md).
+    return jitted.lower(key).compile(compiler_options=_UNOPTIMIZED)(key)
 
 
 def jit_train_step(
