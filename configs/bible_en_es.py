@@ -60,8 +60,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.warmup_steps = 300
   c.learning_rate_scale = 0.7  # Peak 0.0036 at step 300,
   c.lr_schedule = 'constant'  # held until the cooldown.
-  # 2,500 steps fit ten minutes in all on a 2-core Zen 3 in its slow hours (2,750 gave 0.7
-  # more test sacreBLEU and 10m45s-11m; docs/main_job.md).
+  # 2,500 steps: the whole job in 9m14s-10m24s on a 2-core Zen 3, over ten minutes only in
+  # its slowest hours (2,750 gave 0.7 more test sacreBLEU in 10m45s-11m; docs/main_job.md).
   c.num_train_steps = 2500
   c.lr_cooldown_steps = 750  # The last 30%.
 
