@@ -727,12 +727,16 @@ def test_ctrl_c_saves_exits_130_and_stops_the_script_and_a_rerun_resumes(data_fi
       assert resumed.poll() is None, log.read_text()[-3000:]
       assert time.monotonic() < deadline, 'no "Finished at step" in 300 s'
       time.sleep(0.05)
-    delivered = resumed.poll() is None  # Shutting down takes a second or more.
-    resumed.send_signal(signal.SIGTERM)
-    assert resumed.wait(timeout=120) == 0, log.read_text()[-3000:]
+    # Shutting down takes a second or more: signals every 20 ms land while Python runs
+    # (logged), in its atexit functions and as it finalizes (ignored; the default action
+    # Python puts back there killed the process, exit -15).
+    deadline = time.monotonic() + 120
+    while resumed.poll() is None and time.monotonic() < deadline:
+      resumed.send_signal(signal.SIGTERM)
+      time.sleep(0.02)
+    assert resumed.wait(timeout=1) == 0, log.read_text()[-3000:]
   finally:
     resumed.kill()
-  assert not delivered or 'after training ended: exiting as planned' in log.read_text()
   assert checkpointing.list_steps(str(workdir))[-1] == saved[0] + 1
   logged = [m['step'] for m in read_metrics(str(workdir)) if m['split'] == 'train']
   assert logged == list(range(1, saved[0] + 2)), logged  # Each step once: resumed, not redone.

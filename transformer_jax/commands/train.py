@@ -14,6 +14,7 @@ full-disk problem (explained in one paragraph; the traceback only with --verbose
 interrupted by Ctrl-C (after saving that step, so a script that runs train.py stops too).
 """
 
+import atexit
 import signal
 import sys
 
@@ -80,6 +81,10 @@ def main(argv: list[str]) -> None:
   # scheduler's stop arriving as the last step ends) asks for what happens anyway, and must
   # not turn the exit code into 143 while the process shuts down.
   signal.signal(signal.SIGTERM, _already_ending)
+  # As the interpreter finalizes, after the atexit functions, Python puts the default action
+  # back for every signal it handled, and a SIGTERM then killed the process (exit -15) as
+  # XLA and Orbax shut down. Ignored from the first atexit function on, it cannot.
+  atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
   if result.interrupted:
     print(
         f'{cli.program()}: interrupted by Ctrl-C at step {int(result.state.step)}, after saving '
