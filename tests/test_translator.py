@@ -326,6 +326,30 @@ def test_beam_search_loop_carries_no_encoder_keys_and_values(tmp_path):
   assert carried.count((rows, heads, max_decode_len, head_dim)) == num_kv
 
 
+def test_full_batches_grow_the_caches_in_phases_and_fewer_rows_search_one_loop(tmp_path):
+  """Only a full batch's search is compiled with a loop per cache length (the slow test
+  above shows both give the same hypotheses); a call of fewer sentences searches one loop."""
+  cfg = TransformerConfig.from_config(fixture_config(str(tmp_path)), vocab_size=80)
+  tokens = jnp.ones((1, 4), jnp.int32)
+  params = jax.eval_shape(
+      lambda: nn.unbox(Transformer(cfg).init(jax.random.key(0), tokens, tokens)['params'])
+  )
+  options = translator_lib.DecodeOptions(beam_size=2, batch_size=8)
+  translator = translator_lib.Translator(cfg, params, None, options)
+  rows = [translator.rows_for(n) for n in (1, 3, 8, 20)]
+  assert rows == [1, 4, 8, 8]
+  assert [translator.grows_cache(r) for r in rows] == [False, False, True, True]
+
+  def loops(grow: bool) -> int:
+    jaxpr = jax.make_jaxpr(
+        functools.partial(translator_lib.search, cfg, options=options, max_decode_len=50, grow=grow)
+    )(params, jax.ShapeDtypeStruct((4, 10), jnp.int32))
+    return sum(e.primitive.name == 'while' for e in jaxpr.jaxpr.eqns)
+
+  assert decode.cache_lengths(50) == (16, 32, 50)
+  assert loops(True) == 3 and loops(False) == 1
+
+
 @pytest.mark.slow
 def test_cached_greedy_decoding_equals_rerunning_the_full_model(loaded, run_dir):
   translator, checkpoint = loaded

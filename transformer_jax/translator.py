@@ -17,7 +17,11 @@ Shapes stay few, so a test set never recompiles per sentence:
   * the output limit is each sentence's own: its source length (EOS included) +
     `max_decode_extra_length` (the paper: source length + 50), at most `max_len` with learned
     positions, whose table ends there (`DecodeStats.capped` names the sentences the cap cut).
-    A batch's search is compiled for its bucket's limit; each row stops at its own.
+    A batch's search is compiled for its bucket's limit; each row stops at its own;
+  * a full batch's search grows the self-attention caches in phases, one loop each
+    (`decode.cache_lengths`), which pays over many batches; fewer rows (a call that fills
+    less than one batch) search in one loop, which compiles in half the time
+    (`Translator.grows_cache`).
 
 Each (rows, bucket) shape is compiled ahead of time, once, when first needed; the number of
 compiled functions is `Translator.num_compiled`. Given a `Partitioner`, the rows are split
@@ -292,6 +296,7 @@ def search(
     options: DecodeOptions,
     max_decode_len: int,
     batch_index: jax.Array | int = 0,
+    grow: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Encodes `inputs`, creates the caches and runs the whole search (traceable under jit).
 
@@ -307,6 +312,8 @@ def search(
     max_decode_len: the most output tokens, EOS included, of any row (the compiled size);
       each row stops at its source length + `options.max_decode_extra_length` if sooner.
     batch_index: int32 [], folded into the sampling key (unused by the searches).
+    grow: grow the self-attention caches in phases (`decode.cache_lengths`), each phase one
+      more loop to compile; False: one loop over caches of `max_decode_len` positions.
 
   Returns:
     sequences: int32 [batch, n_best, max_decode_len], best first, PAD after the end.
@@ -315,8 +322,12 @@ def search(
   """
   n = options.n_best if options.sampling else options.beam_size
   tokens_to_logits, cache = start_decoding(
-      model_config, params, inputs, decode.cache_lengths(max_decode_len)[0]
+      model_config,
+      params,
+      inputs,
+      decode.cache_lengths(max_decode_len)[0] if grow else max_decode_len,
   )
+  grower = grow_cache if grow else None
   batch_size = inputs.shape[0]
   # Each row's own limit: its source length + the extra length, within the compiled one.
   max_lengths = jnp.minimum(
@@ -341,7 +352,7 @@ def search(
           top_k=options.top_k,
           top_p=options.top_p,
           bos_id=model_config.decoder_start_id,
-          grow_cache=grow_cache,
+          grow_cache=grower,
           max_lengths=decode.tile_beams(max_lengths, n),
           no_repeat_ngram_size=options.no_repeat_ngram_size,
           no_adjacent_repeat_size=options.no_adjacent_repeat_size,
@@ -353,7 +364,7 @@ def search(
           batch_size,
           max_decode_len,
           bos_id=model_config.decoder_start_id,
-          grow_cache=grow_cache,
+          grow_cache=grower,
           max_lengths=max_lengths,
           no_repeat_ngram_size=options.no_repeat_ngram_size,
           no_adjacent_repeat_size=options.no_adjacent_repeat_size,
@@ -376,7 +387,7 @@ def search(
       alpha=options.length_penalty,
       length_penalty_form=options.length_penalty_form,
       bos_id=model_config.decoder_start_id,
-      grow_cache=grow_cache,
+      grow_cache=grower,
       max_lengths=max_lengths,
       no_repeat_ngram_size=options.no_repeat_ngram_size,
       no_adjacent_repeat_size=options.no_adjacent_repeat_size,
@@ -469,15 +480,25 @@ class Translator:
 
   # --- Compilation. ---
 
+  def grows_cache(self, rows: int) -> bool:
+    """Whether the search for `rows` rows grows its caches in phases: a full batch's does.
+    Fewer rows come from a call that fills less than one batch, whose one search would not
+    win back the phases' compile: on 2 cores the main job's 8-row search compiled in 4.5 s
+    with four phases and 2.3 s in one loop, and ran in 60 ms against 79 (bench/RESULTS.md)."""
+    return rows >= self.rows_for(self.options.batch_size)
+
   def compile(self, rows: int, bucket: int) -> Callable:
     """The search compiled for [rows, bucket] sources (once per shape; `params` may be
     `jax.ShapeDtypeStruct`s with shardings, to compile without any weights)."""
     key = (rows, bucket)
     if key not in self._compiled:
       max_decode_len = self.max_decode_len(bucket)
+      grow = self.grows_cache(rows)
 
       def fn(params, inputs, batch_index):
-        return search(self.model_config, params, inputs, self.options, max_decode_len, batch_index)
+        return search(
+            self.model_config, params, inputs, self.options, max_decode_len, batch_index, grow
+        )
 
       if self.partitioner is None:
         jitted = jax.jit(fn)
