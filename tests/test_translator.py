@@ -290,13 +290,18 @@ def test_beam_search_over_the_shared_encoder_cache_equals_gathering_it(loaded, r
   np.testing.assert_allclose(scores, expected_scores, rtol=1e-5, atol=1e-5)
 
 
-def test_beam_search_loop_carries_no_encoder_keys_and_values(tmp_path):
-  # The fixture's model, untrained: only the shapes in the search's loop matter.
+def _untrained_shapes(tmp_path):
+  """The fixture's model config and its parameters' shapes, untrained: for tests of what the
+  search compiles, where only shapes matter."""
   cfg = TransformerConfig.from_config(fixture_config(str(tmp_path)), vocab_size=80)
   tokens = jnp.ones((1, 4), jnp.int32)
-  params = jax.eval_shape(
+  return cfg, jax.eval_shape(
       lambda: nn.unbox(Transformer(cfg).init(jax.random.key(0), tokens, tokens)['params'])
   )
+
+
+def test_beam_search_loop_carries_no_encoder_keys_and_values(tmp_path):
+  cfg, params = _untrained_shapes(tmp_path)
   batch, source_length, max_decode_len, beam_size = 2, 7, 5, 3
   jaxpr = jax.make_jaxpr(
       functools.partial(
@@ -329,11 +334,7 @@ def test_beam_search_loop_carries_no_encoder_keys_and_values(tmp_path):
 def test_full_batches_grow_the_caches_in_phases_and_fewer_rows_search_one_loop(tmp_path):
   """Only a full batch's search is compiled with a loop per cache length (the slow test
   above shows both give the same hypotheses); a call of fewer sentences searches one loop."""
-  cfg = TransformerConfig.from_config(fixture_config(str(tmp_path)), vocab_size=80)
-  tokens = jnp.ones((1, 4), jnp.int32)
-  params = jax.eval_shape(
-      lambda: nn.unbox(Transformer(cfg).init(jax.random.key(0), tokens, tokens)['params'])
-  )
+  cfg, params = _untrained_shapes(tmp_path)
   options = translator_lib.DecodeOptions(beam_size=2, batch_size=8)
   translator = translator_lib.Translator(cfg, params, None, options)
   rows = [translator.rows_for(n) for n in (1, 3, 8, 20)]
