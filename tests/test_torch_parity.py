@@ -14,16 +14,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-torch = pytest.importorskip(
-    'torch',
-    reason='PyTorch (CPU build) is a test-only dependency: '
-    "pip install -c requirements.txt -e '.[test]'",
-)
+from transformer_jax.config import BOS_ID
+from transformer_jax.config import PAD_ID
+from transformer_jax.config import TransformerConfig
+from transformer_jax.models import Transformer
 
-from transformer_jax.config import BOS_ID  # noqa: E402
-from transformer_jax.config import PAD_ID  # noqa: E402
-from transformer_jax.config import TransformerConfig  # noqa: E402
-from transformer_jax.models import Transformer  # noqa: E402
+# Imported when this file's first test starts, not when the tests are collected: every test
+# process collects every file, and importing PyTorch there cost each about 2.4 s.
+torch = None
+
+
+@pytest.fixture(autouse=True, scope='module')
+def _pytorch():
+  global torch
+  torch = pytest.importorskip(
+      'torch',
+      reason='PyTorch (CPU build) is a test-only dependency: '
+      "pip install -c requirements.txt -e '.[test]'",
+  )
+
 
 D, HEADS, FF, LAYERS, VOCAB = 64, 4, 128, 2, 50
 CONFIG = TransformerConfig(
