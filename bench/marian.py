@@ -212,6 +212,13 @@ class TorchTrainTask:
     self.optimizer.zero_grad(set_to_none=True)
     self.loss = float(loss.detach())
 
+  def dispatch(self) -> None:
+    """A step back to back with the last: PyTorch's CPU step has ended when `run` returns."""
+    self.run()
+
+  def wait(self) -> None:
+    """Nothing is left running after `dispatch`."""
+
   def breakdown(self, steps: int) -> dict[str, Any]:
     """Where `steps` more steps spend their time, by kind (`bench/breakdown.py`)."""
     from torch import profiler

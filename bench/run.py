@@ -112,15 +112,16 @@ class Worker:
 
 
 def interleave(
-    workers: dict[str, tuple[Worker, str]], rounds: int, iters: int
+    workers: dict[str, tuple[Worker, str]], rounds: int, iters: int, chain: int = 0
 ) -> dict[str, list[list[float]]]:
-  """Times each (worker, task) for `iters` iterations a round, alternating the order."""
+  """Times each (worker, task) for `iters` iterations a round, alternating the order; with
+  `chain`, each iteration is `chain` runs dispatched back to back (`Worker.time`)."""
   times: dict[str, list[list[float]]] = {name: [] for name in workers}
   names = [n for n, (w, task) in workers.items() if w.ok(task)]
   for r in range(rounds):
     for name in (names if r % 2 == 0 else names[::-1]):
       w, task = workers[name]
-      times[name].append(w.time(task, iters))
+      times[name].append(w.time(task, iters, chain))
   return times
 
 
@@ -239,12 +240,13 @@ class Sizes:
   rounds: int
   train_iters: int
   decode_iters: int
+  train_chain: int  # Training steps dispatched back to back in each chained round.
 
 
 def cpu_sizes(quick: bool) -> Sizes:
   if quick:
-    return Sizes('tiny', 1000, 8, 8, 8, 512, 2, 2, 2)
-  return Sizes('base', 37000, 32, 32, 32, 2048, 5, 3, 2)
+    return Sizes('tiny', 1000, 8, 8, 8, 512, 2, 2, 2, 3)
+  return Sizes('base', 37000, 32, 32, 32, 2048, 5, 3, 2, 5)
 
 
 def model_config(model: str, vocab: int) -> TransformerConfig:
@@ -412,6 +414,10 @@ def run_cpu_train_model(model, s, log_dir, jenv, tenv, has_torch, machine_peak, 
         'train',
     )
   times = interleave(group, s.rounds, s.train_iters)
+  # The same steps dispatched back to back, as train.py runs them: JAX queues the next step
+  # while one runs (its dispatch overlaps the step before), PyTorch's CPU step ends before
+  # it returns. Each round one chain a worker, in the same alternating order.
+  chained = interleave(group, s.rounds, 1, chain=s.train_chain)
   train = {
       'model_flops_per_step': step_flops,
       'tokens_per_step': tokens,
@@ -433,6 +439,9 @@ def run_cpu_train_model(model, s, log_dir, jenv, tenv, has_torch, machine_peak, 
   for name, (w, task) in group.items():
     st = summarize(times[name])
     entry = {'setup': w.ready[task], 'startup_s': w.startup_s, 'times': st}
+    entry['chained_times'] = summarize(chained[name])
+    if entry['chained_times']:
+      entry['chained_tokens_per_s'] = tokens / entry['chained_times']['median_s']
     if st:
       entry['tokens_per_s'] = tokens / st['median_s']
       entry['steps_per_s'] = 1 / st['median_s']
@@ -446,6 +455,10 @@ def run_cpu_train_model(model, s, log_dir, jenv, tenv, has_torch, machine_peak, 
   )
   train['best_speedup_vs_torch'] = best_speedup(
       train['jax'].get('times'), train.get('torch', {}).get('times')
+  )
+  train['chain'] = s.train_chain
+  train['chained_speedup_vs_torch'] = paired_speedup(
+      train['jax'].get('chained_times'), train.get('torch', {}).get('chained_times')
   )
   if glibc_malloc_too:
     train['speedup_vs_glibc_malloc'] = paired_speedup(
@@ -800,6 +813,14 @@ def train_table(lines: list[str], model: str, t: dict[str, Any]) -> None:
           _fmt(j.get('tokens_per_s')),
           _fmt(p.get('tokens_per_s')),
           _fmt(t['speedup_vs_torch'], '.2f', 1, 'x'),
+      )
+  )
+  add(
+      row.format(
+          f"  {t['chain']} steps back to back",
+          _fmt(j.get('chained_tokens_per_s')),
+          _fmt(p.get('chained_tokens_per_s')),
+          _fmt(t['chained_speedup_vs_torch'], '.2f', 1, 'x'),
       )
   )
   add(

@@ -85,6 +85,11 @@ def test_training_bench_at_the_main_jobs_size_against_the_pre_norm_reference(tmp
   assert train['norm_position'] == 'pre'
   assert train['reference'] == 'M2M100ForConditionalGeneration'
   assert train['tokens_per_step'] == 2 * 1024 and train['speedup_vs_torch'] > 0
+  # The same steps dispatched back to back, as train.py runs them, on both sides.
+  assert train['chain'] == 3 and train['chained_speedup_vs_torch'] > 0
+  for side in ('jax', 'torch'):
+    assert train[side]['chained_times']['n'] == 2 and train[side]['chained_tokens_per_s'] > 0
+  assert '3 steps back to back' in table
   for side in ('jax', 'torch'):
     entry = train[side]
     assert entry['tokens_per_s'] > 0 and entry['setup']['loss_per_token'] > 0, side
