@@ -4,7 +4,9 @@ Kinds: matmul, attention (its softmax and masks; the matmuls are matmul), normal
 loss (the softmax and cross entropy over the vocabulary), optimizer (the update, the
 gradient norm, the finiteness check and the metrics), data movement (copies, transposes,
 broadcasts, concatenations, gathers), other (embeddings, activations, residual adds), and
-for JAX the idle time in which no XLA operation runs (dispatch gaps, waits).
+for JAX the idle time in which no traced XLA operation runs (dispatch gaps, waits, and work
+that XLA:CPU hands to its pool without a trace event: a plain `dot`'s contraction, a
+parallel loop fusion's other partitions).
 
 JAX: the step runs a few times under `jax.profiler`; every XLA:CPU operation in the trace is
 an instruction of the optimized HLO, which names the JAX operation it came from (its
