@@ -18,7 +18,7 @@ instant is split evenly among the operations running then, so that JAX's kinds s
 time in which any ran, as PyTorch's (one operator at a time, each on every thread) do.
 
 Imports neither JAX nor PyTorch: both workers use it. The JAX side's kinds are
-`transformer_jax.hlo_view.kind`'s, which `compile.py` also gives each kernel of a step.
+`transformer_jax.aot.hlo_view.kind`'s, which `compile.py` also gives each kernel of a step.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import json
 import os
 from typing import Any
 
-from transformer_jax import hlo_view
+from transformer_jax.aot import hlo_view
 
 KINDS = hlo_view.KINDS
 

@@ -58,7 +58,7 @@ def main() -> None:
   import jax
 
   from bench import jax_side
-  from transformer_jax import checkpointing
+  from transformer_jax.checkpoints import checkpointing
 
   try:
     bucket = server.create_bucket()

@@ -32,10 +32,10 @@ import time
 import numpy as np
 
 from configs import bible_en_es as bible_config
-from transformer_jax import batching
-from transformer_jax import data_sources
-from transformer_jax import token_store
-from transformer_jax import vocab_cache
+from transformer_jax.data import batching
+from transformer_jax.data import data_sources
+from transformer_jax.data import token_store
+from transformer_jax.data import vocab_cache
 
 
 def _epoch_rate(data: batching.TrainData, epochs: int, packed: bool) -> dict[str, float]:
@@ -92,7 +92,7 @@ def _repeated_corpus(
 
 def _train_wait(workdir: str, prefetch: int, steps: int) -> dict[str, float]:
   """data_wait_share and tokens/s of a short run (the logged intervals after compiling)."""
-  from transformer_jax import train_loop
+  from transformer_jax.training import train_loop
 
   config = bible_config.get_config()
   config.tfds_data_dir = os.path.join(workdir, 'tfds')

@@ -27,23 +27,23 @@ import numpy as np
 from bench import breakdown as bench_breakdown
 from bench import marian as bench_marian
 from bench import worker
-from transformer_jax import aot
-from transformer_jax import decode
-from transformer_jax import flops
-from transformer_jax import hlo_view
-from transformer_jax import host_memory
-from transformer_jax import kernel_choice
-from transformer_jax import marian
-from transformer_jax import models
-from transformer_jax import optimizer
-from transformer_jax import train_steps
-from transformer_jax import translator
+from transformer_jax.aot import aot
+from transformer_jax.aot import hlo_view
 from transformer_jax.config import base_config
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
-from transformer_jax.config import TransformerConfig
-from transformer_jax.models import Transformer
-from transformer_jax.partitioning import Partitioner
+from transformer_jax.decoding import decode
+from transformer_jax.decoding import translator
+from transformer_jax.interop import marian
+from transformer_jax.model import flops
+from transformer_jax.model import models
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.kernels import kernel_choice
+from transformer_jax.model.models import Transformer
+from transformer_jax.runtime import host_memory
+from transformer_jax.runtime.partitioning import Partitioner
+from transformer_jax.training import optimizer
+from transformer_jax.training import train_steps
 
 # The paper's Table 3 sizes, plus a tiny one for --quick runs and tests.
 MODEL_SIZES = {

@@ -38,10 +38,10 @@ from bench import worker
 from bench.jax_side import output_ids
 from bench.jax_side import run_config
 from transformer_jax import config as config_lib
-from transformer_jax import flops
-from transformer_jax import host_memory
-from transformer_jax.config import TransformerConfig
 from transformer_jax.errors import ConfigError
+from transformer_jax.model import flops
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.runtime import host_memory
 
 GIB = 1024**3
 MAIN_JOB_RSS_GOAL = 8 * GIB

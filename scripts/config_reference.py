@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from transformer_jax import config as config_lib  # noqa: E402
-from transformer_jax import optimizer  # noqa: E402
+from transformer_jax.training import optimizer  # noqa: E402
 
 PAGE = os.path.join(REPO, 'docs', 'config.md')
 

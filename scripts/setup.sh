@@ -4,7 +4,8 @@
 # test extra (pytest and a CPU build of PyTorch), the Debian packages of the local SLURM
 # cluster the launcher tests start (scripts/local_slurm.sh), and
 # does what `--aot` does. `--aot` makes .venv-aot, an environment that sees the installed
-# packages plus the compile-only wheels of compile.py (`python -m transformer_jax.aot_env`,
+# packages plus the compile-only wheels of compile.py
+# (`python -m transformer_jax.aot.aot_env`,
 # the same way an installed package's user makes one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,6 +29,6 @@ if [ "$mode" != "--aot" ]; then
   fi
 fi
 if [ "$mode" = "--aot" ] || [ "$mode" = "--test" ]; then
-  # The wheels of the installed jax's exact version (transformer_jax/aot_env.py says which).
-  python -m transformer_jax.aot_env .venv-aot
+  # The wheels of the installed jax's exact version (transformer_jax/aot/aot_env.py says which).
+  python -m transformer_jax.aot.aot_env .venv-aot
 fi

@@ -8,8 +8,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from transformer_jax.config import TransformerConfig
-from transformer_jax.models import Transformer
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.models import Transformer
 
 VOCAB = 40
 # Two decoder layers, so that cached decoding carries a layer's output into the next; one

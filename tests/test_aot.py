@@ -1,4 +1,4 @@
-"""compile.py and `transformer_jax.aot`: the real train step and decoder compiled for a TPU
+"""compile.py and `transformer_jax.aot.aot`: the real train step and decoder compiled for a TPU
 slice and a GPU host this machine does not have, and for 8 CPU devices.
 
 The TPU and GPU compiles need the compile-only wheels in .venv-aot (`bash scripts/setup.sh
@@ -14,8 +14,8 @@ import sys
 import pytest
 
 import train_testlib
-from transformer_jax import aot
-from transformer_jax import aot_env
+from transformer_jax.aot import aot
+from transformer_jax.aot import aot_env
 from transformer_jax.errors import ConfigError
 
 AOT_PYTHON = os.path.join(train_testlib.REPO, '.venv-aot', 'bin', 'python')
@@ -146,7 +146,7 @@ def test_compiles_tiny_for_a_tpu_slice_and_gpu_hosts(tmp_path, topology, flags, 
 @pytest.mark.slow
 def test_h200_target_has_its_memory_and_kind():
   code = (
-      'from transformer_jax import aot; t = aot.target("2x8xH200"); '
+      'from transformer_jax.aot import aot; t = aot.target("2x8xH200"); '
       'print(t.device_kind, len(t.devices), t.num_hosts, t.memory_bytes)'
   )
   result = subprocess.run(
@@ -252,7 +252,7 @@ def test_missing_wheels_are_named_with_the_fix():
     )
   result = _compile('--topology=v5e-8', timeout=120)
   assert result.returncode == 2
-  assert 'python -m transformer_jax.aot_env ~/.venv-aot' in result.stderr
+  assert 'python -m transformer_jax.aot.aot_env ~/.venv-aot' in result.stderr
   assert 'setup.sh --aot' in result.stderr and 'Traceback' not in result.stderr
 
 
@@ -317,7 +317,7 @@ def test_unknown_topology_is_a_config_error():
 
 
 def test_the_compile_environment_takes_the_installed_jaxs_own_wheels(capsys):
-  """`python -m transformer_jax.aot_env DIR` (what setup.sh --aot runs): the compile-only
+  """`python -m transformer_jax.aot.aot_env DIR` (what setup.sh --aot runs): the compile-only
   wheels of exactly this jax, and a usage line, not a traceback, without a directory."""
   version = importlib.metadata.version('jax')
   assert aot_env.wheels(version) == [
@@ -326,6 +326,6 @@ def test_the_compile_environment_takes_the_installed_jaxs_own_wheels(capsys):
       f'jax-cuda12-pjrt=={version}',
   ]
   assert aot_env.main(['aot_env']) == 2
-  assert 'usage: python -m transformer_jax.aot_env DIRECTORY' in capsys.readouterr().err
+  assert 'usage: python -m transformer_jax.aot.aot_env DIRECTORY' in capsys.readouterr().err
   assert aot_env.main(['aot_env', '--help']) == 0
   assert '~/.venv-aot/bin/python -m transformer_jax.commands.compile' in capsys.readouterr().out

@@ -6,9 +6,9 @@ import zlib
 
 import pytest
 
-from transformer_jax import bible_corpus
-from transformer_jax import data_sources
 from transformer_jax.config import base_config
+from transformer_jax.data import bible_corpus
+from transformer_jax.data import data_sources
 
 
 def test_osis_to_text_strips_markup_notes_headings_and_strongs():

@@ -10,15 +10,16 @@ import time
 import numpy as np
 import orbax.checkpoint as ocp
 
-from transformer_jax import checkpointing
-from transformer_jax import storage
+from transformer_jax.checkpoints import checkpointing
 from transformer_jax.errors import CheckpointGoneError
+from transformer_jax.storage import storage
+from transformer_jax.storage.layout import RunLayout
 
 
 def read_beside_rotation(workdir: str, reads: int = 60) -> None:
   """Reads the latest checkpoint's meta and parameters and lists the steps `reads` times
   beside a writer that saves every step and keeps 2 (local or gs://)."""
-  directory = f'{workdir}/{checkpointing.CHECKPOINT_DIR}'
+  directory = RunLayout.of(str(workdir)).checkpoints
   meta = {'config': {}, 'vocab_size': 8, 'tokenizer': {}}
   stop = threading.Event()
 

@@ -16,10 +16,10 @@ import time
 import pytest
 
 import train_testlib
-from transformer_jax import checkpointing
-from transformer_jax import cli
 from transformer_jax import errors
-from transformer_jax import line_io
+from transformer_jax.checkpoints import checkpointing
+from transformer_jax.commands import cli
+from transformer_jax.commands import line_io
 
 REPO = train_testlib.REPO
 
@@ -183,7 +183,7 @@ def test_full_disk_is_one_line_naming_the_file(tmp_path):
   script.write_text(textwrap.dedent(f"""
       import errno, sys
       sys.path.insert(0, {REPO!r})
-      from transformer_jax import cli
+      from transformer_jax.commands import cli
 
       def main(argv):
         try:
@@ -341,7 +341,7 @@ def test_checksums_catch_a_flipped_bit_and_swapped_words():
   import jax.numpy as jnp
   import numpy as np
 
-  from transformer_jax import checkpointing
+  from transformer_jax.checkpoints import checkpointing
 
   rng = np.random.default_rng(0)
   tree = {
@@ -411,7 +411,7 @@ def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data
     assert f'No space left on the disk of {workdir}' in message, message
     assert 'MB there' in message and 'rerun the same command' in message, message
     os.remove(mount / 'filler')
-    from transformer_jax import checkpointing
+    from transformer_jax.checkpoints import checkpointing
 
     steps = checkpointing.list_steps(str(workdir))
     _, step = checkpointing.restore_params(str(workdir), steps[-1])  # Intact, verified.

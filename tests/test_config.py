@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from transformer_jax import config as config_lib
-from transformer_jax import config_checks
-from transformer_jax import kernel_choice
 from transformer_jax.config import base_config
 from transformer_jax.config import ConfigError
-from transformer_jax.config import TransformerConfig
-from transformer_jax.models import Transformer
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.kernels import kernel_choice
+from transformer_jax.model.models import Transformer
+from transformer_jax.training import config_checks
 
 CONFIG_FILES = sorted(p.stem for p in pathlib.Path('configs').glob('*.py') if p.stem != '__init__')
 
@@ -213,7 +213,7 @@ def test_config_imports_nothing_of_the_package_but_errors_and_kernel_choice():
   errors = {'transformer_jax.errors', 'transformer_jax.errors.ConfigError'}
   assert _package_imports(config_lib) <= errors | {
       'transformer_jax',
-      'transformer_jax.kernel_choice',
+      'transformer_jax.model.kernels.kernel_choice',
   }
   assert _package_imports(kernel_choice) <= errors
 

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 import train_testlib
-from transformer_jax import decode
 from transformer_jax.config import BOS_ID
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
+from transformer_jax.decoding import decode
 
 
 def toy_step(params: dict, tokens: jax.Array, cache: dict) -> tuple[jax.Array, dict]:

@@ -14,10 +14,10 @@ import sacrebleu
 
 from test_translator import TRAIN_STEPS
 import train_testlib
-from transformer_jax import averaging
-from transformer_jax import checkpointing
-from transformer_jax import evaluation
-from transformer_jax import loading
+from transformer_jax.checkpoints import averaging
+from transformer_jax.checkpoints import checkpointing
+from transformer_jax.checkpoints import loading
+from transformer_jax.decoding import evaluation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,7 +73,7 @@ def test_paired_bootstrap_separates_a_better_system():
 def test_the_average_of_the_last_checkpoints_is_their_mean_in_their_dtypes(tmp_path):
   """Parameters of any tree, any dtype: summed in float32, returned in each leaf's dtype."""
   from configs import tiny
-  from transformer_jax.tokenizer import train_tokenizer
+  from transformer_jax.data.tokenizer import train_tokenizer
 
   tokenizer = train_tokenizer(
       [f'word{i} other{i % 7} thing' for i in range(200)],

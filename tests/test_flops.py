@@ -1,12 +1,12 @@
-"""Model FLOPs (transformer_jax/flops.py) against a hand count and the real parameters."""
+"""Model FLOPs (transformer_jax/model/flops.py) against a hand count and the real parameters."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from transformer_jax import flops
-from transformer_jax.config import TransformerConfig
-from transformer_jax.models import Transformer
+from transformer_jax.model import flops
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.models import Transformer
 
 # d = 4, d_ff = 8, vocab = 10, one layer a stack.
 HAND = TransformerConfig(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import train_testlib
-from transformer_jax import fused_norm
+from transformer_jax.model.kernels import fused_norm
 
 
 def _reference(x, y, keep, scale, bias, rate, epsilon):
@@ -87,9 +87,9 @@ def _sharded_worker() -> dict:
   one device; returns the largest differences."""
   import ml_collections
 
-  from transformer_jax import models
-  from transformer_jax.config import TransformerConfig
-  from transformer_jax.partitioning import Partitioner
+  from transformer_jax.model import models
+  from transformer_jax.model.config import TransformerConfig
+  from transformer_jax.runtime.partitioning import Partitioner
 
   assert jax.device_count() == 4, jax.devices()
   cfg = TransformerConfig(

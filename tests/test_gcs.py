@@ -26,11 +26,12 @@ import test_bible_corpus
 import test_checkpointing
 from test_translator import TRAIN_STEPS
 import train_testlib
-from transformer_jax import paths
-from transformer_jax import storage
-from transformer_jax import train_loop
-from transformer_jax import workdir_lock
 from transformer_jax.errors import PathError
+from transformer_jax.storage import paths
+from transformer_jax.storage import storage
+from transformer_jax.storage import workdir_lock
+from transformer_jax.storage.layout import RunLayout
+from transformer_jax.training import train_loop
 
 pytestmark = pytest.mark.slow  # a Cloud Storage server; commands and training through subprocesses.
 
@@ -177,7 +178,7 @@ def test_commands_read_a_run_and_write_their_results_on_a_bucket(run_dir, bucket
       '--num_checkpoints=2',
   )
   assert result.returncode == 0, result.stderr[-3000:]
-  from transformer_jax import checkpointing
+  from transformer_jax.checkpoints import checkpointing
 
   meta, step = checkpointing.read_meta(f'{bucket}/avg')
   assert step == TRAIN_STEPS[-1] and meta['averaged_steps'] == list(TRAIN_STEPS[-2:])
@@ -307,7 +308,7 @@ def test_text_files_a_vocabulary_and_init_from_on_a_bucket(bucket, tmp_path):
   )
   assert tuned.returncode == 0, tuned.stderr[-3000:]
   assert 'Trained a' not in tuned.stderr
-  from transformer_jax import checkpointing
+  from transformer_jax.checkpoints import checkpointing
 
   meta, step = checkpointing.read_meta(str(tmp_path / 'tuned'))
   first_meta, _ = checkpointing.read_meta(f'{bucket}/run')
@@ -341,8 +342,8 @@ def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeyp
   """--config.tfds_data_dir=gs://...: the offline corpus is built locally, uploaded with
   dataset_info.json (TFDS's sign of a prepared dataset) last, and read from the bucket
   through array_record; another host reads it there without building it."""
-  from transformer_jax import data_sources
   from transformer_jax.config import base_config
+  from transformer_jax.data import data_sources
 
   config = base_config()
   config.dataset, config.source_lang, config.target_lang = 'bible_en_es', 'en', 'es'
@@ -368,7 +369,11 @@ def test_the_bible_corpus_is_prepared_once_on_a_bucket(bucket, tmp_path, monkeyp
 def _lock_object(bucket: str, **record) -> Any:
   from google.cloud import storage as gcs
 
-  blob = gcs.Client().bucket(bucket[len('gs://') :]).blob(f'run/{workdir_lock.LOCK_NAME}')
+  blob = (
+      gcs.Client()
+      .bucket(bucket[len('gs://') :])
+      .blob(RunLayout.of(f'{bucket}/run').lock[len(bucket) + 1 :])
+  )
   blob.upload_from_string(json.dumps(record))
   return blob
 
@@ -379,7 +384,7 @@ def test_the_lock_on_a_bucket_names_a_live_holder_and_takes_over_a_dead_one(buck
     with pytest.raises(workdir_lock.WorkdirBusyError) as error:
       workdir_lock.WorkdirLock(run).acquire()  # Created only if absent: refused.
     assert f'process {os.getpid()} on host {socket.gethostname()}' in str(error.value)
-  assert not epath.Path(f'{run}/{workdir_lock.LOCK_NAME}').exists()  # Released.
+  assert not epath.Path(RunLayout.of(run).lock).exists()  # Released.
 
   _lock_object(
       bucket,
@@ -430,7 +435,7 @@ def test_another_hosts_lock_on_a_bucket_is_stale_when_its_generation_stops_chang
 def test_metrics_on_a_bucket_keep_every_row_through_a_restart(bucket):
   """No append on Cloud Storage: each row rewrites the object with all rows so far. A
   restart at step 20 keeps the rows up to 20 and drops the later ones (trained again)."""
-  from transformer_jax import metrics_writer
+  from transformer_jax.training import metrics_writer
 
   run = f'{bucket}/run'
   row = lambda loss: {'loss': loss, 'perplexity': 2.0, 'accuracy': 0.5}
@@ -443,11 +448,10 @@ def test_metrics_on_a_bucket_keep_every_row_through_a_restart(bucket):
     writer.write(step, 'eval', row(step))
   writer.close()
   rows = [
-      json.loads(line)
-      for line in epath.Path(f'{run}/{metrics_writer.METRICS_FILE}').read_text().splitlines()
+      json.loads(line) for line in epath.Path(RunLayout.of(run).metrics).read_text().splitlines()
   ]
   assert [(r['step'], r['loss']) for r in rows] == [(10, 1.0), (20, 2.0), (30, 30), (40, 40)]
-  events = list(epath.Path(f'{run}/{metrics_writer.TENSORBOARD_DIR}').iterdir())
+  events = list(epath.Path(RunLayout.of(run).tensorboard).iterdir())
   assert len(events) == 2 and all(e.stat().length > 0 for e in events)  # One a writer.
 
 
@@ -459,7 +463,7 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
   import numpy as np
   import orbax.checkpoint as ocp
 
-  from transformer_jax import checkpointing
+  from transformer_jax.checkpoints import checkpointing
 
   checkpointer = checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2)
   manager = ocp.CheckpointManager(
@@ -548,7 +552,7 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(
   import jax
   import numpy as np
 
-  from transformer_jax import checkpointing
+  from transformer_jax.checkpoints import checkpointing
 
   config, reference = config_and_reference
 
@@ -576,7 +580,7 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(
   assert 'Took over the lock' in stderr and f'process {first.pid}' in stderr
   assert 'Resumed from the checkpoint at step' in stderr
   assert 'Trained a' not in stderr and 'Tokeniz' not in stderr, stderr[-3000:]
-  assert not epath.Path(f'{run}/{workdir_lock.LOCK_NAME}').exists()
+  assert not epath.Path(RunLayout.of(run).lock).exists()
 
   ours, step = checkpointing.restore_params(run)
   theirs, _ = checkpointing.restore_params(reference)
@@ -688,7 +692,7 @@ def test_a_short_outage_is_ridden_out_and_a_long_one_stops_in_one_paragraph(
     # session's).
     compare = (
         'import jax, numpy as np, sys\n'
-        'from transformer_jax import checkpointing\n'
+        'from transformer_jax.checkpoints import checkpointing\n'
         'ours, step = checkpointing.restore_params(sys.argv[1])\n'
         'theirs, _ = checkpointing.restore_params(sys.argv[2])\n'
         f'assert step == {STEPS}, step\n'

@@ -1,10 +1,10 @@
-"""`transformer_jax.hlo_view`: a compiled program's kernels read from its optimized HLO."""
+"""`transformer_jax.aot.hlo_view`: a compiled program's kernels read from its optimized HLO."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from transformer_jax import hlo_view
+from transformer_jax.aot import hlo_view
 
 # A hand-written module in the text form XLA prints: a dot fused with a convert, a loop of 3
 # trips around a cuBLAS call, cuDNN attention forward and backward, a collective pair, a

@@ -11,14 +11,14 @@ import sys
 import pytest
 
 import train_testlib
-from transformer_jax import host_memory
+from transformer_jax.runtime import host_memory
 
 # A step-like program: a 96 MB temporary buffer (XLA's temp allocation) a call, written in
 # full, then reduced; the page faults of each call are counted after a warm-up.
 PROGRAM = r"""
 import json, resource, sys
 sys.path.insert(0, sys.argv[1])
-from transformer_jax import host_memory
+from transformer_jax.runtime import host_memory
 applied = host_memory.retain_freed_memory()
 import jax, jax.numpy as jnp
 

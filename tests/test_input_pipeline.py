@@ -12,16 +12,16 @@ import orbax.checkpoint as ocp
 import pytest
 import tensorflow_datasets as tfds
 
-from transformer_jax import batching
 from transformer_jax import config as config_lib
-from transformer_jax import data_sources
-from transformer_jax import input_pipeline as ip
-from transformer_jax import token_store
-from transformer_jax import vocab_cache
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.config import UNK_ID
-from transformer_jax.models import BATCH_KEYS
+from transformer_jax.data import batching
+from transformer_jax.data import data_sources
+from transformer_jax.data import input_pipeline as ip
+from transformer_jax.data import token_store
+from transformer_jax.data import vocab_cache
+from transformer_jax.model.models import BATCH_KEYS
 
 WORDS = (
     'the a house river bird green old new town field red blue small long water '

@@ -26,7 +26,7 @@ import pytest
 
 import test_multihost
 import train_testlib
-from transformer_jax import checkpointing
+from transformer_jax.checkpoints import checkpointing
 
 pytestmark = pytest.mark.slow  # a SLURM cluster and Open MPI, training through them.
 
@@ -340,7 +340,7 @@ def test_mpirun_trains_as_one_process_does(cluster, config_path, reference, tmp_
 
 SHOW_DEVICES = (
     'import json, jax\n'
-    'from transformer_jax import multihost\n'
+    'from transformer_jax.runtime import multihost\n'
     'multihost.initialize(heartbeat_timeout_seconds=60)\n'
     'print(json.dumps([jax.process_index(), jax.local_device_count(),\n'
     '                  jax.config.values["jax_cuda_visible_devices"]]))\n'

@@ -22,19 +22,19 @@ import numpy as np
 import pytest
 
 import train_testlib
-from transformer_jax import checkpointing
-from transformer_jax import loading
-from transformer_jax import marian
-from transformer_jax import translator
-from transformer_jax import translator as translator_lib
+from transformer_jax.checkpoints import checkpointing
+from transformer_jax.checkpoints import loading
 from transformer_jax.config import ConfigError
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
-from transformer_jax.config import TransformerConfig
+from transformer_jax.data.tokenizer import train_tokenizer
+from transformer_jax.decoding import translator
+from transformer_jax.decoding import translator as translator_lib
 from transformer_jax.errors import OutputExistsError
-from transformer_jax.models import sinusoidal_positions
-from transformer_jax.models import Transformer
-from transformer_jax.tokenizer import train_tokenizer
+from transformer_jax.interop import marian
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.models import sinusoidal_positions
+from transformer_jax.model.models import Transformer
 
 # Imported when this file's first test starts, not when the tests are collected: every test
 # process collects every file, and importing PyTorch and transformers there cost each 3.6 s.
@@ -477,7 +477,7 @@ def test_imported_model_fine_tunes_from_its_config_file(opus_mt_dir, tmp_path):
           best_checkpoint_metric='',
       )
   )
-  from transformer_jax import train_loop
+  from transformer_jax.training import train_loop
 
   result = train_loop.train_and_evaluate(config, str(tmp_path / 'tuned'))
   assert int(result.state.step) == 2

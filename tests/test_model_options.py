@@ -19,9 +19,9 @@ from models_testlib import TINY
 from models_testlib import tokens
 from models_testlib import VARIANTS
 from models_testlib import VOCAB
-from transformer_jax import losses
 from transformer_jax.config import PAD_ID
-from transformer_jax.models import Transformer
+from transformer_jax.model import losses
+from transformer_jax.model.models import Transformer
 
 # One layer a side: every option here replaces a computation of each layer (or of the logits),
 # which one encoder and one decoder layer run in every kind of attention and norm; a second
@@ -201,7 +201,7 @@ def test_logits_sum_from_the_decoder_output_equals_the_reduction(variant):
   """`logits_sum='linear'` (GPUs' default: each token's sum of logits is the decoder output
   times the projection's column sums) gives the reduction's metrics and gradients to
   rounding: tied and untied projections, a bias and a zeroed pad logit, bfloat16."""
-  from transformer_jax import train_steps
+  from transformer_jax.training import train_steps
 
   rng = np.random.default_rng(13)
   inputs, targets = tokens(rng, *SOURCE), tokens(rng, *TARGET)

@@ -18,16 +18,16 @@ from models_testlib import TINY
 from models_testlib import tokens
 from models_testlib import VARIANTS
 from models_testlib import VOCAB
-from transformer_jax import attention
-from transformer_jax import losses
-from transformer_jax import models
-from transformer_jax import train_steps
 from transformer_jax.config import BOS_ID
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.config import UNK_ID
-from transformer_jax.models import BATCH_KEYS
-from transformer_jax.models import Transformer
+from transformer_jax.model import attention
+from transformer_jax.model import losses
+from transformer_jax.model import models
+from transformer_jax.model.models import BATCH_KEYS
+from transformer_jax.model.models import Transformer
+from transformer_jax.training import train_steps
 
 
 @pytest.fixture(params=sorted(VARIANTS))

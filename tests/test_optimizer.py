@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from configs import tiny
-from transformer_jax import optimizer
 from transformer_jax.config import base_config
 from transformer_jax.config import ConfigError
+from transformer_jax.training import optimizer
 
 
 def paper_lrate(step, d_model=512, warmup=4000):

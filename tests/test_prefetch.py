@@ -8,7 +8,7 @@ import grain
 import numpy as np
 import pytest
 
-from transformer_jax.prefetch import DevicePrefetcher
+from transformer_jax.data.prefetch import DevicePrefetcher
 
 
 def _source():

@@ -7,10 +7,10 @@ import sys
 import pytest
 
 import train_testlib
-from transformer_jax import data_sources
-from transformer_jax import input_pipeline as ip
-from transformer_jax import token_store
-from transformer_jax import vocab_cache
+from transformer_jax.data import data_sources
+from transformer_jax.data import input_pipeline as ip
+from transformer_jax.data import token_store
+from transformer_jax.data import vocab_cache
 
 PREPARE = os.path.join(train_testlib.REPO, 'prepare_data.py')
 
@@ -22,7 +22,7 @@ def _prepare(config_path, workdir, *flags, part_size=None):
     argv = [PREPARE, f'--config={config_path}', f'--workdir={workdir}', *flags]
     code = (
         f'import sys; sys.argv = {argv!r}; '
-        'from transformer_jax import token_store; '
+        'from transformer_jax.data import token_store; '
         f'token_store.PART_SIZE = {part_size}; '
         f'import runpy; runpy.run_path({PREPARE!r}, run_name="__main__")'
     )

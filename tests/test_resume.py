@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import train_testlib
-from transformer_jax import checkpointing
+from transformer_jax.checkpoints import checkpointing
+from transformer_jax.storage.layout import RunLayout
 
 pytestmark = pytest.mark.slow  # training through subprocesses, killed and resumed.
 
@@ -26,14 +27,14 @@ STEPS = 12
 
 def complete_steps(workdir):
   """Step directories under their final name: orbax renames a save there only when done."""
-  directory = os.path.join(workdir, checkpointing.CHECKPOINT_DIR)
+  directory = RunLayout.of(str(workdir)).checkpoints
   if not os.path.isdir(directory):
     return []
   return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
 def leftover_tmp(workdir):
-  directory = os.path.join(workdir, checkpointing.CHECKPOINT_DIR)
+  directory = RunLayout.of(str(workdir)).checkpoints
   return os.path.isdir(directory) and any('tmp' in n for n in os.listdir(directory))
 
 

@@ -36,11 +36,11 @@ def _worker(checkpoint_dir: str) -> dict:
   import jax.numpy as jnp
 
   from configs import tiny
-  from transformer_jax import checkpointing
-  from transformer_jax import optimizer
-  from transformer_jax import train_steps
-  from transformer_jax.config import TransformerConfig
-  from transformer_jax.partitioning import Partitioner
+  from transformer_jax.checkpoints import checkpointing
+  from transformer_jax.model.config import TransformerConfig
+  from transformer_jax.runtime.partitioning import Partitioner
+  from transformer_jax.training import optimizer
+  from transformer_jax.training import train_steps
 
   assert jax.device_count() == 8, jax.devices()
   config = tiny.get_config()

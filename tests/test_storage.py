@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import re
 import socket
 import subprocess
@@ -18,16 +19,17 @@ import time
 import pytest
 
 import train_testlib
-from transformer_jax import checkpointing
 from transformer_jax import config as config_lib
-from transformer_jax import paths
-from transformer_jax import storage
-from transformer_jax import train_loop
-from transformer_jax import workdir_lock
+from transformer_jax.checkpoints import checkpointing
 from transformer_jax.errors import ConfigError
 from transformer_jax.errors import DiskFullError
 from transformer_jax.errors import OutputExistsError
 from transformer_jax.errors import PathError
+from transformer_jax.storage import paths
+from transformer_jax.storage import storage
+from transformer_jax.storage import workdir_lock
+from transformer_jax.storage.layout import RunLayout
+from transformer_jax.training import train_loop
 
 REPO = train_testlib.REPO
 
@@ -158,7 +160,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path):
 _COMMIT_KILLED = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    from transformer_jax import storage
+    from transformer_jax.storage import storage
     calls = []
     real_replace = os.replace
     def replace(src, dst):  # SIGKILL instead of the kill_at-th rename.
@@ -343,7 +345,7 @@ def test_a_failure_while_the_bucket_is_silent_waits_for_it_and_is_reported_as_th
 
 
 def test_an_empty_or_unparsable_lock_is_taken_over_at_once_with_its_name(tmp_path, caplog):
-  path = tmp_path / workdir_lock.LOCK_NAME
+  path = pathlib.Path(RunLayout.of(str(tmp_path)).lock)
   for contents in ('', '{"host": "elsewhere"', '[1, 2]', '{"pid": 1}'):
     path.write_text(contents)
     lock = workdir_lock.WorkdirLock(str(tmp_path))  # The default 300 s staleness.
@@ -372,7 +374,10 @@ def test_the_lock_is_never_seen_without_its_contents_and_a_full_disk_leaves_none
     assert os.listdir(workdir) == []  # No lock, no temporary.
     os.remove(mount / 'filler')
     with workdir_lock.WorkdirLock(str(workdir)):
-      assert json.loads((workdir / workdir_lock.LOCK_NAME).read_text())['pid'] == os.getpid()
+      assert (
+          json.loads(pathlib.Path(RunLayout.of(str(workdir)).lock).read_text())['pid']
+          == os.getpid()
+      )
   finally:
     subprocess.run(['umount', '-l', str(mount)], check=False)
 

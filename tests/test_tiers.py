@@ -59,9 +59,9 @@ def _used(
         isinstance(child, ast.Attribute)
         and isinstance(child.value, ast.Name)
         and child.value.id in imports
-        and f'transformer_jax.{child.attr}' in modules
-    ):  # ip.token_store
-      used.add(f'transformer_jax.{child.attr}')
+        and f'{imports[child.value.id]}.{child.attr}' in modules
+    ):  # data.token_store
+      used.add(f'{imports[child.value.id]}.{child.attr}')
     if isinstance(child, ast.Name):
       if child.id in imports:
         used.add(imports[child.id])
@@ -109,14 +109,14 @@ def test_every_module_of_the_package_has_quick_tests():
 
 def test_the_reading_finds_what_a_quick_test_uses_and_skips_slow_ones():
   used = quick_tier_modules()
-  assert 'transformer_jax.models' in used  # test_models, quick.
+  assert 'transformer_jax.model.models' in used  # test_models, quick.
   assert 'transformer_jax.commands.train' in used  # train.py --help, quick.
   tree = ast.parse(
       'import pytest\n'
-      'from transformer_jax import models\n'
+      'from transformer_jax.model import models\n'
       '@pytest.mark.slow\n'
       'def test_a():\n'
       '  models.Transformer\n'
   )
   assert _is_slow_mark(tree.body[2].decorator_list[0])
-  assert _imports(tree, package_modules()) == {'models': 'transformer_jax.models'}
+  assert _imports(tree, package_modules()) == {'models': 'transformer_jax.model.models'}

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
-from transformer_jax import tokenizer as tokenizer_lib
 from transformer_jax.config import BOS_ID
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.config import UNK_ID
+from transformer_jax.data import tokenizer as tokenizer_lib
 
 WORDS = (
     'the house is red and the river is long while a small bird sings over green '

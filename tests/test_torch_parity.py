@@ -16,8 +16,8 @@ import pytest
 
 from transformer_jax.config import BOS_ID
 from transformer_jax.config import PAD_ID
-from transformer_jax.config import TransformerConfig
-from transformer_jax.models import Transformer
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.models import Transformer
 
 # Imported when this file's first test starts, not when the tests are collected: every test
 # process collects every file, and importing PyTorch there cost each about 2.4 s.

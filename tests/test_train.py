@@ -23,21 +23,21 @@ import pytest
 
 from configs import tiny
 import train_testlib
-from transformer_jax import checkpointing
 from transformer_jax import errors
-from transformer_jax import input_pipeline
-from transformer_jax import loading
-from transformer_jax import metrics_writer
-from transformer_jax import models
-from transformer_jax import multihost
-from transformer_jax import optimizer
-from transformer_jax import tokenizer as tokenizer_lib
-from transformer_jax import train_loop
-from transformer_jax import train_steps
+from transformer_jax.checkpoints import checkpointing
+from transformer_jax.checkpoints import loading
 from transformer_jax.config import base_config
 from transformer_jax.config import ConfigError
-from transformer_jax.config import TransformerConfig
-from transformer_jax.partitioning import Partitioner
+from transformer_jax.data import input_pipeline
+from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.model import models
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.runtime import multihost
+from transformer_jax.runtime.partitioning import Partitioner
+from transformer_jax.training import metrics_writer
+from transformer_jax.training import optimizer
+from transformer_jax.training import train_loop
+from transformer_jax.training import train_steps
 
 VOCAB = 64
 
@@ -253,7 +253,7 @@ def test_train_py_imports_neither_pytorch_nor_the_cloud_storage_client(tmp_path)
   code = (
       'import sys, importlib.util\n'
       'from transformer_jax.commands import train\n'
-      'from transformer_jax import metrics_writer\n'
+      'from transformer_jax.training import metrics_writer\n'
       f'metrics_writer.MetricsWriter({str(tmp_path)!r}, total_steps=1, start_step=0,\n'
       '                              enabled=True)\n'
       'print(sorted(m for m in ("torch", "google.cloud.storage", "tensorboardX")\n'

@@ -13,9 +13,9 @@ import pytest
 
 from test_translator import MAX_LEN
 import train_testlib
-from transformer_jax import attention_plot
-from transformer_jax import line_io
-from transformer_jax import translator as translator_lib
+from transformer_jax.commands import line_io
+from transformer_jax.decoding import attention_plot
+from transformer_jax.decoding import translator as translator_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

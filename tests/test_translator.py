@@ -28,15 +28,15 @@ import pytest
 import sacrebleu
 
 from configs import tiny
-from transformer_jax import checkpointing
-from transformer_jax import decode
-from transformer_jax import translator as translator_lib
+from transformer_jax.checkpoints import checkpointing
 from transformer_jax.config import ConfigError
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
-from transformer_jax.config import TransformerConfig
-from transformer_jax.models import Transformer
-from transformer_jax.tokenizer import train_tokenizer
+from transformer_jax.data.tokenizer import train_tokenizer
+from transformer_jax.decoding import decode
+from transformer_jax.decoding import translator as translator_lib
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.models import Transformer
 
 _EN = 'the cat dog house red blue big small runs sees eats a man woman child tree water'.split()
 _DE = (

@@ -27,7 +27,7 @@ import test_launchers
 from test_launchers import Job
 from test_launchers import recipe
 import test_multihost
-from transformer_jax import checkpointing
+from transformer_jax.checkpoints import checkpointing
 
 pytestmark = pytest.mark.slow  # a two-node SLURM cluster, training through it.
 

@@ -3,6 +3,7 @@ block a restart, evaluation and translation ignore the lock."""
 
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import time
@@ -10,13 +11,13 @@ import time
 import pytest
 
 import train_testlib
-from transformer_jax import workdir_lock
-from transformer_jax.workdir_lock import WorkdirBusyError
-from transformer_jax.workdir_lock import WorkdirLock
+from transformer_jax.storage.layout import RunLayout
+from transformer_jax.storage.workdir_lock import WorkdirBusyError
+from transformer_jax.storage.workdir_lock import WorkdirLock
 
 
 def _write_lock(workdir, **record):
-  path = os.path.join(workdir, workdir_lock.LOCK_NAME)
+  path = RunLayout.of(str(workdir)).lock
   with open(path, 'w', encoding='utf-8') as f:
     json.dump(record, f)
   return path
@@ -29,7 +30,7 @@ def test_a_second_lock_on_a_live_holder_names_it(tmp_path):
     message = str(error.value)
     assert f'process {os.getpid()} on host {socket.gethostname()}' in message
     assert 'another --workdir' in message
-  assert not os.path.exists(tmp_path / workdir_lock.LOCK_NAME)  # Released.
+  assert not os.path.exists(RunLayout.of(str(tmp_path)).lock)  # Released.
   WorkdirLock(str(tmp_path)).acquire()  # Free again.
 
 
@@ -43,7 +44,7 @@ def test_the_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
   )
   lock = WorkdirLock(str(tmp_path))
   lock.acquire()
-  with open(tmp_path / workdir_lock.LOCK_NAME, encoding='utf-8') as f:
+  with open(RunLayout.of(str(tmp_path)).lock, encoding='utf-8') as f:
     assert json.load(f)['pid'] == os.getpid()
   lock.release()
 
@@ -66,7 +67,7 @@ def test_another_hosts_lock_is_stale_only_without_heartbeat(tmp_path):
 def test_heartbeat_touches_and_release_spares_a_lock_taken_over(tmp_path):
   lock = WorkdirLock(str(tmp_path), heartbeat_s=0.05)
   lock.acquire()
-  path = tmp_path / workdir_lock.LOCK_NAME
+  path = pathlib.Path(RunLayout.of(str(tmp_path)).lock)
   old = time.time() - 1000
   os.utime(path, (old, old))
   time.sleep(0.3)
@@ -83,7 +84,7 @@ def test_two_train_py_on_one_workdir(tmp_path):
   files = train_testlib.write_parallel_text(str(tmp_path))
   config = train_testlib.write_config_file(str(tmp_path / 'config.py'), files)
   workdir = str(tmp_path / 'run')
-  lock_path = os.path.join(workdir, workdir_lock.LOCK_NAME)
+  lock_path = RunLayout.of(str(workdir)).lock
   log = tmp_path / 'first.log'
   with open(log, 'w', encoding='utf-8') as out:
     first = subprocess.Popen(

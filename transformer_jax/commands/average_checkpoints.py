@@ -16,8 +16,8 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, work-directory or checkpoin
 
 from absl import flags
 
-from transformer_jax import cli
-from transformer_jax import paths
+from transformer_jax.commands import cli
+from transformer_jax.storage import paths
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "The training run's work directory.")
 _OUTPUT_WORKDIR = flags.DEFINE_string(
@@ -40,8 +40,8 @@ def main(argv: list[str]) -> None:
   )
   if _NUM.value < 0:
     cli.fail(f'--num_checkpoints={_NUM.value} must be >= 1 (or 0 for the config default).')
-  from transformer_jax import averaging
-  from transformer_jax import checkpointing
+  from transformer_jax.checkpoints import averaging
+  from transformer_jax.checkpoints import checkpointing
 
   num = _NUM.value or int(
       checkpointing.read_meta(_WORKDIR.value)[0]['config']['checkpoints_to_average']

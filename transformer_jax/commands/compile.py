@@ -9,7 +9,7 @@ r"""Compiles the real train step for a TPU slice or GPU host this machine does n
 No accelerator, driver or data is needed: the compile-only wheels (libtpu, the CUDA PJRT
 plugin and cuDNN) let XLA compile for the target. They live in an environment of their own:
 `bash scripts/setup.sh --aot` makes .venv-aot in a checkout, `python -m
-transformer_jax.aot_env DIR` anywhere (then `DIR/bin/python -m
+transformer_jax.aot.aot_env DIR` anywhere (then `DIR/bin/python -m
 transformer_jax.commands.compile ...`). The step is exactly train.py's: the
 config's mesh, shardings, dtype, remat and attention, and the input pipeline's largest batch
 shape (the longest bucket, or packed rows), with the vocabulary size from the config
@@ -41,9 +41,9 @@ os.environ['JAX_PLATFORMS'] = 'cpu'
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax import cli
-from transformer_jax import paths
-from transformer_jax import storage
+from transformer_jax.commands import cli
+from transformer_jax.storage import paths
+from transformer_jax.storage import storage
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config',
@@ -157,7 +157,7 @@ def main(argv: list[str]) -> None:
     cli.fail('--config is required, e.g. --config=configs/wmt14_ende_base.py.')
   if not _TOPOLOGY.value:
     cli.fail('--topology is required, e.g. --topology=v5e-8 or --topology=8xH100.')
-  from transformer_jax import aot
+  from transformer_jax.aot import aot
 
   if _JSON.value:
     config_file = next((a.split('=', 1)[1] for a in sys.argv if a.startswith('--config=')), None)

@@ -24,10 +24,11 @@ import os
 from absl import flags
 from absl import logging
 
-from transformer_jax import cli
-from transformer_jax import line_io
-from transformer_jax import paths
-from transformer_jax import storage
+from transformer_jax.commands import cli
+from transformer_jax.commands import line_io
+from transformer_jax.storage import paths
+from transformer_jax.storage import storage
+from transformer_jax.storage.layout import RunLayout
 
 _CHECKPOINT = cli.define_checkpoint_flags()
 
@@ -88,14 +89,14 @@ def main(argv: list[str]) -> None:
     paths.check_output_directory(_OUTPUT_DIR.value, '--output_dir', create=False)
   else:
     paths.check_output_directory(
-        os.path.join(workdir, 'eval'), 'the results directory', create=False
+        RunLayout.of(workdir).evaluations, 'the results directory', create=False
     )
 
   # Imported here so that flag errors are reported without loading JAX and TFDS.
   import jax
 
-  from transformer_jax import data_sources
-  from transformer_jax import evaluation
+  from transformer_jax.data import data_sources
+  from transformer_jax.decoding import evaluation
 
   translator, checkpoint = cli.load_translator(_CHECKPOINT)
   config, steps = checkpoint.config, checkpoint.steps
@@ -107,7 +108,9 @@ def main(argv: list[str]) -> None:
       if _SOURCE_FILE.value
       else _SPLIT.value or config.test_split
   )
-  output_dir = _OUTPUT_DIR.value or os.path.join(workdir, 'eval', evaluation.result_tag(steps))
+  output_dir = _OUTPUT_DIR.value or os.path.join(
+      RunLayout.of(workdir).evaluations, evaluation.result_tag(steps)
+  )
   if jax.process_index() == 0:  # The one writer; before any sentence is translated.
     paths.check_output_directory(
         output_dir, '--output_dir' if _OUTPUT_DIR.value else 'the results directory'

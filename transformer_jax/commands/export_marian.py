@@ -16,8 +16,8 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory or checkpoin
 
 from absl import flags
 
-from transformer_jax import cli
-from transformer_jax import paths
+from transformer_jax.commands import cli
+from transformer_jax.storage import paths
 
 _WORKDIR = flags.DEFINE_string('workdir', None, 'The run (or import) to export.')
 _STEP = flags.DEFINE_string('step', None, "The checkpoint: a step, 'best', or the latest.")
@@ -39,7 +39,7 @@ def main(argv: list[str]) -> None:
     if not step.isdigit():
       cli.fail(f"--step={step} must be a step number or 'best'.")
     step = int(step)
-  from transformer_jax import marian
+  from transformer_jax.interop import marian
 
   path = marian.export_model(_WORKDIR.value, _OUTPUT_DIR.value, step=step)
   print(f'Exported {_WORKDIR.value} to {path}')

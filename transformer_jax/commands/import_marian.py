@@ -20,9 +20,9 @@ problem (explained in one paragraph; the traceback only with --verbose).
 
 from absl import flags
 
-from transformer_jax import cli
-from transformer_jax import paths
-from transformer_jax import storage
+from transformer_jax.commands import cli
+from transformer_jax.storage import paths
+from transformer_jax.storage import storage
 
 _MODEL_DIR = flags.DEFINE_string(
     'model_dir', None, "A Hugging Face Marian model directory (save_pretrained's)."
@@ -40,7 +40,7 @@ def main(argv: list[str]) -> None:
   paths.check_output_directory(
       _WORKDIR.value, '--workdir', {'--model_dir': _MODEL_DIR.value}, create=False
   )
-  from transformer_jax import marian
+  from transformer_jax.interop import marian
 
   path = marian.import_model(_MODEL_DIR.value, _WORKDIR.value)
   config = f'{storage.resolve(_WORKDIR.value)}/{marian.FINETUNE_CONFIG_FILE}'

@@ -4,7 +4,7 @@ r"""Tokenizes a config's splits once, ahead of training (train.py does it on fir
       --config.tfds_data_dir=$HOME/tensorflow_datasets
 
 Trains the vocabulary if there is none yet, then writes each split's token ids beside it
-(`transformer_jax.token_store`), with one process per CPU core (--workers). Stores that match
+(`transformer_jax.data.token_store`), with one process per CPU core (--workers). Stores that match
 the data and the vocabulary are kept; stale ones are rebuilt. An interrupted run resumes from
 the parts it had written.
 
@@ -27,13 +27,13 @@ import time
 from absl import flags
 from ml_collections import config_flags
 
-from transformer_jax import cli
-from transformer_jax import config_checks
-from transformer_jax import data_sources
-from transformer_jax import paths
-from transformer_jax import storage
-from transformer_jax import token_store
-from transformer_jax import vocab_cache
+from transformer_jax.commands import cli
+from transformer_jax.data import data_sources
+from transformer_jax.data import token_store
+from transformer_jax.data import vocab_cache
+from transformer_jax.storage import paths
+from transformer_jax.storage import storage
+from transformer_jax.training import config_checks
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config',

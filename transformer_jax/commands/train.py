@@ -22,10 +22,10 @@ from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-from transformer_jax import checkpointing
-from transformer_jax import cli
-from transformer_jax import multihost
-from transformer_jax import train_loop
+from transformer_jax.checkpoints import checkpointing
+from transformer_jax.commands import cli
+from transformer_jax.runtime import multihost
+from transformer_jax.training import train_loop
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config',

@@ -43,10 +43,10 @@ import sys
 
 from absl import flags
 
-from transformer_jax import cli
-from transformer_jax import line_io
-from transformer_jax import paths
-from transformer_jax import storage
+from transformer_jax.commands import cli
+from transformer_jax.commands import line_io
+from transformer_jax.storage import paths
+from transformer_jax.storage import storage
 
 _CHECKPOINT = cli.define_checkpoint_flags()
 
@@ -170,7 +170,7 @@ def main(argv: list[str]) -> None:
     )
 
   if _ATTENTION_PLOT.value:
-    from transformer_jax import attention_plot
+    from transformer_jax.decoding import attention_plot
 
     source_ids, _ = translator.encode_source(_TEXT.value)
     [(hypothesis, *_)], _ = translator.translate_ids([source_ids])

@@ -1,0 +1,160 @@
+"""Where a run keeps its vocabulary and the token ids of its splits, made once and reused.
+
+The vocabulary goes to `config.vocab_path` or to the work directory's `vocab/`; each split is
+tokenized once (`tokenized`, `token_store`) into binary arrays beside it, reused while the data
+and the vocabulary are the ones they were made from, and rebuilt, with a warning, when either
+changes. For a gs:// work directory both are made in a local cache (`local_directory`) and
+published to the bucket (`storage.publish`), where other hosts and resumed runs fetch them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+import os
+import posixpath
+import re
+
+import ml_collections
+import numpy as np
+
+from transformer_jax.data import token_store
+from transformer_jax.data.data_sources import ParallelText
+from transformer_jax.data.tokenizer import load_or_train_tokenizer
+from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.storage import storage
+from transformer_jax.storage.layout import RunLayout
+
+# Pairs read at a time for the vocabulary's sentences (batched reads, bounded memory).
+_READ_CHUNK = 4096
+
+
+def local_directory(workdir: str) -> str:
+  """Where the vocabulary and token stores of `workdir` are read from: the work directory
+  itself, or for a gs:// one its local cache (`storage.local_cache`; SentencePiece reads
+  files, token stores are memory-mapped). `storage.publish` copies what is made there to the
+  bucket, and `storage.fetch` brings it to other hosts and resumed runs."""
+  return RunLayout.of(workdir).local
+
+
+def _remote_of(path: str, workdir: str) -> str | None:
+  """The gs:// twin of a local `path` under `local_directory(workdir)`, or None."""
+  local = local_directory(workdir)
+  if local == workdir or not os.path.abspath(path).startswith(local + os.sep):
+    return None
+  return f'{storage.resolve(workdir)}/{os.path.relpath(path, local)}'
+
+
+def tokenizer_for(
+    config: ml_collections.ConfigDict, workdir: str, train_pairs: Sequence[tuple[str, str]]
+) -> Tokenizer:
+  """Loads the shared vocabulary, training it on a sample of `train_pairs` the first time.
+
+  The model goes to `config.vocab_path`, or to `workdir/vocab/` under a name made of the
+  dataset, the language pair (in either direction), the model type and the size. For a
+  gs:// work directory it is made in `local_directory` and published to the bucket, and
+  a run that finds it published there downloads it instead of training it again.
+  """
+  if storage.is_remote(config.vocab_path):
+    return _tokenizer_on_cloud_storage(config, train_pairs)
+  path = config.vocab_path
+  if not path:
+    langs = '-'.join(sorted((config.source_lang, config.target_lang)))
+    dataset = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.dataset)
+    path = os.path.join(
+        RunLayout.of(workdir).vocab,
+        f'{dataset}.{langs}.{config.vocab_model_type}{config.vocab_size_target}.model',
+    )
+  remote = _remote_of(path, workdir)
+  if remote and storage.published(remote) is not None and not os.path.exists(path):
+    storage.fetch(remote, path)
+  tokenizer = _load_or_train(config, path, train_pairs)
+  if remote and storage.published(remote) is None:
+    storage.publish(path, remote, {'sha256': tokenizer.fingerprint})
+  return tokenizer
+
+
+def _tokenizer_on_cloud_storage(
+    config: ml_collections.ConfigDict, train_pairs: Sequence[tuple[str, str]]
+) -> Tokenizer:
+  """`tokenizer_for` with a gs:// `config.vocab_path`: read from a fresh local copy, or
+  trained locally and uploaded (one object, so it appears whole) when it is not there."""
+  remote = storage.resolve(config.vocab_path)
+  local = os.path.join(storage.local_cache(remote), posixpath.basename(remote))
+  there = storage.exists(remote)
+  if there:
+    storage.download(remote, local, '--config.vocab_path')
+  tokenizer = _load_or_train(config, local, train_pairs)
+  if not there:
+    storage.upload(local, remote, '--config.vocab_path')
+  return tokenizer
+
+
+def _load_or_train(
+    config: ml_collections.ConfigDict, path: str, train_pairs: Sequence[tuple[str, str]]
+) -> Tokenizer:
+  """`tokenizer_for`'s vocabulary at `path`, trained there if it is not."""
+
+  def sentences():
+    num_pairs = min(len(train_pairs), max(1, config.vocab_train_sentences // 2))
+    rng = np.random.default_rng(config.data_seed)
+    chosen = np.sort(rng.choice(len(train_pairs), size=num_pairs, replace=False))
+    read = getattr(train_pairs, 'at', None)  # Batched reads where the pairs offer them.
+    for start in range(0, num_pairs, _READ_CHUNK):
+      part = chosen[start : start + _READ_CHUNK]
+      for pair in read(part) if read else [train_pairs[int(i)] for i in part]:
+        yield from pair
+
+  return load_or_train_tokenizer(
+      path, sentences, vocab_size=config.vocab_size_target, model_type=config.vocab_model_type
+  )
+
+
+def store_directory(
+    config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer, pairs: ParallelText
+) -> str:
+  """Where the token ids of `pairs` live: beside the vocabulary, in '<vocabulary>.tokens/'
+  (in the work directory's 'tokens/' when the vocabulary's directory is read-only or is
+  another run's work directory, such as an imported model's, which is only read)."""
+  name = re.sub(r'[^A-Za-z0-9_.-]+', '_', pairs.name.replace('->', '-to-')).strip('_')
+  beside = os.path.dirname(os.path.abspath(tokenizer.model_path))
+  others_run = RunLayout.is_run(beside) and beside != os.path.abspath(local_directory(workdir))
+  if os.access(beside, os.W_OK) and not others_run:
+    root = os.path.splitext(os.path.abspath(tokenizer.model_path))[0] + '.tokens'
+  else:
+    root = os.path.join(
+        RunLayout.of(workdir).tokens, os.path.basename(os.path.splitext(tokenizer.model_path)[0])
+    )
+  return os.path.join(root, name)
+
+
+def tokenized(
+    pairs: ParallelText,
+    tokenizer: Tokenizer,
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    workers: int | None = None,
+) -> token_store.TokenStore:
+  """The token ids of `pairs`, prepared on first use (`prepare_data.py` does it ahead, on
+  several processes and hosts) and rebuilt, with a warning, when the data or vocabulary
+  changed. For a gs:// work directory they are prepared locally and published to the
+  bucket, and downloaded from there when published for the same data and vocabulary."""
+  directory = store_directory(config, workdir, tokenizer, pairs)
+  remote = _remote_of(directory, workdir)
+  if remote:
+    meta = storage.published(remote)
+    if meta is not None and meta != token_store.read_meta(directory):
+      storage.fetch(remote, directory)  # open_or_prepare still checks that it fits this data.
+  store = token_store.open_or_prepare(
+      pairs,
+      tokenizer,
+      directory,
+      data_fingerprint=pairs.fingerprint,
+      workers=workers or prepare_workers(config),
+  )
+  if remote and storage.published(remote) != store.meta:
+    storage.publish(directory, remote, store.meta)
+  return store
+
+
+def prepare_workers(config: ml_collections.ConfigDict) -> int:
+  return config.prepare_workers or os.cpu_count() or 1

@@ -1,0 +1,697 @@
+"""Batched translation with a fixed set of compiled shapes: `Translator`.
+
+A `Translator` turns source ids into output ids with the search of `decode.py`. For every
+batch it runs one compiled function, encode -> create the key/value caches -> the whole search
+loop; the encoder runs once, its encoder-decoder attention keys and values are projected once
+and shared by a sentence's beams (`start_decoding`), and every decoder step feeds one token
+through the self-attention cache.
+
+Shapes stay few, so a test set never recompiles per sentence:
+
+  * sources are sorted by length and each goes to the shortest length bucket that holds it
+    (the config's `bucket_boundaries` below `max_len`, then `max_len`); outputs come back in
+    input order;
+  * every batch has the same number of rows, `batch_size` (a call with fewer sentences uses
+    the next power of two instead, so one sentence is not decoded 32 times over), rounded up
+    to a multiple of the data-parallel shards; rows past the sentences are dummies;
+  * the output limit is each sentence's own: its source length (EOS included) +
+    `max_decode_extra_length` (the paper: source length + 50), at most `max_len` with learned
+    positions, whose table ends there (`DecodeStats.capped` names the sentences the cap cut).
+    A batch's search is compiled for its bucket's limit; each row stops at its own;
+  * a full batch's search grows the self-attention caches in phases, one loop each
+    (`decode.cache_lengths`), which pays over many batches; fewer rows (a call that fills
+    less than one batch) search in one loop, which compiles in half the time
+    (`Translator.grows_cache`).
+
+Each (rows, bucket) shape is compiled ahead of time, once, when first needed; the number of
+compiled functions is `Translator.num_compiled`. Given a `Partitioner`, the rows are split
+over its batch mesh axes and the parameters over its rules, as in training.
+
+Sources longer than `max_len` tokens (EOS included) are cut to their first `max_len - 1`
+tokens plus EOS by `encode_source`; callers report which (see `DecodeStats.truncated`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from transformer_jax.checkpoints import loading
+from transformer_jax.config import ConfigError
+from transformer_jax.config import EOS_ID
+from transformer_jax.config import LENGTH_PENALTY_FORMS
+from transformer_jax.config import PAD_ID
+from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.decoding import decode
+from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.models import Transformer
+from transformer_jax.runtime.partitioning import Partitioner
+
+PyTree = Any
+# Called with (0, 0) once the shapes are compiled, then after each batch with (sentences in
+# it, output tokens generated for them).
+ProgressFn = Callable[[int, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+  """How to search. Defaults are the paper's (beam 4, alpha 0.6, source length + 50).
+
+  Attributes:
+    beam_size: hypotheses kept per sentence; 1 is greedy search.
+    length_penalty: alpha of the length penalty (0: none).
+    length_penalty_form: 'gnmt', ((5 + |Y|) / 6)^alpha, or 'power', |Y|^alpha.
+    no_repeat_ngram_size: n > 0: no output repeats an n-gram of its tokens (every search
+      and sampling leave out the tokens that would); 0: off.
+    no_adjacent_repeat_size: n > 0: no output says a span of up to n tokens twice in a row
+      (a piece doubled, a phrase back to back; `decode.ban_adjacent_repeats`); 0: off.
+    max_decode_extra_length: each sentence's output limit = its source length + this.
+    batch_size: sentences decoded together (each takes `beam_size` rows of the search, or
+      `n_best` rows when sampling).
+    buckets: source lengths compiled for; sources are padded to the shortest that fits.
+    n_best: hypotheses returned per sentence, best first: the best `n_best` of the beam
+      (at most `beam_size`), or `n_best` independent samples.
+    sampling: sample each token (`decode.sample`) instead of searching; `beam_size` is then
+      unused.
+    temperature: sampling: logits are divided by it (0: greedy).
+    top_k: sampling: only the k most probable tokens (0: all).
+    top_p: sampling: only the nucleus of probability p (1: all).
+    seed: sampling: the same seed, input and batch size give the same samples.
+  """
+
+  beam_size: int = 4
+  length_penalty: float = 0.6
+  length_penalty_form: str = 'gnmt'
+  no_repeat_ngram_size: int = 0
+  no_adjacent_repeat_size: int = 0
+  max_decode_extra_length: int = 50
+  batch_size: int = 32
+  buckets: tuple[int, ...] = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+  n_best: int = 1
+  sampling: bool = False
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ('beam_size', 'batch_size', 'n_best'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ConfigError(f'{name}={value!r} must be an int >= 1.')
+    if not self.sampling and self.n_best > self.beam_size:
+      raise ConfigError(
+          f'n_best={self.n_best} is more than beam_size={self.beam_size}: beam '
+          f'search keeps beam_size hypotheses; raise beam_size to at least '
+          f'{self.n_best}, or sample.'
+      )
+    if self.temperature < 0:
+      raise ConfigError(f'temperature={self.temperature!r} must be >= 0 (0: greedy).')
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ConfigError(f'top_k={self.top_k!r} must be an int >= 0 (0 keeps every token).')
+    if not 0.0 < self.top_p <= 1.0:
+      raise ConfigError(f'top_p={self.top_p!r} must be in (0, 1] (1 keeps every token).')
+    if not isinstance(self.no_repeat_ngram_size, int) or self.no_repeat_ngram_size < 0:
+      raise ConfigError(
+          f'no_repeat_ngram_size={self.no_repeat_ngram_size!r} must be an int >= 0 (0 turns '
+          'it off; 3 or 4 keep phrases from repeating).'
+      )
+    if (
+        not isinstance(self.no_adjacent_repeat_size, int)
+        or isinstance(self.no_adjacent_repeat_size, bool)
+        or self.no_adjacent_repeat_size < 0
+    ):
+      raise ConfigError(
+          f'no_adjacent_repeat_size={self.no_adjacent_repeat_size!r} must be an int >= 0 (0 '
+          'turns it off; 8 keeps spans of up to 8 tokens from being said twice in a row).'
+      )
+    if not isinstance(self.max_decode_extra_length, int) or self.max_decode_extra_length < 1:
+      raise ConfigError(
+          f'max_decode_extra_length={self.max_decode_extra_length!r} must be '
+          'an int >= 1 (the paper: 50).'
+      )
+    if self.length_penalty < 0:
+      raise ConfigError(
+          f'length_penalty={self.length_penalty!r} must be >= 0 (the paper: '
+          '0.6; 0 turns it off).'
+      )
+    if self.length_penalty_form not in LENGTH_PENALTY_FORMS:
+      raise ConfigError(
+          f'length_penalty_form={self.length_penalty_form!r} is not one of '
+          f'{LENGTH_PENALTY_FORMS}.'
+      )
+    if any(not isinstance(b, int) or b < 1 for b in self.buckets):
+      raise ConfigError(
+          f'buckets={self.buckets!r} must be positive ints (max_len is always a bucket too).'
+      )
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, **overrides: Any) -> 'DecodeOptions':
+    """The decoding fields of a run config; `overrides` that are None are ignored."""
+    fields = dict(
+        beam_size=config.beam_size,
+        length_penalty=float(config.length_penalty),
+        length_penalty_form=config.length_penalty_form,
+        no_repeat_ngram_size=config.no_repeat_ngram_size,
+        no_adjacent_repeat_size=config.no_adjacent_repeat_size,
+        max_decode_extra_length=config.max_decode_extra_length,
+        batch_size=config.decode_batch_size,
+        buckets=tuple(int(b) for b in config.bucket_boundaries),
+    )
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return cls(**fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hypothesis:
+  """One output of a sentence.
+
+  Attributes:
+    tokens: the output ids, without EOS and padding.
+    score: log P(Y) / lp(|Y|), what beam search ranks by (greedy search and sampling: the
+      same, with their own |Y|).
+    length: |Y|, the output tokens the model produced, the EOS included if it came.
+    log_prob: log P(Y | X) under the model (temperature 1, no top-k/top-p).
+    text: the detokenized output (`Translator.translate_n_best` fills it).
+  """
+
+  tokens: tuple[int, ...]
+  score: float
+  length: int
+  log_prob: float = 0.0
+  text: str = ''
+
+
+@dataclasses.dataclass
+class DecodeStats:
+  """What one `translate_ids`/`translate` call did.
+
+  Attributes:
+    sentences: sentences translated (blank ones included).
+    source_tokens: their source tokens, EOS included.
+    output_tokens: output tokens produced, |Y| summed (EOS included where generated).
+    batches: batches run.
+    compile_seconds: time spent compiling shapes not seen before.
+    decode_seconds: time spent searching, compilation excluded.
+    truncated: indices of the sources cut to `max_len` tokens.
+    capped: indices of the sources whose output limit `max_len` cut (learned positions).
+    failed: (index, error) of the sentences the tokenizer failed on (given '').
+  """
+
+  sentences: int = 0
+  source_tokens: int = 0
+  output_tokens: int = 0
+  batches: int = 0
+  compile_seconds: float = 0.0
+  decode_seconds: float = 0.0
+  truncated: tuple[int, ...] = ()
+  capped: tuple[int, ...] = ()
+  failed: tuple[tuple[int, str], ...] = ()
+
+  @property
+  def sentences_per_second(self) -> float:
+    return self.sentences / max(self.decode_seconds, 1e-9)
+
+  @property
+  def tokens_per_second(self) -> float:
+    """Output tokens a second."""
+    return self.output_tokens / max(self.decode_seconds, 1e-9)
+
+
+def grow_cache(cache: PyTree, length: int) -> PyTree:
+  """The decoder's 'cache' with room for `length` positions (`decode.GrowCache`): the
+  self-attention keys and values [rows, heads, positions, head_dim] padded at the end."""
+
+  def grow(x):
+    if jnp.ndim(x) < 2:
+      return x  # The cache_index counters.
+    return jnp.pad(x, [(0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)])
+
+  return jax.tree.map(grow, cache)
+
+
+def start_decoding(
+    model_config: TransformerConfig, params: PyTree, inputs: jax.Array, max_decode_len: int
+) -> tuple[decode.TokensToLogits, PyTree]:
+  """Runs the encoder once and creates the decode caches (traceable under jit).
+
+  Of the two collections `Transformer.init_cache` creates, only 'cache' (self-attention keys
+  and values, the cache index) changes per step; it is returned for the search to carry and,
+  in beam search, to tile and reorder with the beams. 'encoder_cache' (encoder-decoder
+  attention keys, values and source mask) is the same at every step and for every beam of a
+  sentence: it stays one row a sentence, closed over by the step, which only reads it. The
+  step takes `batch * n` rows for any n (row b * n + j is beam or sample j of sentence b, the
+  layout of `decode.tile_beams`); they attend to row b of it as n query positions (see
+  `MultiHeadAttention`), so a step reads the source's keys and values once a sentence.
+
+  Args:
+    model_config: the model's config (decode mode and no dropout are set here).
+    params: the parameters.
+    inputs: int32 [batch, source_length], ids ending with EOS, then PAD.
+    max_decode_len: room in the self-attention caches, in output tokens: pass
+      `decode.cache_lengths(n)[0]` to search up to n tokens with `grow_cache=grow_cache`.
+
+  Returns:
+    `tokens_to_logits(tokens [batch * n, 1], cache) -> (logits [batch * n, vocab], cache)`,
+    one decoder step for `decode.py`, and the 'cache' for `batch` rows (not tiled:
+    `decode.beam_search` tiles it, as `decode.tile_beams` does for sampling).
+  """
+  model = Transformer(dataclasses.replace(model_config, decode=True, deterministic=True))
+  encoded = model.apply({'params': params}, inputs, method=Transformer.encode)
+  _, variables = model.apply(
+      {'params': params},
+      encoded,
+      inputs,
+      max_decode_len,
+      method=Transformer.init_cache,
+      mutable=['cache', 'encoder_cache'],
+  )
+  encoder_cache = variables['encoder_cache']
+
+  def tokens_to_logits(tokens: jax.Array, cache: PyTree) -> tuple[jax.Array, PyTree]:
+    logits, new_variables = model.apply(
+        {'params': params, 'encoder_cache': encoder_cache, 'cache': cache},
+        None,
+        None,
+        tokens,
+        method=Transformer.decode,
+        mutable=['cache'],
+    )
+    return logits[:, 0], new_variables['cache']  # [batch * n, vocab]
+
+  return tokens_to_logits, variables['cache']
+
+
+def search(
+    model_config: TransformerConfig,
+    params: PyTree,
+    inputs: jax.Array,
+    options: DecodeOptions,
+    max_decode_len: int,
+    batch_index: jax.Array | int = 0,
+    grow: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Encodes `inputs`, creates the caches and runs the whole search (traceable under jit).
+
+  Beam size 1 is greedy search (`decode.greedy_search`); `options.sampling` samples
+  `n_best` outputs a sentence (`decode.sample`, key `fold_in(key(seed), batch_index)`).
+  Greedy and sampled outputs get the same length-penalized score as beam search's.
+
+  Args:
+    model_config: the model's config.
+    params: the parameters.
+    inputs: int32 [batch, source_length], ids ending with EOS, then PAD.
+    options: the search options.
+    max_decode_len: the most output tokens, EOS included, of any row (the compiled size);
+      each row stops at its source length + `options.max_decode_extra_length` if sooner.
+    batch_index: int32 [], folded into the sampling key (unused by the searches).
+    grow: grow the self-attention caches in phases (`decode.cache_lengths`), each phase one
+      more loop to compile; False: one loop over caches of `max_decode_len` positions.
+
+  Returns:
+    sequences: int32 [batch, n_best, max_decode_len], best first, PAD after the end.
+    scores: float32 [batch, n_best], log P(Y) / lp(|Y|), descending.
+    log_probs: float32 [batch, n_best], log P(Y).
+  """
+  n = options.n_best if options.sampling else options.beam_size
+  tokens_to_logits, cache = start_decoding(
+      model_config,
+      params,
+      inputs,
+      decode.cache_lengths(max_decode_len)[0] if grow else max_decode_len,
+  )
+  grower = grow_cache if grow else None
+  batch_size = inputs.shape[0]
+  # Each row's own limit: its source length + the extra length, within the compiled one.
+  max_lengths = jnp.minimum(
+      jnp.sum(inputs != PAD_ID, axis=1) + options.max_decode_extra_length, max_decode_len
+  )
+
+  def penalty(sequences):
+    return decode.length_penalty(
+        jnp.sum(sequences != PAD_ID, axis=-1), options.length_penalty, options.length_penalty_form
+    )
+
+  if options.sampling or options.beam_size == 1:
+    if options.sampling:
+      rng = jax.random.fold_in(jax.random.key(options.seed), batch_index)
+      sequences, log_probs = decode.sample(
+          tokens_to_logits,
+          decode.tile_beams(cache, n),
+          rng,
+          batch_size * n,
+          max_decode_len,
+          temperature=options.temperature,
+          top_k=options.top_k,
+          top_p=options.top_p,
+          bos_id=model_config.decoder_start_id,
+          grow_cache=grower,
+          max_lengths=decode.tile_beams(max_lengths, n),
+          no_repeat_ngram_size=options.no_repeat_ngram_size,
+          no_adjacent_repeat_size=options.no_adjacent_repeat_size,
+      )
+    else:
+      sequences, log_probs = decode.greedy_search(
+          tokens_to_logits,
+          cache,
+          batch_size,
+          max_decode_len,
+          bos_id=model_config.decoder_start_id,
+          grow_cache=grower,
+          max_lengths=max_lengths,
+          no_repeat_ngram_size=options.no_repeat_ngram_size,
+          no_adjacent_repeat_size=options.no_adjacent_repeat_size,
+      )
+    sequences = sequences.reshape(batch_size, n, max_decode_len)
+    log_probs = log_probs.reshape(batch_size, n)
+    scores = log_probs / penalty(sequences)
+    order = jnp.argsort(-scores, axis=1, stable=True)  # Samples best first.
+    return (
+        jnp.take_along_axis(sequences, order[:, :, None], axis=1),
+        jnp.take_along_axis(scores, order, axis=1),
+        jnp.take_along_axis(log_probs, order, axis=1),
+    )
+  sequences, scores = decode.beam_search(
+      tokens_to_logits,
+      cache,
+      batch_size,
+      options.beam_size,
+      max_decode_len,
+      alpha=options.length_penalty,
+      length_penalty_form=options.length_penalty_form,
+      bos_id=model_config.decoder_start_id,
+      grow_cache=grower,
+      max_lengths=max_lengths,
+      no_repeat_ngram_size=options.no_repeat_ngram_size,
+      no_adjacent_repeat_size=options.no_adjacent_repeat_size,
+  )
+  sequences, scores = sequences[:, : options.n_best], scores[:, : options.n_best]
+  return sequences, scores, scores * penalty(sequences)
+
+
+def _next_power_of_two(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+class Translator:
+  """Translates batches of sentences with one compiled search per (rows, bucket) shape."""
+
+  def __init__(
+      self,
+      model_config: TransformerConfig,
+      params: PyTree,
+      tokenizer: Tokenizer,
+      options: DecodeOptions | None = None,
+      partitioner: Partitioner | None = None,
+  ):
+    """Prepares the translator; nothing compiles until the first batch of a shape.
+
+    Args:
+      model_config: the model's config.
+      params: its parameters, placed as `loading.param_shardings` says when `partitioner` is given.
+      tokenizer: the model's vocabulary.
+      options: the search; defaults to the paper's.
+      partitioner: splits the batch rows over its batch mesh axes; None: one device.
+    """
+    self.model_config = model_config
+    self.params = params
+    self.tokenizer = tokenizer
+    self.options = options or DecodeOptions()
+    self.partitioner = partitioner
+    max_len = model_config.max_len
+    self.buckets = tuple(sorted({b for b in self.options.buckets if b < max_len} | {max_len}))
+    self._row_multiple = partitioner.num_batch_shards if partitioner else 1
+    self._compiled: dict[tuple[int, int], Callable] = {}
+
+  @property
+  def num_compiled(self) -> int:
+    """How many (rows, bucket) shapes have been compiled so far."""
+    return len(self._compiled)
+
+  @property
+  def max_source_length(self) -> int:
+    """The longest source, EOS included (`max_len`)."""
+    return self.model_config.max_len
+
+  def output_limit(self, source_length: int) -> int:
+    """The most output tokens (EOS included) for a source of `source_length` tokens (EOS
+    included): source length + the extra length, at most `max_len` with learned positions."""
+    limit = source_length + self.options.max_decode_extra_length
+    if self.model_config.positional_encoding == 'learned':
+      limit = min(limit, self.model_config.max_len)
+    return limit
+
+  def is_capped(self, source_length: int) -> bool:
+    """Whether `max_len` (learned positions) cuts this source's output limit."""
+    return self.output_limit(source_length) < (source_length + self.options.max_decode_extra_length)
+
+  def max_decode_len(self, bucket: int) -> int:
+    """The output size a bucket is compiled for: the limit of its longest source."""
+    return self.output_limit(bucket)
+
+  def bucket_for(self, length: int) -> int:
+    """The shortest bucket holding a source of `length` tokens."""
+    for bucket in self.buckets:
+      if length <= bucket:
+        return bucket
+    raise ValueError(
+        f'A source of {length} tokens is longer than max_len={self.buckets[-1]}; '
+        'cut it first (Translator.encode_source does).'
+    )
+
+  def rows_for(self, num_sentences: int) -> int:
+    """Batch rows for a call translating `num_sentences` sentences."""
+    rows = min(self.options.batch_size, _next_power_of_two(max(num_sentences, 1)))
+    return -(-rows // self._row_multiple) * self._row_multiple
+
+  def encode_source(self, text: str) -> tuple[list[int], bool]:
+    """Source ids ending with EOS, cut to `max_len` tokens; and whether it was cut."""
+    ids = self.tokenizer.encode(text)
+    if len(ids) <= self.max_source_length:
+      return ids, False
+    return ids[: self.max_source_length - 1] + [EOS_ID], True
+
+  # --- Compilation. ---
+
+  def grows_cache(self, rows: int) -> bool:
+    """Whether the search for `rows` rows grows its caches in phases: a full batch's does.
+    Fewer rows come from a call that fills less than one batch, whose one search would not
+    win back the phases' compile: on 2 cores the main job's 8-row search compiled in 4.5 s
+    with four phases and 2.3 s in one loop, and ran in 60 ms against 79 (bench/RESULTS.md)."""
+    return rows >= self.rows_for(self.options.batch_size)
+
+  def compile(self, rows: int, bucket: int) -> Callable:
+    """The search compiled for [rows, bucket] sources (once per shape; `params` may be
+    `jax.ShapeDtypeStruct`s with shardings, to compile without any weights)."""
+    key = (rows, bucket)
+    if key not in self._compiled:
+      max_decode_len = self.max_decode_len(bucket)
+      grow = self.grows_cache(rows)
+
+      def fn(params, inputs, batch_index):
+        return search(
+            self.model_config, params, inputs, self.options, max_decode_len, batch_index, grow
+        )
+
+      if self.partitioner is None:
+        jitted = jax.jit(fn)
+        spec = jax.ShapeDtypeStruct((rows, bucket), jnp.int32)
+        index = jax.ShapeDtypeStruct((), jnp.int32)
+        self._compiled[key] = jitted.lower(self.params, spec, index).compile()
+      else:
+        p = self.partitioner
+        jitted = jax.jit(fn, out_shardings=p.replicated)
+        spec = jax.ShapeDtypeStruct((rows, bucket), jnp.int32, sharding=p.batch_sharding)
+        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=p.replicated)
+        with p.activate():
+          self._compiled[key] = jitted.lower(self.params, spec, index).compile()
+    return self._compiled[key]
+
+  def _place_index(self, number: int) -> jax.Array:
+    index = np.int32(number)
+    if self.partitioner is None:
+      return jnp.asarray(index)
+    return jax.make_array_from_callback((), self.partitioner.replicated, lambda _: index)
+
+  def _place(self, inputs: np.ndarray) -> jax.Array:
+    if self.partitioner is None:
+      return jnp.asarray(inputs)
+    # Every process holds the whole batch; each device takes its rows.
+    return jax.make_array_from_callback(
+        inputs.shape, self.partitioner.batch_sharding, lambda index: inputs[index]
+    )
+
+  # --- Translation. ---
+
+  def translate_ids(
+      self, sources: Sequence[Sequence[int]], progress: ProgressFn | None = None
+  ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
+    """Translates source ids (each ending with EOS, at most `max_len` long).
+
+    Args:
+      sources: one id list per sentence.
+      progress: called with (0, 0) once compilation is done, then after each batch with
+        (sentences, output tokens of their best hypotheses) of that batch.
+
+    Returns:
+      The `n_best` hypotheses of each source (best first), in input order, and what the
+      call did.
+    """
+    stats = DecodeStats(
+        sentences=len(sources),
+        source_tokens=sum(len(s) for s in sources),
+        capped=tuple(i for i, s in enumerate(sources) if self.is_capped(len(s))),
+    )
+    if not sources:
+      if progress is not None:
+        progress(0, 0)
+      return [], stats
+    rows = self.rows_for(len(sources))
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    batches: list[tuple[int, list[int]]] = []  # (bucket, source indices)
+    for i in order:
+      bucket = self.bucket_for(len(sources[i]))
+      if not batches or batches[-1][0] != bucket or len(batches[-1][1]) == rows:
+        batches.append((bucket, []))
+      batches[-1][1].append(i)
+
+    start = time.perf_counter()
+    compiled = {bucket: self.compile(rows, bucket) for bucket, _ in batches}
+    stats.compile_seconds = time.perf_counter() - start
+    if progress is not None:
+      progress(0, 0)
+
+    start = time.perf_counter()
+    results: list[tuple[Hypothesis, ...]] = [()] * len(sources)
+    for number, (bucket, indices) in enumerate(batches):
+      inputs = np.full((rows, bucket), PAD_ID, np.int32)
+      inputs[:, 0] = EOS_ID  # Dummy rows: an empty sentence.
+      for row, i in enumerate(indices):
+        inputs[row, :] = PAD_ID
+        inputs[row, : len(sources[i])] = sources[i]
+      sequences, scores, log_probs = jax.device_get(
+          compiled[bucket](self.params, self._place(inputs), self._place_index(number))
+      )
+      batch_tokens = 0
+      for row, i in enumerate(indices):
+        hypotheses = []
+        for k in range(self.options.n_best):
+          output = sequences[row, k]
+          length = int(np.sum(output != PAD_ID))
+          tokens = tuple(int(t) for t in output[:length] if t != EOS_ID)
+          hypotheses.append(
+              Hypothesis(
+                  tokens=tokens,
+                  score=float(scores[row, k]),
+                  length=length,
+                  log_prob=float(log_probs[row, k]),
+              )
+          )
+        results[i] = tuple(hypotheses)
+        batch_tokens += hypotheses[0].length
+      stats.output_tokens += batch_tokens
+      stats.batches += 1
+      if progress is not None:
+        progress(len(indices), batch_tokens)
+    stats.decode_seconds = time.perf_counter() - start
+    return results, stats
+
+  def translate(
+      self, texts: Sequence[str], progress: ProgressFn | None = None
+  ) -> tuple[list[str], DecodeStats]:
+    """Translates sentences; each gives exactly one output line, in input order.
+
+    A blank sentence gives ''. A sentence longer than `max_len` tokens is cut (its index
+    goes to `truncated`); one the tokenizer fails on gives '' (its index and the error go
+    to `failed`). Outputs never contain line breaks.
+
+    Args:
+      texts: the sentences.
+      progress: see `translate_ids`; blank and failed sentences are reported last.
+
+    Returns:
+      The best translation of each sentence and what the call did.
+    """
+    n_best, stats = self.translate_n_best(texts, progress)
+    return [hypotheses[0].text for hypotheses in n_best], stats
+
+  def translate_n_best(
+      self, texts: Sequence[str], progress: ProgressFn | None = None
+  ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
+    """`translate`, with the `n_best` hypotheses of each sentence, best first, their `text`
+    filled (a blank or failed sentence: `n_best` empty hypotheses of score 0)."""
+    sources, kept, truncated, failed = [], [], [], []
+    for i, text in enumerate(texts):
+      if not text.strip():
+        continue
+      try:
+        ids, cut = self.encode_source(text)
+      except Exception as e:  # One sentence must not stop all.
+        failed.append((i, f'{type(e).__name__}: {e}'))
+        continue
+      sources.append(ids)
+      kept.append(i)
+      if cut:
+        truncated.append(i)
+    n_best, stats = self.translate_ids(sources, progress)
+    if progress is not None and len(kept) < len(texts):
+      progress(len(texts) - len(kept), 0)
+    empty = Hypothesis(tokens=(), score=0.0, length=0)
+    outputs = [(empty,) * self.options.n_best] * len(texts)
+    for i, hypotheses in zip(kept, n_best):
+      outputs[i] = tuple(
+          dataclasses.replace(
+              h, text=' '.join(self.tokenizer.decode(h.tokens).splitlines()).strip()
+          )
+          for h in hypotheses
+      )
+    stats.sentences = len(texts)
+    stats.truncated = tuple(truncated)
+    stats.capped = tuple(kept[i] for i in stats.capped)
+    stats.failed = tuple(failed)
+    return outputs, stats
+
+
+# --- Building a translator from a work directory. ---
+
+
+def load_translator(
+    workdir: str, *, step: int | str | None = None, average_last: int = 0, **overrides: Any
+) -> tuple['Translator', loading.InferenceCheckpoint]:
+  """A `Translator` for a checkpoint (or the average of the last ones) of `workdir`.
+
+  Parameters are placed, and batches split, as `loading.load` chooses. Decoding options
+  come from the run's config unless overridden.
+
+  Args:
+    workdir: a training run's work directory (or one written by `average_checkpoints`).
+    step: the checkpoint; None for the latest, 'best' for the best (see `loading.load`).
+    average_last: average the last this many checkpoints instead (0: none).
+    **overrides: `DecodeOptions` fields; None values are ignored.
+
+  Returns:
+    The translator and the loaded checkpoint (`checkpoint.steps`: where its parameters
+    come from).
+
+  Raises:
+    errors.UserError: no such checkpoint, a damaged one, or a decoding option that cannot
+      work (checked before anything is read).
+  """
+  DecodeOptions(**{k: v for k, v in overrides.items() if v is not None})  # Check early.
+  checkpoint = loading.load(workdir, step=step, average_last=average_last)
+  options = DecodeOptions.from_config(checkpoint.config, **overrides)
+  translator = Translator(
+      checkpoint.model_config,
+      checkpoint.params,
+      checkpoint.tokenizer,
+      options,
+      checkpoint.partitioner,
+  )
+  return translator, checkpoint

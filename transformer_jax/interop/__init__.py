@@ -1,0 +1,1 @@
+"""Models of other toolkits: Hugging Face Marian import and export (`marian`)."""
