@@ -343,25 +343,14 @@ def fixed_length_search(
     return logits.at[:, EOS_ID].set(-jnp.inf), cache  # [batch, vocab]
 
   batch_size = inputs.shape[0]
+  options = decode.SearchOptions(
+      output_length, bos_id=model_config.decoder_start_id, grow_cache=translator.grow_cache
+  )
   if beam_size == 1:
-    sequences, _ = decode.greedy_search(
-        tokens_to_logits,
-        cache,
-        batch_size,
-        output_length,
-        bos_id=model_config.decoder_start_id,
-        grow_cache=translator.grow_cache,
-    )
+    sequences, _ = decode.greedy_search(tokens_to_logits, cache, batch_size, options)
     return sequences
   sequences, _ = decode.beam_search(
-      tokens_to_logits,
-      cache,
-      batch_size,
-      beam_size,
-      output_length,
-      alpha=alpha,
-      bos_id=model_config.decoder_start_id,
-      grow_cache=translator.grow_cache,
+      tokens_to_logits, cache, batch_size, beam_size, options, alpha=alpha
   )
   return sequences[:, 0]
 

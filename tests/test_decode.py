@@ -6,6 +6,7 @@ that tiles or reorders the cache wrongly gets different logits. Every score is r
 teacher forcing the same toy in numpy (float64), a code path independent of the search.
 """
 
+import dataclasses
 import functools
 import itertools
 import os
@@ -121,16 +122,30 @@ def strip(sequence: np.ndarray) -> list[int]:
   return sequence[:length]
 
 
+_SEARCH_OPTIONS = frozenset(field.name for field in dataclasses.fields(decode.SearchOptions))
+
+
+def _call_search(search, params, cache, rng, options, max_lengths=None):
+  """`search` ('beam', 'greedy' or 'sample') over the toy, `options` (name, value) pairs:
+  the `decode.SearchOptions` fields among them bundled, the others passed as they are."""
+  step = functools.partial(toy_step, params)
+  batch_size = cache['source'].shape[0]
+  rest = dict(options)
+  shared = decode.SearchOptions(
+      **{name: rest.pop(name) for name in dict(options) if name in _SEARCH_OPTIONS}
+  )
+  if search == 'beam':
+    beam_size = rest.pop('beam_size')
+    return decode.beam_search(step, cache, batch_size, beam_size, shared, max_lengths, **rest)
+  if search == 'greedy':
+    return decode.greedy_search(step, cache, batch_size, shared, max_lengths, **rest)
+  return decode.sample(step, cache, rng, batch_size, shared, max_lengths, **rest)
+
+
 @functools.partial(jax.jit, static_argnames=('search', 'options'))
 def _search(params, cache, rng, search, options):
   """One compiled search per (search, options, shapes); the toy's weights are arguments."""
-  step = functools.partial(toy_step, params)
-  batch_size = cache['source'].shape[0]
-  if search == 'beam':
-    return decode.beam_search(step, cache, batch_size, **dict(options))
-  if search == 'greedy':
-    return decode.greedy_search(step, cache, batch_size, **dict(options))
-  return decode.sample(step, cache, rng, batch_size, **dict(options))
+  return _call_search(search, params, cache, rng, options)
 
 
 def run_beam(model, sources, beam_size, max_len, **kwargs):
@@ -499,7 +514,7 @@ def test_early_stopping_gives_the_same_result_in_fewer_steps(seed, alpha):
             fn,
             batch_size=4,
             beam_size=4,
-            max_decode_len=24,
+            options=decode.SearchOptions(max_decode_len=24),
             alpha=alpha,
             early_stopping=early,
         )
@@ -519,7 +534,9 @@ def test_searches_end_at_an_immediate_eos():
   fn, calls = _count_steps(model)
   sources = model.sources(4)
   sequences, log_probs = jax.jit(
-      functools.partial(decode.greedy_search, fn, batch_size=4, max_decode_len=10)
+      functools.partial(
+          decode.greedy_search, fn, batch_size=4, options=decode.SearchOptions(max_decode_len=10)
+      )
   )(model.init_cache(sources))
   jax.effects_barrier()
   assert len(calls) == 1
@@ -638,28 +655,46 @@ def test_top_p_restricts_the_support_to_the_nucleus():
 def test_invalid_search_options_are_rejected():
   model = ToyDecoder()
   cache = model.init_cache(model.sources(1))
+  five = decode.SearchOptions(5)
   with pytest.raises(ValueError, match='beam_size'):
-    decode.beam_search(model.tokens_to_logits, cache, 1, 0, 5)
+    decode.beam_search(model.tokens_to_logits, cache, 1, 0, five)
   with pytest.raises(ValueError, match='length_penalty_form'):
-    decode.beam_search(model.tokens_to_logits, cache, 1, 2, 5, length_penalty_form='x')
+    decode.beam_search(model.tokens_to_logits, cache, 1, 2, five, length_penalty_form='x')
   with pytest.raises(ValueError, match='top_p'):
-    decode.sample(model.tokens_to_logits, cache, jax.random.key(0), 1, 5, top_p=0.0)
+    decode.sample(model.tokens_to_logits, cache, jax.random.key(0), 1, five, top_p=0.0)
   with pytest.raises(ValueError, match='temperature'):
-    decode.sample(model.tokens_to_logits, cache, jax.random.key(0), 1, 5, temperature=-1.0)
+    decode.sample(model.tokens_to_logits, cache, jax.random.key(0), 1, five, temperature=-1.0)
   with pytest.raises(ValueError, match='no_repeat_ngram_size'):
-    decode.beam_search(model.tokens_to_logits, cache, 1, 2, 5, no_repeat_ngram_size=-1)
+    decode.beam_search(
+        model.tokens_to_logits, cache, 1, 2, decode.SearchOptions(5, no_repeat_ngram_size=-1)
+    )
   with pytest.raises(ValueError, match='no_adjacent_repeat_size=-1 must be an int >= 0'):
-    decode.greedy_search(model.tokens_to_logits, cache, 1, 5, no_adjacent_repeat_size=-1)
+    decode.greedy_search(
+        model.tokens_to_logits, cache, 1, decode.SearchOptions(5, no_adjacent_repeat_size=-1)
+    )
+
+
+def test_search_options_are_a_static_argument_of_jit():
+  model = ToyDecoder(seed=0, eos_bias=1.0)
+  cache = model.init_cache(model.sources(2))
+  options = decode.SearchOptions(5, no_repeat_ngram_size=2)
+  assert options == decode.SearchOptions(5, no_repeat_ngram_size=2)
+  assert hash(options) == hash(decode.SearchOptions(5, no_repeat_ngram_size=2))
+  search = jax.jit(decode.greedy_search, static_argnums=(0, 2, 3))
+  static = search(model.tokens_to_logits, cache, 2, options)
+  closed = jax.jit(lambda c: decode.greedy_search(model.tokens_to_logits, c, 2, options))(cache)
+  np.testing.assert_array_equal(static[0], closed[0])
 
 
 def test_searches_have_no_host_callbacks():
   model = ToyDecoder()
   cache = model.init_cache(model.sources(2))
+  five = decode.SearchOptions(5)
   searches = [
-      lambda c: decode.greedy_search(model.tokens_to_logits, c, 2, 5),
-      lambda c: decode.beam_search(model.tokens_to_logits, c, 2, 3, 5),
+      lambda c: decode.greedy_search(model.tokens_to_logits, c, 2, five),
+      lambda c: decode.beam_search(model.tokens_to_logits, c, 2, 3, five),
       lambda c: decode.sample(
-          model.tokens_to_logits, c, jax.random.key(0), 2, 5, top_k=3, top_p=0.9
+          model.tokens_to_logits, c, jax.random.key(0), 2, five, top_k=3, top_p=0.9
       ),
   ]
   for search in searches:
@@ -750,14 +785,7 @@ def test_searches_in_phases_of_growing_cache_equal_one_loop(search):
 
 @functools.partial(jax.jit, static_argnames=('search', 'options'))
 def _search_with_limits(params, cache, rng, max_lengths, search, options):
-  step = functools.partial(toy_step, params)
-  batch_size = cache['source'].shape[0]
-  options = dict(options, max_lengths=max_lengths)
-  if search == 'beam':
-    return decode.beam_search(step, cache, batch_size, **options)
-  if search == 'greedy':
-    return decode.greedy_search(step, cache, batch_size, **options)
-  return decode.sample(step, cache, rng, batch_size, **options)
+  return _call_search(search, params, cache, rng, options, max_lengths)
 
 
 @pytest.mark.parametrize('search', ['greedy', 'beam', 'sample'])

@@ -157,10 +157,9 @@ def _padded_inputs(tokenizer, texts, length):
 def _model_level_searches(cfg, params, inputs, max_decode_len, beam_size):
   """Greedy search and beam search (alpha 0) through the real model's cache."""
   tokens_to_logits, cache = translator_lib.start_decoding(cfg, params, inputs, max_decode_len)
-  greedy = decode.greedy_search(tokens_to_logits, cache, inputs.shape[0], max_decode_len)
-  beam = decode.beam_search(
-      tokens_to_logits, cache, inputs.shape[0], beam_size, max_decode_len, alpha=0.0
-  )
+  options = decode.SearchOptions(max_decode_len)
+  greedy = decode.greedy_search(tokens_to_logits, cache, inputs.shape[0], options)
+  beam = decode.beam_search(tokens_to_logits, cache, inputs.shape[0], beam_size, options, alpha=0.0)
   return greedy, beam
 
 
@@ -193,7 +192,7 @@ def test_search_in_phases_of_growing_cache_equals_one_loop(loaded, run_dir):
   tokens_to_logits, cache = translator_lib.start_decoding(
       checkpoint.model_config, checkpoint.params, inputs, 40
   )
-  one = decode.beam_search(tokens_to_logits, cache, 4, 3, 40, alpha=0.6)
+  one = decode.beam_search(tokens_to_logits, cache, 4, 3, decode.SearchOptions(40), alpha=0.6)
   np.testing.assert_array_equal(phased[0], one[0])
   np.testing.assert_allclose(phased[1], one[1], rtol=1e-5, atol=1e-5)
 
@@ -267,7 +266,12 @@ def _beam_search_gathering_the_encoder_cache(cfg, params, inputs, max_decode_len
     return logits[:, 0], dict(caches, cache=new_variables['cache'])
 
   return decode.beam_search(
-      tokens_to_logits, dict(variables), inputs.shape[0], beam_size, max_decode_len, alpha=0.6
+      tokens_to_logits,
+      dict(variables),
+      inputs.shape[0],
+      beam_size,
+      decode.SearchOptions(max_decode_len),
+      alpha=0.6,
   )
 
 

@@ -21,16 +21,18 @@ row a sentence, where the callback maps its rows b * beam + j to row b, as
 Every search is one `lax.while_loop` (one per phase with `grow_cache`, see `cache_lengths`)
 with only batch-parallel operations and no host callbacks, so it can be traced under
 `jax.jit` with the batch sharded over devices. Sizes and search options are Python values
-(static under `jit`):
+(static under `jit`); what the three searches share is one hashable `SearchOptions`:
 
-    @functools.partial(jax.jit, static_argnames=('max_decode_len',))
-    def translate(params, encoded, source_mask, cache, max_decode_len):
+    @functools.partial(jax.jit, static_argnames=('options',))
+    def translate(params, encoded, source_mask, cache, options):
       batch_size = encoded.shape[0]
       # Each beam attends to its own copy of the source, tiled once, outside the loop.
       encoded, source_mask = decode.tile_beams((encoded, source_mask), 4)
       def step(tokens, cache):
         return decoder_step(params, encoded, source_mask, tokens, cache)
-      return decode.beam_search(step, cache, batch_size, 4, max_decode_len)
+      return decode.beam_search(step, cache, batch_size, 4, options)
+
+    translate(params, encoded, source_mask, cache, decode.SearchOptions(max_decode_len=60))
 
 Outputs leave out the `bos_id` fed first: a sequence is its tokens, then `eos_id` (when
 generated), then `pad_id` up to `max_decode_len`. `pad_id` is never generated (its logit is
@@ -41,6 +43,7 @@ is the number of non-pad tokens, the EOS included. All log-softmax is done in fl
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -159,12 +162,12 @@ def _gather_cache(cache: PyTree, beam_indices: jax.Array, batch_size: int) -> Py
 def top_k_of_rows(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, jax.Array]:
   """`lax.top_k` over the last axis of x [rows, n]: the same values and indices, ties included.
 
-  XLA:CPU's TopK sorts each row partially at about 2.5 ns an element (11 ms for the 2 * beam
-  best of a [128, 37000] beam-search step, a twentieth of the step). On CPU, rows of at least
-  2 * k * block elements are cut into blocks of `block` first: the k best elements lie in the
-  k blocks with the largest maxima (ties to the lower block, as to the lower index), so only
-  those k * block elements are ranked, in index order (2.7 ms for that step). Other backends
-  have their own TopK kernels and get `lax.top_k` unchanged.
+  XLA:CPU's TopK sorts each whole row partially, a cost that grows with the vocabulary. On
+  CPU, rows of at least 2 * k * block elements are cut into blocks of `block` first: the k
+  best elements lie in the k blocks with the largest maxima (ties to the lower block, as to
+  the lower index), so only those k * block elements are ranked, in index order (the timings
+  are in bench/RESULTS.md, "CPU decoding: ... each beam's best candidates first, by blocks").
+  Other backends have their own TopK kernels and get `lax.top_k` unchanged.
 
   Returns:
     (values, indices), each [rows, k], best first.
@@ -189,21 +192,19 @@ def argmax_of_rows(x: jax.Array) -> jax.Array:
   """`jnp.argmax` over the last axis of x [rows, n]: the first index of the maximum.
 
   Through `top_k_of_rows` with k=1: XLA:CPU's argmax is a variadic (value, index)
-  reduction it does not vectorise (1.9 ms for a greedy step's [32, 37000] on a Xeon with
-  AVX-512, a sixteenth of the step; 0.22 ms through the blocks). Other backends get
-  `jnp.argmax`, their own reduction kernel, as before that change (bench/RESULTS.md,
-  2026-11-27: greedy at batch 1,024 on an H200 was slower through `lax.top_k`).
+  reduction it does not vectorise, and the blocks are faster (bench/RESULTS.md, "CPU: 2
+  cores (Intel Xeon with AVX-512 and AMX)"). Other backends get `jnp.argmax`, their own
+  reduction kernel: greedy search on an H200 was slower through `lax.top_k`
+  (bench/RESULTS.md, "GPU: one NVIDIA H200 ...: decoding with `jnp.argmax` again").
   """
   if jax.default_backend() != 'cpu':
     return jnp.argmax(x, axis=-1).astype(jnp.int32)
   return top_k_of_rows(x, 1)[1][:, 0]
 
 
-def _check_common(batch_size: int, max_decode_len: int) -> None:
+def _check_batch_size(batch_size: int) -> None:
   if batch_size < 1:
     raise ValueError(f'batch_size={batch_size} must be >= 1.')
-  if max_decode_len < 1:
-    raise ValueError(f'max_decode_len={max_decode_len} must be >= 1.')
 
 
 def _row_limits(max_lengths: jax.Array | None, batch_size: int, max_decode_len: int) -> jax.Array:
@@ -219,25 +220,58 @@ def _row_limits(max_lengths: jax.Array | None, batch_size: int, max_decode_len: 
   return jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len)
 
 
-def _check_no_repeat(no_repeat_ngram_size: int, no_adjacent_repeat_size: int = 0) -> None:
-  for name, value in (
-      ('no_repeat_ngram_size', no_repeat_ngram_size),
-      ('no_adjacent_repeat_size', no_adjacent_repeat_size),
-  ):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-      raise ValueError(f'{name}={value!r} must be an int >= 0 (0 turns it off).')
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+  """What greedy search, sampling and beam search share: the ids, the length, the cache's
+  growth and the bans on repeats.
 
+  Python values only, so it is hashable: a static argument of `jax.jit`, or closed over by
+  the jitted function. Each row's own limit (`max_lengths`) is an array, data of the batch:
+  it is passed to the searches with the cache instead.
 
-def _ban_repeats(
-    logits: jax.Array, history: jax.Array, length: jax.Array, ngram: int, adjacent: int
-) -> jax.Array:
-  """`ban_repeated_ngrams` with n = `ngram` and `ban_adjacent_repeats` with n = `adjacent`,
-  each where it is > 0."""
-  if ngram:
-    logits = ban_repeated_ngrams(logits, history, length, ngram)
-  if adjacent:
-    logits = ban_adjacent_repeats(logits, history, length, adjacent)
-  return logits
+  Attributes:
+    max_decode_len: the most tokens a row (or hypothesis) gets, EOS included: the size of
+      the outputs (the paper: source length + 50).
+    eos_id: the end-of-sequence id; a row stops after producing it.
+    bos_id: the first input token (not part of the outputs).
+    pad_id: fills rows after their end; never generated.
+    grow_cache: search in phases of growing cache (see `cache_lengths`; the cache handed to
+      the search then has room for the first of them); None: one loop over a cache of
+      `max_decode_len`.
+    no_repeat_ngram_size: n > 0: no output repeats an n-gram of its tokens (see
+      `ban_repeated_ngrams`); 0: off. The log-probabilities stay the model's.
+    no_adjacent_repeat_size: n > 0: no output says a span of up to n tokens twice in a row
+      (see `ban_adjacent_repeats`); 0: off. The log-probabilities stay the model's.
+  """
+
+  max_decode_len: int
+  eos_id: int = EOS_ID
+  bos_id: int = BOS_ID
+  pad_id: int = PAD_ID
+  grow_cache: GrowCache | None = None
+  no_repeat_ngram_size: int = 0
+  no_adjacent_repeat_size: int = 0
+
+  def __post_init__(self):
+    if self.max_decode_len < 1:
+      raise ValueError(f'max_decode_len={self.max_decode_len} must be >= 1.')
+    for name in ('no_repeat_ngram_size', 'no_adjacent_repeat_size'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f'{name}={value!r} must be an int >= 0 (0 turns it off).')
+
+  @property
+  def bans_repeats(self) -> bool:
+    return bool(self.no_repeat_ngram_size or self.no_adjacent_repeat_size)
+
+  def ban_repeats(self, logits: jax.Array, history: jax.Array, length: jax.Array) -> jax.Array:
+    """`ban_repeated_ngrams` with n = `no_repeat_ngram_size` and `ban_adjacent_repeats` with
+    n = `no_adjacent_repeat_size`, each where it is > 0."""
+    if self.no_repeat_ngram_size:
+      logits = ban_repeated_ngrams(logits, history, length, self.no_repeat_ngram_size)
+    if self.no_adjacent_repeat_size:
+      logits = ban_adjacent_repeats(logits, history, length, self.no_adjacent_repeat_size)
+    return logits
 
 
 def ban_adjacent_repeats(
@@ -330,24 +364,24 @@ class _SamplingState(NamedTuple):
   rng: jax.Array | None
 
 
+# logits [batch, vocab] (float32, pad and banned tokens at -inf), this step's key or None ->
+# the next token of each row [batch].
+Select = Callable[[jax.Array, jax.Array | None], jax.Array]
+
+
 def _sampling_loop(
     tokens_to_logits: TokensToLogits,
     cache: PyTree,
-    select: Callable[[jax.Array, jax.Array | None], jax.Array],
-    rng: jax.Array | None,
     batch_size: int,
-    max_decode_len: int,
-    eos_id: int,
-    bos_id: int,
-    pad_id: int,
-    grow_cache: GrowCache | None = None,
-    max_lengths: jax.Array | None = None,
-    no_repeat_ngram_size: int = 0,
-    no_adjacent_repeat_size: int = 0,
+    options: SearchOptions,
+    max_lengths: jax.Array | None,
+    select: Select,
+    rng: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-  """Decodes one token a row a step with `select(logits [batch, vocab], rng) -> [batch]`."""
-  _check_common(batch_size, max_decode_len)
-  _check_no_repeat(no_repeat_ngram_size, no_adjacent_repeat_size)
+  """Decodes one token a row a step with `select(logits, fold_in(rng, step))` (greedy search
+  and sampling; see `greedy_search` for the arguments and the outputs)."""
+  _check_batch_size(batch_size)
+  max_decode_len, pad_id = options.max_decode_len, options.pad_id
   limits = _row_limits(max_lengths, batch_size, max_decode_len)
   positions = jnp.arange(max_decode_len)[None, :]  # [1, max_decode_len]
 
@@ -358,10 +392,7 @@ def _sampling_loop(
     logits, cache = tokens_to_logits(state.tokens[:, None], state.cache)
     logits = logits.astype(jnp.float32)  # [batch, vocab]
     step_rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
-    allowed = logits.at[:, pad_id].set(NEG_INF)
-    allowed = _ban_repeats(
-        allowed, state.sequences, state.step, no_repeat_ngram_size, no_adjacent_repeat_size
-    )
+    allowed = options.ban_repeats(logits.at[:, pad_id].set(NEG_INF), state.sequences, state.step)
     token = select(allowed, step_rng).astype(jnp.int32)
     token = jnp.where(state.finished, pad_id, token)  # [batch]
     token_log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=1)[:, 0]
@@ -370,21 +401,21 @@ def _sampling_loop(
         tokens=token,
         sequences=jnp.where(positions == state.step, token[:, None], state.sequences),
         log_probs=state.log_probs + jnp.where(state.finished, 0.0, token_log_prob),
-        finished=state.finished | (token == eos_id) | (state.step + 1 >= limits),
+        finished=state.finished | (token == options.eos_id) | (state.step + 1 >= limits),
         cache=cache,
         rng=state.rng,
     )
 
   init = _SamplingState(
       step=jnp.array(0, jnp.int32),
-      tokens=jnp.full((batch_size,), bos_id, jnp.int32),
+      tokens=jnp.full((batch_size,), options.bos_id, jnp.int32),
       sequences=jnp.full((batch_size, max_decode_len), pad_id, jnp.int32),
       log_probs=jnp.zeros((batch_size,), jnp.float32),
       finished=jnp.zeros((batch_size,), bool),
       cache=cache,
       rng=rng,
   )
-  final = _phased_while(cond, body, init, max_decode_len, grow_cache)
+  final = _phased_while(cond, body, init, max_decode_len, options.grow_cache)
   return final.sequences, final.log_probs
 
 
@@ -392,35 +423,20 @@ def greedy_search(
     tokens_to_logits: TokensToLogits,
     cache: PyTree,
     batch_size: int,
-    max_decode_len: int,
-    eos_id: int = EOS_ID,
-    bos_id: int = BOS_ID,
-    pad_id: int = PAD_ID,
-    grow_cache: GrowCache | None = None,
+    options: SearchOptions,
     max_lengths: jax.Array | None = None,
-    no_repeat_ngram_size: int = 0,
-    no_adjacent_repeat_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Picks the most probable next token (never `pad_id`) until EOS or `max_decode_len`.
 
   Args:
     tokens_to_logits: one decoder step, see the module docstring.
     cache: the decoder cache for `batch_size` rows (for the first of `cache_lengths` when
-      `grow_cache` is given).
+      `options.grow_cache` is given).
     batch_size: rows decoded together.
-    max_decode_len: the most tokens a row gets, EOS included.
-    eos_id: the end-of-sequence id; a row stops after producing it.
-    bos_id: the first input token.
-    pad_id: fills rows after their EOS; never chosen.
-    grow_cache: search in phases of growing cache (see `cache_lengths`); None: one loop
-      over a cache of `max_decode_len`.
+    options: the ids, the length, the cache's growth and the bans on repeats.
     max_lengths: int32 [batch], each row's own limit (at most `max_decode_len`, the size
       of the outputs): a row stops there as if `max_decode_len` were its limit. None: every
       row `max_decode_len`.
-    no_repeat_ngram_size: n > 0: a row never repeats an n-gram of its output (see
-      `ban_repeated_ngrams`); 0: off. The log-probabilities stay the model's.
-    no_adjacent_repeat_size: n > 0: a row never says a span of up to n tokens twice in a
-      row (see `ban_adjacent_repeats`); 0: off. The log-probabilities stay the model's.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -430,17 +446,10 @@ def greedy_search(
   return _sampling_loop(
       tokens_to_logits,
       cache,
-      lambda logits, _: argmax_of_rows(logits),
-      None,
       batch_size,
-      max_decode_len,
-      eos_id,
-      bos_id,
-      pad_id,
-      grow_cache,
+      options,
       max_lengths,
-      no_repeat_ngram_size,
-      no_adjacent_repeat_size,
+      lambda logits, _: argmax_of_rows(logits),
   )
 
 
@@ -474,17 +483,12 @@ def sample(
     cache: PyTree,
     rng: jax.Array,
     batch_size: int,
-    max_decode_len: int,
+    options: SearchOptions,
+    max_lengths: jax.Array | None = None,
+    *,
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_id: int = EOS_ID,
-    bos_id: int = BOS_ID,
-    pad_id: int = PAD_ID,
-    grow_cache: GrowCache | None = None,
-    max_lengths: jax.Array | None = None,
-    no_repeat_ngram_size: int = 0,
-    no_adjacent_repeat_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Samples each next token (never `pad_id`) until EOS or `max_decode_len`.
 
@@ -496,17 +500,11 @@ def sample(
     cache: the decoder cache for `batch_size` rows (see `greedy_search`).
     rng: a PRNG key; step t uses `fold_in(rng, t)`.
     batch_size: rows decoded together.
-    max_decode_len: the most tokens a row gets, EOS included.
+    options: the ids, the length, the cache's growth and the bans on repeats.
+    max_lengths: see `greedy_search`.
     temperature: >= 0; 0 is greedy search (argmax), 1 the model's distribution.
     top_k: >= 0; 0 keeps every token.
     top_p: in (0, 1]; 1 keeps every token.
-    eos_id: the end-of-sequence id; a row stops after producing it.
-    bos_id: the first input token.
-    pad_id: fills rows after their EOS; never sampled.
-    grow_cache: see `greedy_search`.
-    max_lengths: see `greedy_search`.
-    no_repeat_ngram_size: see `greedy_search`.
-    no_adjacent_repeat_size: see `greedy_search`.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -526,21 +524,7 @@ def sample(
     logits = _filter_logits(logits / temperature, top_k, top_p)
     return jax.random.categorical(step_rng, logits, axis=-1)
 
-  return _sampling_loop(
-      tokens_to_logits,
-      cache,
-      select,
-      rng,
-      batch_size,
-      max_decode_len,
-      eos_id,
-      bos_id,
-      pad_id,
-      grow_cache,
-      max_lengths,
-      no_repeat_ngram_size,
-      no_adjacent_repeat_size,
-  )
+  return _sampling_loop(tokens_to_logits, cache, batch_size, options, max_lengths, select, rng)
 
 
 # --- Beam search. ---
@@ -561,17 +545,12 @@ def beam_search(
     cache: PyTree,
     batch_size: int,
     beam_size: int,
-    max_decode_len: int,
+    options: SearchOptions,
+    max_lengths: jax.Array | None = None,
+    *,
     alpha: float = 0.6,
     length_penalty_form: str = 'gnmt',
     early_stopping: bool = True,
-    eos_id: int = EOS_ID,
-    bos_id: int = BOS_ID,
-    pad_id: int = PAD_ID,
-    grow_cache: GrowCache | None = None,
-    max_lengths: jax.Array | None = None,
-    no_repeat_ngram_size: int = 0,
-    no_adjacent_repeat_size: int = 0,
 ) -> tuple[jax.Array, jax.Array]:
   """Beam search with a length penalty, as in the paper (beam 4, alpha 0.6).
 
@@ -598,26 +577,20 @@ def beam_search(
     cache: the decoder cache for `batch_size` rows (not tiled); leaves with ndim >= 1 are
       tiled to [batch * beam_size, ...] here and reordered with the beams at every step,
       ndim-0 leaves are passed through. Keep what no step changes out of it (see the module
-      docstring). With `grow_cache`, for the first of `cache_lengths`.
+      docstring). With `options.grow_cache`, for the first of `cache_lengths` (the cache is
+      grown after tiling).
     batch_size: rows decoded together.
     beam_size: hypotheses kept per row.
-    max_decode_len: the most tokens a hypothesis has, EOS included (the paper: source
-      length + 50).
-    alpha: the length-penalty exponent; 0 ranks by plain log-probability.
-    length_penalty_form: 'gnmt' or 'power', see `length_penalty`.
-    early_stopping: stop once the result can no longer change (see above).
-    eos_id: the end-of-sequence id.
-    bos_id: the first input token.
-    pad_id: fills sequences after their end; never generated.
-    grow_cache: see `greedy_search`; the cache is grown after tiling.
+    options: the ids, the length (`max_decode_len`: the most tokens a hypothesis has, EOS
+      included), the cache's growth and the bans on repeats (each beam's candidates that
+      would repeat are left out, as in fairseq and Hugging Face; scores stay the model's
+      log-probabilities).
     max_lengths: int32 [batch], each row's own limit (at most `max_decode_len`): a row's
       search ends there exactly as a search with that `max_decode_len` would (its state is
       kept while the other rows go on). None: every row `max_decode_len`.
-    no_repeat_ngram_size: n > 0: no hypothesis repeats an n-gram of its tokens (each beam's
-      candidates that would are left out, as in fairseq and Hugging Face; scores stay the
-      model's log-probabilities); 0: off.
-    no_adjacent_repeat_size: n > 0: no hypothesis says a span of up to n tokens twice in a
-      row (`ban_adjacent_repeats`; candidates that would are left out likewise); 0: off.
+    alpha: the length-penalty exponent; 0 ranks by plain log-probability.
+    length_penalty_form: 'gnmt' or 'power', see `length_penalty`.
+    early_stopping: stop once the result can no longer change (see above).
 
   Returns:
     sequences: int32 [batch, beam_size, max_decode_len], best first; each the tokens, the
@@ -627,14 +600,14 @@ def beam_search(
       fill the remaining slots. A slot with score -inf holds no hypothesis (all `pad_id`);
       that happens only when a beam is wider than the number of possible sequences.
   """
-  _check_common(batch_size, max_decode_len)
-  _check_no_repeat(no_repeat_ngram_size, no_adjacent_repeat_size)
+  _check_batch_size(batch_size)
   if beam_size < 1:
     raise ValueError(f'beam_size={beam_size} must be >= 1.')
   if length_penalty_form not in LENGTH_PENALTY_FORMS:
     raise ValueError(
         f'length_penalty_form={length_penalty_form!r} is not one of {LENGTH_PENALTY_FORMS}.'
     )
+  max_decode_len, pad_id = options.max_decode_len, options.pad_id
 
   def penalty(length):
     return length_penalty(length, alpha, length_penalty_form)
@@ -667,17 +640,18 @@ def beam_search(
     # `jax.nn.log_softmax` computes it. Within one beam, `shifted` ranks the tokens as their
     # log-probabilities do, so the 2 * beam best of each beam are chosen first and only those
     # get the normalizer and the beam's score: the [batch * beam, vocab] log-probabilities
-    # and candidate scores are never written (a third of the search step outside the model).
+    # and candidate scores are never written (bench/RESULTS.md, "CPU decoding: ... each beam's
+    # best candidates first, by blocks").
     logits = logits.astype(jnp.float32)  # [batch * beam, vocab]
     vocab_size = logits.shape[-1]
     shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
     normalizer = jnp.log(jnp.sum(jnp.exp(shifted), axis=-1, keepdims=True))
     per_beam = min(2 * beam_size, vocab_size)
     allowed = shifted.at[:, pad_id].set(NEG_INF)
-    if no_repeat_ngram_size or no_adjacent_repeat_size:
+    if options.bans_repeats:
       # Each beam's tokens so far: columns 1..step, after bos_id.
       history = state.alive_seqs[:, :, 1:].reshape(batch_size * beam_size, max_decode_len)
-      allowed = _ban_repeats(allowed, history, step, no_repeat_ngram_size, no_adjacent_repeat_size)
+      allowed = options.ban_repeats(allowed, history, step)
     beam_top, beam_tokens = top_k_of_rows(allowed, per_beam)
     candidates = state.alive_log_probs[:, :, None] + (beam_top - normalizer).reshape(
         batch_size, beam_size, per_beam
@@ -694,7 +668,7 @@ def beam_search(
     )
     top_seqs = _take_beams(state.alive_seqs, top_beams)  # [batch, 2 * beam, 1 + len]
     top_seqs = jnp.where(positions == step + 1, top_tokens[:, :, None], top_seqs)
-    ends = top_tokens == eos_id
+    ends = top_tokens == options.eos_id
 
     alive_log_probs, alive_picks = lax.top_k(
         jnp.where(ends, NEG_INF, top_log_probs), beam_size
@@ -744,7 +718,7 @@ def beam_search(
   # the same candidate `beam_size` times.
   init = _BeamState(
       step=jnp.array(0, jnp.int32),
-      alive_seqs=empty_seqs.at[:, :, 0].set(bos_id),
+      alive_seqs=empty_seqs.at[:, :, 0].set(options.bos_id),
       alive_log_probs=jnp.tile(
           jnp.array([0.0] + [NEG_INF] * (beam_size - 1), jnp.float32), (batch_size, 1)
       ),
@@ -753,7 +727,7 @@ def beam_search(
       finished_flags=jnp.zeros((batch_size, beam_size), bool),
       cache=tile_beams(cache, beam_size),
   )
-  final = _phased_while(cond, body, init, max_decode_len, grow_cache)
+  final = _phased_while(cond, body, init, max_decode_len, options.grow_cache)
 
   # Finished hypotheses (flagged ones first, sorted) fill the first slots; alive beams, all
   # as long as their row's limit when this is needed, fill the rest in order.

@@ -256,7 +256,8 @@ def start_decoding(
     params: the parameters.
     inputs: int32 [batch, source_length], ids ending with EOS, then PAD.
     max_decode_len: room in the self-attention caches, in output tokens: pass
-      `decode.cache_lengths(n)[0]` to search up to n tokens with `grow_cache=grow_cache`.
+      `decode.cache_lengths(n)[0]` to search up to n tokens with `grow_cache` in the
+      `decode.SearchOptions`.
 
   Returns:
     `tokens_to_logits(tokens [batch * n, 1], cache) -> (logits [batch * n, vocab], cache)`,
@@ -327,7 +328,13 @@ def search(
       inputs,
       decode.cache_lengths(max_decode_len)[0] if grow else max_decode_len,
   )
-  grower = grow_cache if grow else None
+  search_options = decode.SearchOptions(
+      max_decode_len,
+      bos_id=model_config.decoder_start_id,
+      grow_cache=grow_cache if grow else None,
+      no_repeat_ngram_size=options.no_repeat_ngram_size,
+      no_adjacent_repeat_size=options.no_adjacent_repeat_size,
+  )
   batch_size = inputs.shape[0]
   # Each row's own limit: its source length + the extra length, within the compiled one.
   max_lengths = jnp.minimum(
@@ -347,27 +354,15 @@ def search(
           decode.tile_beams(cache, n),
           rng,
           batch_size * n,
-          max_decode_len,
+          search_options,
+          decode.tile_beams(max_lengths, n),
           temperature=options.temperature,
           top_k=options.top_k,
           top_p=options.top_p,
-          bos_id=model_config.decoder_start_id,
-          grow_cache=grower,
-          max_lengths=decode.tile_beams(max_lengths, n),
-          no_repeat_ngram_size=options.no_repeat_ngram_size,
-          no_adjacent_repeat_size=options.no_adjacent_repeat_size,
       )
     else:
       sequences, log_probs = decode.greedy_search(
-          tokens_to_logits,
-          cache,
-          batch_size,
-          max_decode_len,
-          bos_id=model_config.decoder_start_id,
-          grow_cache=grower,
-          max_lengths=max_lengths,
-          no_repeat_ngram_size=options.no_repeat_ngram_size,
-          no_adjacent_repeat_size=options.no_adjacent_repeat_size,
+          tokens_to_logits, cache, batch_size, search_options, max_lengths
       )
     sequences = sequences.reshape(batch_size, n, max_decode_len)
     log_probs = log_probs.reshape(batch_size, n)
@@ -383,14 +378,10 @@ def search(
       cache,
       batch_size,
       options.beam_size,
-      max_decode_len,
+      search_options,
+      max_lengths,
       alpha=options.length_penalty,
       length_penalty_form=options.length_penalty_form,
-      bos_id=model_config.decoder_start_id,
-      grow_cache=grower,
-      max_lengths=max_lengths,
-      no_repeat_ngram_size=options.no_repeat_ngram_size,
-      no_adjacent_repeat_size=options.no_adjacent_repeat_size,
   )
   sequences, scores = sequences[:, : options.n_best], scores[:, : options.n_best]
   return sequences, scores, scores * penalty(sequences)
@@ -483,8 +474,9 @@ class Translator:
   def grows_cache(self, rows: int) -> bool:
     """Whether the search for `rows` rows grows its caches in phases: a full batch's does.
     Fewer rows come from a call that fills less than one batch, whose one search would not
-    win back the phases' compile: on 2 cores the main job's 8-row search compiled in 4.5 s
-    with four phases and 2.3 s in one loop, and ran in 60 ms against 79 (bench/RESULTS.md)."""
+    win back the phases' compile: one loop compiles in about half the time, and the phases'
+    faster search pays that back only over hundreds of sentences (bench/RESULTS.md, "CPU: the
+    main job's fixed costs on a Zen 3", "A search of fewer rows than a batch in one loop")."""
     return rows >= self.rows_for(self.options.batch_size)
 
   def compile(self, rows: int, bucket: int) -> Callable:
