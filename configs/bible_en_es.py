@@ -28,10 +28,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.max_source_length = 128
   c.max_target_length = 128
   # With packed rows these shape only validation and decoding, where each bucket is one
-  # more program to compile (about 4.5 s for a beam search on 2 cores): two buckets evaluate
-  # the test books in 39 s instead of 60, validation costs the same, the output is identical.
+  # more beam search to compile: two buckets evaluate the test books sooner than more would,
+  # validation costs the same, the output is identical (bench/RESULTS.md, section "CPU: the
+  # main job's fixed costs and its step, 2 cores (Intel Xeon @ 2.50GHz with AVX-512, VNNI),
+  # 2026-11-28, commits ca0d36b-cfe9b29").
   c.bucket_boundaries = (48, 128)
-  # Several examples a row: 8% padding instead of 20% with buckets, one compiled shape.
+  # Several examples a row: less padding than with buckets, one compiled shape
+  # (bench/RESULTS.md, section "The main job: every measured run").
   c.packing = True
   # Small batches, many updates: on a 2-core CPU the run is compute-bound, and more updates
   # of fewer tokens learn faster per minute than the paper's 25,000-token steps.
@@ -47,41 +50,51 @@ def get_config() -> ml_collections.ConfigDict:
   c.num_decoder_layers = 2
   c.norm_position = 'pre'
   # Rotary positions in self-attention (relative) instead of the paper's sinusoids added to the
-  # embeddings: validation perplexity 12.69 against 15.66 after the same 3,050 steps, test
-  # sacreBLEU 25.05 against 22.30, for about 1% of the step.
+  # embeddings: a better validation perplexity and test sacreBLEU after the same steps, for
+  # little of the step's time (bench/RESULTS.md, section "CPU: rotary positions in the main
+  # job, 2 cores (Intel Xeon @ 2.50GHz with AVX-512, VNNI), 2026-11-28, commits
+  # bb3ca14-e5cbb97").
   c.positional_encoding = 'rope'
   # The output layer scores only the 5,312 pieces of the Spanish side (and EOS, UNK) of the
-  # 8,000 the two languages share: the same test sacreBLEU (24.06 against 24.03 on a Zen 3),
-  # the step 1.15x faster alone and train.py 1.07x (the input pipeline shares the two cores;
-  # bench/RESULTS.md).
+  # 8,000 the two languages share: the same test sacreBLEU, a faster step, and a smaller gain
+  # in train.py, whose input pipeline shares the two cores (bench/RESULTS.md, section "CPU:
+  # the main job on a Zen 3, the target side's pieces and no adjacent repeats, 2 cores (AMD
+  # EPYC, Zen 3, AVX2 only), 2026-11-28, commits c25f2ae-58ce349").
   c.output_vocabulary = 'target'
   c.dropout_rate = 0.0
   c.max_len = 256
   c.warmup_steps = 300
   c.learning_rate_scale = 0.7  # Peak 0.0036 at step 300,
   c.lr_schedule = 'constant'  # held until the cooldown.
-  # 2,500 steps: the whole job in 9m14s-10m24s on a 2-core Zen 3, over ten minutes only in
-  # its slowest hours (2,750 gave 0.7 more test sacreBLEU in 10m45s-11m; docs/main_job.md).
+  # 2,500 steps: the whole job within about ten minutes on 2 cores; more steps gave a better
+  # test sacreBLEU but ran past them in a slow hour (docs/main_job.md; bench/RESULTS.md,
+  # section "CPU: the main job in ten minutes on a Zen 3, 2 cores (AMD EPYC, Zen 3, AVX2
+  # only), 2026-11-28, commits 9c46a1c-dded3ae").
   c.num_train_steps = 2500
   c.lr_cooldown_steps = 750  # The last 30%.
 
   c.log_every_steps = 25
   # Validation loss and perplexity halfway and at the end: each later one and its save cost
-  # about 2.7 s of training on 2 cores (the first also compiles its step), so validating
-  # every 500 steps took 8-9 s more.
+  # seconds of training (the first also compiles its step), and more of them change nothing
+  # in training (bench/RESULTS.md, section "CPU: the main job's fixed costs on a Zen 3, 2
+  # cores (AMD EPYC, Zen 3, AVX2 only), 2026-11-29").
   c.eval_every_steps = 1250
-  # No validation translations: they cost as much as 700 steps (compiling the beam search,
-  # then about 15 s each on 2 cores), and evaluate.py translates the test books right after
-  # training. The last checkpoint, at the end of the cooldown, is the best by loss.
+  # No validation translations: their time (compiling the beam search, then each search)
+  # buys more steps instead, and evaluate.py translates the test books right after training
+  # (bench/RESULTS.md, section "The main job: every measured run"). The last checkpoint, at
+  # the end of the cooldown, is the best by loss.
   c.eval_bleu_sentences = 0
   c.best_checkpoint_metric = 'loss'
-  # A checkpoint at each validation, both kept: each save costs about 0.7 s of training on 2
-  # cores. Ctrl-C and SIGTERM save one wherever the run is.
+  # A checkpoint at each validation, both kept: each save costs training time (bench/RESULTS.md,
+  # section "The main job: every measured run"). Ctrl-C and SIGTERM save one wherever the run
+  # is.
   c.checkpoint_every_steps = 1250
   c.keep_checkpoints = 5
   c.decode_batch_size = 64
-  # No span of up to 8 tokens said twice in a row (`te te te`, `con Dios con Dios`): about
-  # one test translation in eight did, the references never; validation sacreBLEU 26.39
-  # against 26.06 without it (docs/evaluating.md).
+  # No span of up to 8 tokens said twice in a row (`te te te`, `con Dios con Dios`): test
+  # translations did, the references never, and validation sacreBLEU is better without them
+  # (docs/evaluating.md; bench/RESULTS.md, section "CPU: the main job on a Zen 3, the target
+  # side's pieces and no adjacent repeats, 2 cores (AMD EPYC, Zen 3, AVX2 only), 2026-11-28,
+  # commits c25f2ae-58ce349").
   c.no_adjacent_repeat_size = 8
   return c

@@ -1,15 +1,15 @@
 """Starts the project's commands (`python train.py ...`) by forking a process that has imported
 their libraries once, for the tests that run a command many times (bad input, small runs).
 
-A command started as a new Python spends about 2.5 s of CPU importing jax, flax, optax, orbax,
-grain and tfds before it reads its first flag; the suite starts a few hundred. This server
-imports them once and forks a child per command: the child takes the request's standard
-streams, working directory, environment and argv, and runs the script as `python script.py`
-would (`runpy`, as `__main__`), then exits through Python's normal shutdown. Nothing of JAX's
-runtime exists before the fork (no backend, no thread of its): each child initializes its own
-backend from its own environment, so XLA_FLAGS and PJRT_NPROC apply per command. What JAX
-reads at import (JAX_* variables) is the server's: `train_testlib.run_command` sends a command
-whose JAX_* variables differ to a real subprocess instead.
+A command started as a new Python spends seconds of CPU importing jax, flax, optax, orbax, grain and
+tfds before it reads its first flag; the suite starts a few hundred (bench/RESULTS.md, section "Test
+suite: 2 CPU cores"). This server imports them once and forks a child per command: the child takes
+the request's standard streams, working directory, environment and argv, and runs the script as
+`python script.py` would (`runpy`, as `__main__`), then exits through Python's normal shutdown.
+Nothing of JAX's runtime exists before the fork (no backend, no thread of its): each child
+initializes its own backend from its own environment, so XLA_FLAGS and PJRT_NPROC apply per command.
+What JAX reads at import (JAX_* variables) is the server's: `train_testlib.run_command` sends a
+command whose JAX_* variables differ to a real subprocess instead.
 
   python tests/command_server.py SOCKET    # prints "ready" once it listens
 

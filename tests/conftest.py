@@ -15,8 +15,9 @@ import pytest
 # emitters instead of its MLIR fusion emitters, and each program's machine code made as one
 # LLVM module (the cores are busy with other tests' work, so splitting it across threads
 # only adds work). The HLO programs, and so what the tests check, are unchanged; the machine
-# code is less tuned and compiles in less than half the CPU time (bench/RESULTS.md, Test
-# suite). Both sides of every comparison are compiled alike, here or in a subprocess.
+# code is less tuned and compiles in much less CPU time (bench/RESULTS.md, section "Test
+# suite: 2 CPU cores"). Both sides of every comparison are compiled alike, here or in a
+# subprocess.
 os.environ['XLA_FLAGS'] = ' '.join(
     [
         *os.environ.get('XLA_FLAGS', '').split(),
@@ -37,7 +38,7 @@ def pytest_xdist_auto_num_workers(config):
   """`-n auto` (pytest.ini): a worker a core for the quick tier, whose tests keep the cores
   busy compiling; one more for the whole suite, whose slow tests also wait (on SLURM's
   time-limit sweep, on Cloud Storage retries, on subprocesses starting), which a third
-  worker fills on 2 cores. Measured in bench/RESULTS.md (Test suite)."""
+  worker fills on 2 cores (bench/RESULTS.md, section "Test suite: 2 CPU cores")."""
   cores = (
       len(os.sched_getaffinity(0))
       if hasattr(os, 'sched_getaffinity')  # Linux
@@ -60,21 +61,22 @@ def pytest_configure(config):
   cache = getattr(config, 'cache', None)  # None under -p no:cacheprovider.
   if cache is not None and jax.config.jax_compilation_cache_dir is None:
     jax.config.update('jax_compilation_cache_dir', str(cache.mkdir('jax_compilation_cache')))
-    # An eager operation compiles in ~65 ms, below JAX's default threshold of 1 s.
+    # An eager operation compiles in well under JAX's default threshold of 1 s, and the tests
+    # compile thousands (bench/RESULTS.md, section "Where the time goes, by file (2026-11-26,
+    # AMD EPYC, AVX2 only)").
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
-# The files that took longest in the last measured whole run (bench/RESULTS.md, Test suite),
-# longest first, except that the three files that mostly wait on a service (SLURM, Cloud
-# Storage) do not all start together: test_bench, which keeps a core busy, starts beside two
-# of them and test_two_hosts when a worker is free, so the cores do not idle while three
-# workers wait at once. The workers take whole files (`--dist loadfile`) in collection order
-# (`--no-loadscope-reorder`; xdist would otherwise start with the files of most tests, the
-# quick ones), so these start first and no long file is left to run alone at the end. A file
-# not named here runs after them, in name order; a stale order costs time, never a result.
-# test_model_options and test_decode are placed for the quick tier, where they are longest;
-# test_resume and test_multihost, which wait on the subprocesses they kill, before the
-# quick files that end the run.
+# The files that took longest in the last measured whole run (bench/RESULTS.md, section "Test suite:
+# 2 CPU cores"), longest first, except that the three files that mostly wait on a service (SLURM,
+# Cloud Storage) do not all start together: test_bench, which keeps a core busy, starts beside two
+# of them and test_two_hosts when a worker is free, so the cores do not idle while three workers
+# wait at once. The workers take whole files (`--dist loadfile`) in collection order
+# (`--no-loadscope-reorder`; xdist would otherwise start with the files of most tests, the quick
+# ones), so these start first and no long file is left to run alone at the end. A file not named
+# here runs after them, in name order; a stale order costs time, never a result. test_model_options
+# and test_decode are placed for the quick tier, where they are longest; test_resume and
+# test_multihost, which wait on the subprocesses they kill, before the quick files that end the run.
 LONGEST_FIRST = (
     'test_launchers',
     'test_gcs',
@@ -124,8 +126,8 @@ def pytest_unconfigure(config):
   """An xdist worker leaves here without tearing down the interpreter. By now it has run
   every fixture's finalizer (services stopped, files released) and sent its results
   (pytest_sessionfinish), so all that is left is JAX's exit handler and the interpreter's
-  teardown freeing every program the worker compiled: 3-4 s of CPU a worker, which the
-  controller waits for before it reports (bench/RESULTS.md, Test suite)."""
+  teardown freeing every program the worker compiled: seconds of CPU a worker, which the
+  controller waits for before it reports (bench/RESULTS.md, section "The quick tier")."""
   if hasattr(config, 'workerinput'):
     sys.stdout.flush()
     sys.stderr.flush()

@@ -283,7 +283,7 @@ def test_the_time_limit_signal_stops_every_task_and_a_lost_task_ends_the_job(
   # SLURM looks every 30 s and sends the signal on the first look within 30 s of its time: with
   # a 2-minute limit and TERM@70 it comes 20-50 s in, and the limit at least 70 s after it, time
   # enough to finish compiling, agree on a step and save on a loaded machine (TERM@10 on a
-  # 1-minute limit left 30-60 s, and a job that took 20 s to stop once ended TIMEOUT in CI).
+  # 1-minute limit left too little: a job slow to stop ended TIMEOUT).
   limited = recipe(config_path, workdir, *long_run, time='2', signal='TERM@70')
   job = Job(limited, str(tmp_path), 'time_limit')
   assert job.finish(timeout=180) == ('COMPLETED', '0:0'), job.log()[-4000:]

@@ -36,8 +36,8 @@ from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.models import sinusoidal_positions
 from transformer_jax.model.models import Transformer
 
-# Imported when this file's first test starts, not when the tests are collected: every test
-# process collects every file, and importing PyTorch and transformers there cost each 3.6 s.
+# Imported when this file's first test starts, not when the tests are collected: every test process
+# collects every file, and importing PyTorch and transformers there cost each process seconds.
 torch = transformers = None
 
 
@@ -542,7 +542,7 @@ def _own_checkpoint(root, output_ids=None, **fields) -> str:
 
   # Larger, non-trivial weights: outputs that depend on the input. The noise is drawn on the
   # host: a JAX draw a leaf would add a random-bits program of its own to compile for each of
-  # the ~40 leaves (3.6 s of the 5.5 s this function took to compile).
+  # the ~40 leaves (most of the time this function took to compile).
   params = jax.tree_util.tree_map_with_path(
       lambda path, x: (
           np.asarray(x) * 3

@@ -164,7 +164,7 @@ def report(tmp_path_factory):
             str(out / 'checkpoints'),
             str(out / 'report.json'),
         ],
-        # 8 simulated devices on 2 cores: over 400 s on a slow AVX2 EPYC (2026-11-25).
+        # 8 simulated devices on 2 cores: slow, so the timeout leaves room for a slow CPU.
         cwd=train_testlib.REPO,
         env=train_testlib.subprocess_env(devices=8),
         capture_output=True,

@@ -20,7 +20,7 @@ from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.models import Transformer
 
 # Imported when this file's first test starts, not when the tests are collected: every test
-# process collects every file, and importing PyTorch there cost each about 2.4 s.
+# process collects every file, and importing PyTorch there cost each process seconds.
 torch = None
 
 

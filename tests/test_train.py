@@ -247,9 +247,9 @@ def test_validation_sums_every_batch_up_to_the_limit(harness):
 
 
 def test_train_py_imports_neither_pytorch_nor_the_cloud_storage_client(tmp_path):
-  """tensorboardX imports both where they are installed (2 s of every start); the metrics
+  """tensorboardX imports both where they are installed (seconds of every start); the metrics
   writer gives it neither, and they still import afterwards: neither is left blocked (a None
-  in sys.modules would be listed), and the lighter one imports (torch would cost 3 s)."""
+  in sys.modules would be listed), and the lighter one imports (torch would cost seconds)."""
   code = (
       'import sys, importlib.util\n'
       'from transformer_jax.commands import train\n'

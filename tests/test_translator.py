@@ -115,7 +115,7 @@ def build_test_run(root: str) -> str:
 
   opt_state = tx.init(params)
   # 400 steps: worth LLVM's optimization, which conftest turns off for the tests' many small
-  # programs (this fixture took 34 CPU-s with it, 57 without, on 2 cores of an AMD EPYC).
+  # programs (here it saves more than it costs to compile).
   step = (
       jax.jit(train_step)
       .lower(params, opt_state, inputs[:64], targets[:64])
@@ -174,7 +174,8 @@ def test_beam_size_one_is_greedy_search_on_the_model(loaded, run_dir):
   np.testing.assert_array_equal(beam_seqs[:, 0], greedy_seqs)
   np.testing.assert_allclose(beam_scores[:, 0], greedy_log_probs, rtol=1e-5, atol=1e-5)
   # The outputs are real translations: most rows stop with EOS before the limit (every
-  # reference fits in 16 tokens; 8 of 8 rows stopped in each of the 4 trainings measured).
+  # reference fits in 16 tokens; in the trainings tried every row stopped, so 0.75 leaves a
+  # margin).
   assert np.mean(np.any(np.asarray(greedy_seqs) == EOS_ID, axis=1)) >= 0.75
 
 
@@ -408,9 +409,9 @@ def test_batches_keep_input_order_and_do_not_change_translations(loaded, run_dir
   compiled = translator.num_compiled
   assert compiled <= 2  # Buckets 8 and 16: one compiled shape each, not one per sentence.
   # Mostly right: the fixture model has learned the word substitution. Exact sentence hits
-  # are no measure for this: the same training gave 7 to 11 of these 12 on one CPU under
-  # different XLA code paths (--xla_cpu_max_isa). chrF measured 86.5-97.3 over 4 trainings
-  # (3 seeds, 2 code paths); 70 leaves a margin of 16 points.
+  # are no measure for this: the same training gets a different number of these 12 right on
+  # one CPU under different XLA code paths (--xla_cpu_max_isa). Its chrF varies less, and
+  # stayed well above 70 over the seeds and code paths tried: 70 leaves a margin.
   translated = [outputs[0]] + outputs[2:13]
   chrf = sacrebleu.corpus_chrf(translated, [references[:12]]).score
   assert chrf >= 70, (chrf, list(zip(translated, references)))

@@ -108,9 +108,9 @@ def test_two_hosts_the_sbatch_recipe_trains_across_both_as_one_process_does(
 
 
 # `tc` on node2's end of the link: 512 kbit/s out of node2 (tbf; this kernel has no netem).
-# The test model's gradients (25,480 float32) need 1.6 s at that rate; a step took 0.8 s on
-# a quiet 2-core machine without the shaping, 9 s with it (tbf drops what would queue longer
-# than 400 ms, and TCP waits to resend it).
+# The test model's gradients (25,480 float32) need 1.6 s at that rate, longer than a step
+# takes without the shaping; with it a step takes longer still (tbf drops what would queue
+# longer than 400 ms, and TCP waits to resend it).
 SLOW_LINK = ('tbf', 'rate', '512kbit', 'burst', '32kbit', 'latency', '400ms')
 SLOW_LINK_BYTES_PER_S = 512e3 / 8
 

@@ -95,17 +95,17 @@ def subprocess_env(devices: int = 1) -> dict[str, str]:
       env.get('XLA_FLAGS', ''),
       f'--xla_force_host_platform_device_count={devices}',
       # 8 simulated devices on 2 busy cores: a collective's threads can wait longer
-      # than XLA:CPU's 40 s before it aborts the process (seen twice in full runs).
+      # than XLA:CPU's 40 s before it aborts the process.
       '--xla_cpu_collective_call_terminate_timeout_seconds=600',
       '--xla_cpu_collective_call_warn_stuck_timeout_seconds=120',
   ]
   if devices > 1:
     # XLA:CPU runs the simulated devices' work on max(cores, devices) threads (PJRT_NPROC
     # stands in for the core count): one thread a device on 2 cores. There, test_sharding's
-    # checkpoint checksums (small programs with chained all-reduces) deadlocked in 2 of 11
-    # quiet runs and in 4 of 4 runs beside one busy core: six threads waited in all-reduces
-    # for partner devices that never ran, until XLA aborted. With 4 threads a device: 10 of
-    # 10 quiet and 4 of 4 loaded runs passed, in the same time (Xeon, 2026-11-25).
+    # checkpoint checksums (small programs with chained all-reduces) could deadlock, more
+    # often beside a busy core: threads waited in all-reduces for partner devices that never
+    # ran, until XLA aborted. With 4 threads a device the runs pass, quiet or loaded, in the
+    # same time.
     env['PJRT_NPROC'] = str(4 * devices)
   env.update(
       {

@@ -148,25 +148,31 @@ def base_config() -> ml_collections.ConfigDict:
   c.norm_position = 'post'  # 'post' (paper) | 'pre' (adds a final norm to each stack).
   c.layer_norm_epsilon = 1e-6  # Added to the variance in every layer norm.
   # 'one_pass' | 'two_pass' (LAYER_NORM_STATISTICS): the same to float32 rounding; one pass
-  # makes the main job's step faster on CPU (bench/RESULTS.md).
+  # makes one pass over the activations fewer, and the main job's step faster on CPU
+  # (bench/RESULTS.md, section "CPU training: the main job's size and base, 2 cores (AMD EPYC,
+  # Zen 3, AVX2 only), 2026-11-26, commit bea290e").
   c.layer_norm_statistics = 'one_pass'
   # '' | 'linear' | 'reduce' (LOGITS_SUMS): how label smoothing gets each token's sum of
   # logits over the vocabulary: the decoder output times the output projection's column
   # sums (no pass over the logits), or a reduction over them; the same to rounding. '':
-  # 'linear' on GPUs (one pass fewer of 7 in the compiled base step), 'reduce' elsewhere
-  # (XLA:TPU fuses the sum with another; on CPU no difference measured; bench/RESULTS.md).
+  # 'linear' on GPUs (one pass over the logits fewer), 'reduce' elsewhere (XLA:TPU fuses the
+  # sum with another; on CPU no difference measured; bench/RESULTS.md, section "Compile-only:
+  # the training step's kernels on 1xH100 and v5e-1, 2026-11-26, no accelerator").
   c.logits_sum = ''
   # 'xla' | 'pallas' (POST_NORM_KERNELS): a post-norm sub-layer's LayerNorm(x + Dropout(y))
   # as XLA's kernels, or as one Pallas kernel each way (`fused_norm`: Triton on GPUs, an
   # interpreter on CPU, for tests; not on TPUs). The same to rounding and the same dropout
   # masks; 'pallas' needs norm_position='post' and a power-of-two d_model. Off by default: on
-  # one H200 it made base's step 2.7% faster and big's 2.2% slower (bench/RESULTS.md).
+  # a GPU it made base's step faster and big's slower (bench/RESULTS.md, section "GPU: one
+  # NVIDIA H200, 2026-11-27, one change at a time (commit fe41bca)").
   c.post_norm_kernel = 'xla'
   # '' | 'separate' | 'stacked' (QKV_PROJECTIONS): attention's query, key and value
   # projections (encoder-decoder attention: key and value) as a matmul each, or as one over
   # the kernels stacked at use (the parameters do not change); the same to rounding. '':
-  # 'stacked' on GPUs (190 kernels fewer in the compiled base step), 'separate' elsewhere
-  # (XLA:TPU's step moves more bytes stacked; on CPU no difference measured; bench/RESULTS.md).
+  # 'stacked' on GPUs (the backward's products merge into fewer kernels), 'separate'
+  # elsewhere (XLA:TPU's step moves more bytes stacked; on CPU no difference measured;
+  # bench/RESULTS.md, section "Compile-only: a Pallas post-norm kernel, stacked q/k/v and a
+  # packed optimizer, 2026-11-26, no accelerator").
   c.qkv_projection = ''
   c.share_embeddings = True  # One matrix for source and target embeddings.
   c.tie_output_embedding = True  # Pre-softmax projection = the target embedding.
@@ -224,9 +230,10 @@ def base_config() -> ml_collections.ConfigDict:
   # --- Training. ---
   c.seed = 0  # Seeds the initial parameters and the dropout masks.
   # PRNG of the dropout masks. 'rbg' (XLA's RngBitGenerator; keys still derived by
-  # threefry) made a d_model 256 CPU step with dropout 1.8x faster than 'threefry2x32', whose
-  # bits are computed as ordinary XLA ops. JAX promises 'rbg' bits neither across backends
-  # nor across meshes (the tests' CPU meshes agree); 'threefry2x32' promises both.
+  # threefry) made a CPU step with dropout faster than 'threefry2x32', whose bits are
+  # computed as ordinary XLA ops (bench/RESULTS.md, section "The main job: every measured
+  # run"). JAX promises 'rbg' bits neither across backends nor across meshes (the tests' CPU
+  # meshes agree); 'threefry2x32' promises both.
   c.dropout_rng_impl = 'rbg'
   c.num_train_steps = 100_000  # Optimizer steps of the run (may change on resume).
   c.warmup_steps = 4000  # Steps of linear warmup of the learning rate.

@@ -1,12 +1,13 @@
 """Host memory: keep XLA:CPU's per-step scratch memory mapped from one step to the next.
 
-XLA:CPU gives every call of a compiled step one temporary buffer (204 MB for the main job's
-train step, `compiled.memory_analysis().temp_size_in_bytes`), mallocs it from one of its own
-threads and frees it when the call ends. glibc's malloc serves a block that large from a
+XLA:CPU gives every call of a compiled step one temporary buffer (hundreds of MB for the main
+job's train step, `compiled.memory_analysis().temp_size_in_bytes`), mallocs it from one of its
+own threads and frees it when the call ends. glibc's malloc serves a block that large from a
 thread's arena with a fresh `mmap` and returns it with `munmap`, so the kernel zero-fills it
-page by page, on first touch, in every step: 50,000 page faults a step at the main job's
-size, a third of the step's time on a 2-core CPU (bench/RESULTS.md). PyTorch's CPU steps
-reuse their memory and pay nothing of the kind.
+page by page, on first touch, in every step: a page fault a page, a large share of the step's
+time on a CPU (bench/RESULTS.md, section "CPU training: the main job's size and base, 2 cores
+(AMD EPYC, Zen 3, AVX2 only), 2026-11-26, commit bea290e"). PyTorch's CPU steps reuse their
+memory and pay nothing of the kind.
 
 `retain_freed_memory` tells glibc to keep such blocks: one arena (the main one, which grows
 with `brk` rather than fresh mappings), blocks up to 2 GiB from it rather than from `mmap`, and

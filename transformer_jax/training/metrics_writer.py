@@ -29,8 +29,8 @@ from transformer_jax.storage import storage
 from transformer_jax.storage.layout import RunLayout
 
 # What tensorboardX imports when it is installed and this module never gives it: PyTorch (to
-# accept its tensors; 2 s of every train.py start where the tests or the benchmarks installed
-# it) and the Cloud Storage client (for gs:// log directories; a gs:// run's events are
+# accept its tensors; a slow import at every train.py start where the tests or the benchmarks
+# installed it) and the Cloud Storage client (for gs:// log directories; a gs:// run's events are
 # written locally and uploaded whole, see `MetricsWriter`).
 _HIDDEN_FROM_TENSORBOARDX = ('torch', 'google.cloud.storage')
 
