@@ -24,7 +24,8 @@ from transformer_jax.config import PAD_ID
 from transformer_jax.config import UNK_ID
 from transformer_jax.model import attention
 from transformer_jax.model import losses
-from transformer_jax.model import models
+from transformer_jax.model.kernels import cross_entropy
+from transformer_jax.model.kernels import tied_projection
 from transformer_jax.model.models import BATCH_KEYS
 from transformer_jax.model.models import Transformer
 from transformer_jax.training import train_steps
@@ -458,7 +459,7 @@ def test_fused_loss_and_its_gradient_equal_the_plain_ones(dtype, rtol, eps):
 @pytest.mark.parametrize('dtype,rtol', [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
 @pytest.mark.parametrize('shape', [(3, 5), (4,)])
 def test_tied_output_projection_and_its_gradient_equal_autodiffs(dtype, rtol, shape):
-  """`models.project`'s written-out backward (the logits' gradient read in one layout)
+  """`tied_projection.project`'s written-out backward (the logits' gradient read in one layout)
   against autodiff through the plain einsum, for training's [batch, length] and decoding's
   [rows] leading dimensions."""
   rng = np.random.default_rng(5)
@@ -466,7 +467,7 @@ def test_tied_output_projection_and_its_gradient_equal_autodiffs(dtype, rtol, sh
   rows = jnp.asarray(rng.normal(size=(37, 16)), dtype)
   cotangent = jnp.asarray(rng.normal(size=(*shape, 37)), dtype)
   plain = lambda x, rows: jnp.einsum('...d,vd->...v', x, rows)
-  got, got_vjp = jax.vjp(models.project, x, rows)
+  got, got_vjp = jax.vjp(tied_projection.project, x, rows)
   want, want_vjp = jax.vjp(plain, x, rows)
   assert got.shape == (*shape, 37) and got.dtype == dtype
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
@@ -485,7 +486,7 @@ def test_fused_loss_keeps_no_float32_copy_of_the_logits():
   float32 [batch, length, vocab] array."""
   logits = jnp.zeros((4, 8, 1000), jnp.bfloat16)
   targets = jnp.zeros((4, 8), jnp.int32)
-  _, residuals = jax.vjp(lambda x: losses.token_losses(x, targets, 0.1), logits)
+  _, residuals = jax.vjp(lambda x: cross_entropy.token_losses(x, targets, 0.1), logits)
   kept = [leaf for leaf in jax.tree.leaves(residuals) if hasattr(leaf, 'shape')]
   large = [leaf for leaf in kept if leaf.size >= logits.size]
   assert large and all(leaf.dtype == jnp.bfloat16 for leaf in large), [

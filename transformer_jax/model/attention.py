@@ -1,13 +1,14 @@
-"""Scaled dot-product and multi-head attention, with the positional variants that live there.
+"""Multi-head attention (the paper's section 3.2.2), with the positional variants that live
+there.
 
 Rotary embeddings (RoPE) rotate queries and keys; ALiBi adds a distance penalty to the
 attention logits. Sinusoidal and learned positions are added to the embeddings instead and
-live in `models.py`.
+live in `models.py`. Scaled dot-product attention itself, softmax(Q K^T / sqrt(d_k)) V, is
+computed by the kernel the platform gets (`kernels.dot_product_attention`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import flax.linen as nn
@@ -16,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from transformer_jax.model.config import TransformerConfig
+from transformer_jax.model.kernels import dot_product_attention
+from transformer_jax.model.kernels.dot_product_attention import Lengths
 
 Array = jax.Array
 
@@ -30,8 +33,9 @@ def rope(x: Array, positions: Array, base: float = 10000.0) -> Array:
 
   Each pair (x1, x2) = (x[i], x[i + head_dim/2]) turns by its angle: (x1 cos - x2 sin,
   x2 cos + x1 sin), written as x * [cos, cos] + [x2, x1] * [-sin, sin] over the whole head,
-  with the halves swapped by a reshape: on CPU that is 2.7x faster than splitting x and
-  concatenating the two halves (XLA copies each), with the same arithmetic.
+  with the halves swapped by a reshape: on a CPU that is faster than splitting x and
+  concatenating the two halves, which XLA copies each (bench/RESULTS.md, "CPU: rotary
+  positions in the main job"), with the same arithmetic.
 
   Args:
     x: [batch, length, heads, head_dim] queries or keys.
@@ -84,120 +88,6 @@ def alibi_bias(num_heads: int, q_positions: Array, kv_positions: Array) -> Array
   distance = jnp.abs(q_positions[:, :, None] - kv_positions[:, None, :]).astype(jnp.float32)
   slopes = jnp.asarray(alibi_slopes(num_heads))
   return -slopes[None, :, None, None] * distance[:, None, :, :]
-
-
-@dataclasses.dataclass(frozen=True)
-class Lengths:
-  """Which keys each query sees, for right-padded unpacked rows, in place of a dense mask.
-
-  Query i of row b attends to key j when i < query[b], j < key_value[b] and, if `causal`,
-  j <= i. cuDNN's fused kernel takes exactly this (sequence lengths and a causal flag), so it
-  needs no [batch, 1, q, kv] mask and no bias gradient.
-  """
-
-  query: Array  # [batch] int32.
-  key_value: Array  # [batch] int32.
-  causal: bool = False
-
-  def dense(self, q_length: int, kv_length: int) -> Array:
-    """The same rule as a boolean [batch, 1, q_length, kv_length] mask."""
-    q = jnp.arange(q_length)[None, :, None] < self.query[:, None, None]
-    kv = jnp.arange(kv_length)[None, None, :] < self.key_value[:, None, None]
-    mask = q & kv
-    if self.causal:
-      mask &= jnp.arange(q_length)[:, None] >= jnp.arange(kv_length)[None, :]
-    return mask[:, None, :, :]
-
-
-def scaled_dot_product_attention(
-    query: Array,
-    key: Array,
-    value: Array,
-    mask: Array | Lengths | None,
-    bias: Array | None = None,
-    *,
-    dropout_rate: float = 0.0,
-    dropout_rng: Array | None = None,
-    implementation: str | None = None,
-    return_weights: bool = False,
-    heads_major_kv: bool = False,
-) -> tuple[Array, Array | None]:
-  """softmax(Q K^T / sqrt(d_k) + bias) V, masked positions excluded.
-
-  This goes through `jax.nn.dot_product_attention`, so that a GPU can pick its fused kernel,
-  unless there is attention dropout, the weights are asked for, keys and values are
-  heads-major or `implementation='explicit'`; then the weights are formed here (softmax in
-  float32 either way). 'explicit' is what `kernel_choice` picks on a CPU, where `jax.nn`'s
-  XLA path spends about twice as long in the softmax and masks (the main job's step
-  1.01-1.02x faster without it, bench/RESULTS.md).
-
-  Args:
-    query: [batch, q_length, heads, head_dim].
-    key: [batch, kv_length, heads, head_dim], or [batch, heads, kv_length, head_dim] with
-      `heads_major_kv`.
-    value: shaped as `key`.
-    mask: boolean, broadcastable to [batch, heads, q_length, kv_length] (True attends), or
-      `Lengths` for right-padded rows.
-    bias: float, broadcastable to [batch, heads, q_length, kv_length], or None.
-    dropout_rate: dropout on the attention weights (needs `dropout_rng`).
-    dropout_rng: PRNG key for that dropout; None means no dropout.
-    implementation: 'explicit' forms the weights here; else passed to
-      `jax.nn.dot_product_attention` ('xla', 'cudnn' or None).
-    return_weights: also return the [batch, heads, q_length, kv_length] weights.
-    heads_major_kv: keys and values are [batch, heads, kv_length, head_dim], the layout of
-      the decode caches: XLA's batched products over (batch, heads) read them as they are,
-      where the [batch, kv_length, heads, head_dim] layout is transposed at every call,
-      which in a decode step means copying every layer's whole cache.
-
-  Returns:
-    ([batch, q_length, heads, head_dim] output in the query's dtype, weights or None).
-  """
-  use_dropout = dropout_rng is not None and dropout_rate > 0.0
-  explicit = use_dropout or return_weights or heads_major_kv or implementation == 'explicit'
-  if not explicit:
-    if bias is not None:
-      bias = bias.astype(query.dtype)
-    if isinstance(mask, Lengths):
-      out = jax.nn.dot_product_attention(
-          query,
-          key,
-          value,
-          bias=bias,
-          query_seq_lengths=mask.query,
-          key_value_seq_lengths=mask.key_value,
-          is_causal=mask.causal,
-          implementation=implementation,
-      )
-    else:
-      out = jax.nn.dot_product_attention(
-          query, key, value, bias=bias, mask=mask, implementation=implementation
-      )
-    return out, None
-  if isinstance(mask, Lengths):
-    mask = mask.dense(query.shape[1], key.shape[1])
-  depth = query.shape[-1]
-  kv = 'bhkd' if heads_major_kv else 'bkhd'
-  logits = jnp.einsum(f'bqhd,{kv}->bhqk', query, key, preferred_element_type=jnp.float32) / np.sqrt(
-      depth
-  ).astype(np.float32)
-  if bias is not None:
-    logits = logits + bias.astype(jnp.float32)
-  if mask is not None:
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  weights = jax.nn.softmax(logits, axis=-1)  # [batch, heads, q_length, kv_length]
-  probs = weights
-  if use_dropout:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, probs.shape)
-    probs = jnp.where(keep, probs / (1.0 - dropout_rate), 0.0)
-  if heads_major_kv and query.shape[1] > 1:
-    # Heads-major out, then a transpose of the small [batch, heads, q, head_dim] result: asked
-    # for [batch, q, heads, head_dim] directly, XLA:CPU computes value^T x weights per (batch,
-    # head) and transposes, 4.5x slower for the beams of a sentence over the source's cache
-    # (q = beams); with one query position both forms are the same product.
-    out = jnp.swapaxes(jnp.einsum('bhqk,bhkd->bhqd', probs.astype(value.dtype), value), 1, 2)
-  else:
-    out = jnp.einsum(f'bhqk,{kv}->bqhd', probs.astype(value.dtype), value)
-  return out, (weights if return_weights else None)
 
 
 def _heads_major(x: Array) -> Array:
@@ -292,69 +182,114 @@ class MultiHeadAttention(nn.Module):
     Returns:
       [batch, q_length, d_model] in the computation dtype.
     """
-    cfg = self.config
-    uses_rope = cfg.positional_encoding == 'rope' and self.is_self_attention
-    uses_alibi = cfg.positional_encoding == 'alibi' and self.is_self_attention
-    cached = cfg.decode and self.in_decoder
-    if self.is_self_attention and inputs_kv is inputs_q:
-      # [batch, length, heads, head_dim] each.
-      query, key, value = self._projections(('query', 'key', 'value'), inputs_q)
-    else:
-      query = self._projection('query', inputs_q)
-      if not cached or self.is_self_attention:
-        key, value = self._projections(('key', 'value'), inputs_kv)
-    if uses_rope:
-      query = rope(query, q_positions)
-    bias = None
-
+    cached = self.config.decode and self.in_decoder
     if cached and not self.is_self_attention:
-      # Keys and values of the source: projected once, when the cache is created, and the
-      # same at every step, so they live apart from the per-step 'cache'.
-      key = self.variable(
-          'encoder_cache', 'cached_key', self._heads_major_projection, 'key', inputs_kv
-      ).value
-      value = self.variable(
-          'encoder_cache', 'cached_value', self._heads_major_projection, 'value', inputs_kv
-      ).value
-      mask = self.variable('encoder_cache', 'cached_mask', lambda: mask).value
+      query = self._projection('query', inputs_q)
+      key, value, mask = self._source_cache(inputs_kv, mask)
+      bias = None
     else:
-      if uses_rope:
-        key = rope(key, kv_positions)
-      if uses_alibi:
-        bias = alibi_bias(cfg.num_heads, q_positions, kv_positions)
+      query, key, value = self._query_key_value(inputs_q, inputs_kv)
+      query, key, bias = self._positions(query, key, q_positions, kv_positions)
+      if cached:
+        key, value, mask, bias = self._self_attention_cache(
+            key, value, mask, bias, q_positions, decode_index
+        )
+    out = self._attend(query, key, value, mask, bias, heads_major_kv=cached)
+    return self._output_projection(out)
 
-    if cached and self.is_self_attention:
-      # The caches are heads-major, [batch, heads, length, head_dim] (see
-      # `scaled_dot_product_attention`'s `heads_major_kv`).
-      key, value = _heads_major(key), _heads_major(value)
-      is_initialized = self.has_variable('cache', 'cached_key')
-      cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape, key.dtype)
-      cached_value = self.variable('cache', 'cached_value', jnp.zeros, value.shape, value.dtype)
-      if is_initialized:
-        # One new token: write its key/value at decode_index, attend to positions <= it.
-        batch, max_length = cached_key.value.shape[0], cached_key.value.shape[2]
-        start = (0, 0, decode_index, 0)
-        key = jax.lax.dynamic_update_slice(cached_key.value, key, start)
-        value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
-        cached_key.value, cached_value.value = key, value
-        key_positions = jnp.arange(max_length)
-        mask = (key_positions <= decode_index)[None, None, None, :]
-        if uses_alibi:
-          bias = alibi_bias(
-              cfg.num_heads, q_positions, jnp.broadcast_to(key_positions, (batch, max_length))
-          )
+  def _query_key_value(self, inputs_q: Array, inputs_kv: Array) -> tuple[Array, Array, Array]:
+    """Q, K, V: [batch, length, heads, head_dim] each."""
+    if self.is_self_attention and inputs_kv is inputs_q:
+      return self._projections(('query', 'key', 'value'), inputs_q)
+    query = self._projection('query', inputs_q)
+    key, value = self._projections(('key', 'value'), inputs_kv)
+    return query, key, value
 
+  def _positions(
+      self, query: Array, key: Array, q_positions: Array | None, kv_positions: Array | None
+  ) -> tuple[Array, Array, Array | None]:
+    """Self-attention's positional variants: RoPE rotates the queries and keys, ALiBi gives a
+    [batch, heads, q, kv] distance bias (None for the others)."""
+    if not self.is_self_attention:
+      return query, key, None
+    if self.config.positional_encoding == 'rope':
+      return rope(query, q_positions), rope(key, kv_positions), None
+    if self.config.positional_encoding == 'alibi':
+      return query, key, alibi_bias(self.config.num_heads, q_positions, kv_positions)
+    return query, key, None
+
+  def _self_attention_cache(
+      self,
+      key: Array,
+      value: Array,
+      mask: Array | Lengths | None,
+      bias: Array | None,
+      q_positions: Array | None,
+      decode_index: Array | None,
+  ) -> tuple[Array, Array, Array | Lengths | None, Array | None]:
+    """The decoder's self-attention cache, heads-major [batch, heads, length, head_dim] (see
+    `dot_product_attention.attention`'s `heads_major_kv`): made with room for the whole
+    output when first called; at each later call (a decode step) the new token's key and
+    value are written at `decode_index` and the query attends to positions up to it."""
+    key, value = _heads_major(key), _heads_major(value)
+    is_initialized = self.has_variable('cache', 'cached_key')
+    cached_key = self.variable('cache', 'cached_key', jnp.zeros, key.shape, key.dtype)
+    cached_value = self.variable('cache', 'cached_value', jnp.zeros, value.shape, value.dtype)
+    if not is_initialized:
+      return key, value, mask, bias
+    batch, max_length = cached_key.value.shape[0], cached_key.value.shape[2]
+    start = (0, 0, decode_index, 0)
+    key = jax.lax.dynamic_update_slice(cached_key.value, key, start)
+    value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
+    cached_key.value, cached_value.value = key, value
+    key_positions = jnp.arange(max_length)
+    mask = (key_positions <= decode_index)[None, None, None, :]
+    if bias is not None:  # ALiBi, over every position of the cache.
+      bias = alibi_bias(
+          self.config.num_heads, q_positions, jnp.broadcast_to(key_positions, (batch, max_length))
+      )
+    return key, value, mask, bias
+
+  def _source_cache(
+      self, inputs_kv: Array | None, mask: Array | None
+  ) -> tuple[Array, Array, Array]:
+    """Encoder-decoder attention's keys, values and source mask in decode mode: projected
+    once, when the cache is created, and the same at every step, so they live apart from the
+    per-step 'cache', in 'encoder_cache'."""
+    key = self.variable(
+        'encoder_cache', 'cached_key', self._heads_major_projection, 'key', inputs_kv
+    ).value
+    value = self.variable(
+        'encoder_cache', 'cached_value', self._heads_major_projection, 'value', inputs_kv
+    ).value
+    mask = self.variable('encoder_cache', 'cached_mask', lambda: mask).value
+    return key, value, mask
+
+  def _attend(
+      self,
+      query: Array,
+      key: Array,
+      value: Array,
+      mask: Array | Lengths | None,
+      bias: Array | None,
+      *,
+      heads_major_kv: bool,
+  ) -> Array:
+    """softmax(Q K^T / sqrt(d_k) + bias) V with attention dropout: [batch, q, heads, head_dim].
+
+    With n decoder rows a sentence (beams or samples, rows b * n + j) over the sentence's one
+    cached copy of the source, the n rows become n query positions of row b, so each product
+    reads the source's keys and values once for all n, not once a beam.
+    """
+    cfg = self.config
     dropout_rng = None
     if not cfg.deterministic and cfg.attention_dropout_rate > 0.0:
       dropout_rng = self.make_rng('dropout')
     return_weights = self.is_mutable_collection('intermediates')
     rows = query.shape[0]
-    if cached and not self.is_self_attention and rows != key.shape[0]:
-      # n queries a sentence (beams or samples, rows b * n + j) over the sentence's one
-      # copy of the source: they become n query positions of row b, so each product reads
-      # the source's keys and values once for all n, not once a beam.
+    if rows != key.shape[0]:  # The beams of a sentence over its source cache.
       query = query.reshape((key.shape[0], -1) + query.shape[2:])
-    out, weights = scaled_dot_product_attention(
+    out, weights = dot_product_attention.attention(
         query,
         key,
         value,
@@ -364,25 +299,28 @@ class MultiHeadAttention(nn.Module):
         dropout_rng=dropout_rng,
         implementation=None if cfg.decode else cfg.attention_implementation,
         return_weights=return_weights,
-        heads_major_kv=cached,
+        heads_major_kv=heads_major_kv,
     )
-    out = out.reshape((rows, -1) + out.shape[2:])
     if return_weights:
       self.sow('intermediates', 'attention_weights', weights)
+    return out.reshape((rows, -1) + out.shape[2:])
 
+  def _output_projection(self, out: Array) -> Array:
+    """[batch, length, heads, head_dim] -> [batch, length, d_model]: the heads concatenated
+    and projected by W^O."""
+    cfg = self.config
     kernel = self.param(
         'out_kernel',
         nn.with_logical_partitioning(_OUT_INIT, ('heads', 'kv', 'embed')),
         (cfg.num_heads, cfg.head_dim, cfg.d_model),
         cfg.param_dtype,
     )
-    bias_out = self.param(
+    bias = self.param(
         'out_bias',
         nn.with_logical_partitioning(nn.initializers.zeros_init(), ('embed',)),
         (cfg.d_model,),
         cfg.param_dtype,
     )
-    y = jnp.einsum('blhk,hkd->bld', out, jnp.asarray(kernel, cfg.dtype)) + jnp.asarray(
-        bias_out, cfg.dtype
-    )
+    y = jnp.einsum('blhk,hkd->bld', out, jnp.asarray(kernel, cfg.dtype))
+    y = y + jnp.asarray(bias, cfg.dtype)
     return nn.with_logical_constraint(y, ('batch', 'length', 'embed'))

@@ -1,9 +1,12 @@
 """The encoder-decoder Transformer of "Attention Is All You Need", as Flax linen modules.
 
-Read top to bottom: embeddings and positions, the feed-forward block, the encoder and decoder
-layers, the two stacks, and `Transformer` with `encode`, `decode` and the training call.
-Every parameter and the main activations carry logical axis names (`batch, length, embed,
-mlp, heads, kv, vocab`); how they map onto a device mesh is decided elsewhere, by rules.
+Read top to bottom: embeddings and positions, the feed-forward block, the residual sub-layer,
+the encoder and decoder layers, the encoder stack, the output layer, the decoder stack, and
+`Transformer` with `encode`, `decode` and the training call. Every parameter and the main
+activations carry logical axis names (`batch, length, embed, mlp, heads, kv, vocab`); how they
+map onto a device mesh is decided elsewhere, by rules. What is written for speed on one
+platform (the tied projection's backward, the fused post-norm, the attention kernels, the
+loss's backward) is in `kernels/`, called by what it computes.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ import numpy as np
 
 from transformer_jax.config import BOS_ID
 from transformer_jax.config import PAD_ID
-from transformer_jax.model.attention import Lengths
 from transformer_jax.model.attention import MultiHeadAttention
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.kernels import fused_norm
+from transformer_jax.model.kernels import tied_projection
+from transformer_jax.model.kernels.dot_product_attention import Lengths
 
 Array = jax.Array
 
@@ -61,34 +65,6 @@ def sinusoidal_positions(positions: Array, d_model: int, layout: str = 'interlea
     return jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)
   pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [batch, length, d/2, 2]
   return pe.reshape(positions.shape + (d_model,))
-
-
-@jax.custom_vjp
-def project(x: Array, rows: Array) -> Array:
-  """[..., d] -> [..., v]: `x` against each of the [v, d] `rows` (the tied output layer).
-
-  The same product as `jnp.einsum('...d,vd->...v', x, rows)`, with its backward written out:
-  autodiff's transpose rule makes XLA:CPU form the logits' [tokens, v] gradient twice, once
-  in each layout, to multiply it by the rows and by x; here both products read it as it is.
-  At the main job's size (1,024 tokens, 5,314 rows, d 128, 2 cores) the output layer and its
-  loss, forward and backward, take about 0.8x the time, the whole train step 0.93x
-  (bench/RESULTS.md).
-  """
-  return jnp.einsum('...d,vd->...v', x, rows)
-
-
-def _project_fwd(x, rows):
-  return project(x, rows), (x, rows)
-
-
-def _project_bwd(residuals, g):
-  x, rows = residuals
-  dx = jnp.einsum('...v,vd->...d', g, rows)
-  drows = jnp.einsum('...d,...v->dv', x, g).T
-  return dx, drows
-
-
-project.defvjp(_project_fwd, _project_bwd)
 
 
 class Embed(nn.Module):
@@ -138,7 +114,7 @@ class Embed(nn.Module):
   def attend(self, x: Array, ids: np.ndarray | None = None) -> Array:
     """[batch, length, d_model] -> [batch, length, vocab] logits against the embedding;
     [..., len(ids)] against the rows of `ids` only (which hold no PAD)."""
-    logits = project(x, self._rows(ids))
+    logits = tied_projection.project(x, self._rows(ids))
     return logits.at[..., PAD_ID].set(0) if self._zero_pad and ids is None else logits
 
   def attend_sums(self, ids: np.ndarray | None = None) -> Array:
@@ -190,45 +166,6 @@ def layer_norm(config: TransformerConfig, name: str) -> nn.LayerNorm:
   )
 
 
-class DropoutMask(nn.Module):
-  """Where `nn.Dropout(rate)` keeps its input. Named as that module is, it draws the same
-  random bits."""
-
-  rate: float
-
-  @nn.compact
-  def __call__(self, shape: tuple[int, ...]) -> Array:
-    return jax.random.bernoulli(self.make_rng('dropout'), 1.0 - self.rate, shape)
-
-
-class FusedResidualNorm(nn.Module):
-  """LayerNorm(x + Dropout(y)) as one Pallas kernel each way (`fused_norm`), with the
-  parameters `layer_norm` has; on a mesh, each device normalises its own rows."""
-
-  config: TransformerConfig
-
-  @nn.compact
-  def __call__(self, x: Array, y: Array, keep: Array | None) -> Array:
-    cfg = self.config
-    scale = self.param('scale', _NORM_SCALE_INIT, (x.shape[-1],), cfg.param_dtype)
-    bias = self.param('bias', _NORM_BIAS_INIT, (x.shape[-1],), cfg.param_dtype)
-    mesh = jax.sharding.get_abstract_mesh()
-    spec = None
-    if not mesh.empty and mesh.size > 1:
-      spec = jax.sharding.PartitionSpec(*nn.logical_to_mesh_axes(('batch', 'length')), None)
-    return fused_norm.residual_layer_norm(
-        x.astype(cfg.dtype),
-        y,
-        keep,
-        scale,
-        bias,
-        rate=cfg.dropout_rate,
-        epsilon=cfg.layer_norm_epsilon,
-        interpret=cfg.post_norm_kernel == 'pallas_interpret',
-        spec=spec,
-    )
-
-
 _ACTIVATIONS = {
     'relu': nn.relu,
     'swish': nn.swish,  # x * sigmoid(x), also called SiLU.
@@ -268,16 +205,14 @@ class SubLayer(nn.Module):
   @nn.compact
   def __call__(self, x: Array, sublayer, *args, **kwargs) -> Array:
     cfg = self.config
-    if cfg.post_norm_kernel != 'xla':  # Validated: post-norm only.
-      y = sublayer(x, *args, **kwargs)
-      keep = None
-      if not cfg.deterministic and cfg.dropout_rate > 0:
-        keep = DropoutMask(cfg.dropout_rate, name='Dropout_0')(y.shape)
-      return FusedResidualNorm(cfg, name='norm')(x, y, keep)
-    norm = layer_norm(cfg, 'norm')
-    y = sublayer(norm(x) if cfg.norm_position == 'pre' else x, *args, **kwargs)
+    if cfg.norm_position == 'pre':
+      y = sublayer(layer_norm(cfg, 'norm')(x), *args, **kwargs)
+      return x + nn.Dropout(cfg.dropout_rate)(y, deterministic=cfg.deterministic)
+    y = sublayer(x, *args, **kwargs)
+    if cfg.post_norm_kernel != 'xla':  # One Pallas kernel each way for the three steps below.
+      return fused_norm.add_and_norm(cfg, x, y, (_NORM_SCALE_INIT, _NORM_BIAS_INIT))
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=cfg.deterministic)
-    return x + y if cfg.norm_position == 'pre' else norm(x + y)
+    return layer_norm(cfg, 'norm')(x + y)
 
 
 class EncoderLayer(nn.Module):
@@ -356,6 +291,82 @@ class Encoder(nn.Module):
     return x
 
 
+class OutputLayer(nn.Module):
+  """The pre-softmax linear transformation: [batch, length, d_model] -> logits.
+
+  Tied to the target embedding (the paper, section 3.4) or its own matrix; with
+  `config.output_ids` (a shortlist of the target side's pieces) it scores only those in
+  training, and in decoding gives -inf to the rest. Shares the decoder's scope
+  (`nn.share_scope`), so its parameters are the decoder's `output_projection` and
+  `logits_bias`.
+  """
+
+  config: TransformerConfig
+  embed: Embed
+
+  @nn.compact
+  def __call__(self, y: Array) -> Array:
+    cfg = self.config
+    ids = None if cfg.output_ids is None else np.asarray(cfg.output_ids, np.int32)
+    if cfg.tie_output_embedding:
+      logits = self.embed.attend(y, ids)
+      column_sums = lambda: self.embed.attend_sums(ids)
+    else:
+      logits, column_sums = self._untied(y, ids)
+    logits, bias_sum = self._bias(logits, ids)
+    if self.is_mutable_collection('logit_sums'):
+      # Each token's logits summed over the vocabulary, from their linear map of y
+      # (`kernels.cross_entropy.token_losses_given_sums`): no pass over the logits.
+      sums = jnp.einsum('bld,d->bl', y.astype(jnp.float32), column_sums()) + bias_sum
+      self.sow('logit_sums', 'sums', sums)
+    if ids is not None and cfg.decode:
+      # The search sees the whole vocabulary; what the layer does not score cannot be chosen.
+      full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, logits.dtype)
+      logits = full.at[..., ids].set(logits)
+    return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
+
+  def _untied(self, y: Array, ids: np.ndarray | None):
+    """The output layer's own matrix: logits and a function giving its column sums."""
+    cfg = self.config
+    projection = nn.Dense(
+        cfg.vocab_size,
+        use_bias=False,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        kernel_init=nn.with_logical_partitioning(
+            nn.initializers.xavier_uniform(), ('embed', 'vocab')
+        ),
+        name='output_projection',
+    )
+    # Every column is multiplied; a shortlist then keeps its own (the tied layer, the
+    # default, multiplies only those).
+    logits = projection(y)
+    if ids is not None:
+      logits = jnp.take(logits, ids, axis=-1)
+
+    def column_sums():
+      kernel = jnp.asarray(nn.meta.unbox(projection.variables['params']['kernel']), cfg.dtype)
+      kernel = kernel if ids is None else jnp.take(kernel, ids, axis=1)
+      return jnp.sum(kernel.astype(jnp.float32), axis=1)
+
+    return logits, column_sums
+
+  def _bias(self, logits: Array, ids: np.ndarray | None) -> tuple[Array, Array | float]:
+    """Logits plus `config.logits_bias`'s bias (Marian's models have one), and its sum."""
+    cfg = self.config
+    if not cfg.logits_bias:
+      return logits, 0.0
+    bias = self.param(
+        'logits_bias',
+        nn.with_logical_partitioning(nn.initializers.zeros_init(), ('vocab',)),
+        (cfg.vocab_size,),
+        cfg.param_dtype,
+    )
+    bias = jnp.asarray(bias, cfg.dtype)
+    bias = bias if ids is None else jnp.take(bias, ids)
+    return logits + bias, jnp.sum(bias.astype(jnp.float32))
+
+
 class Decoder(nn.Module):
   """The decoder stack: embeddings + positions, dropout, N decoder layers, logits."""
 
@@ -378,14 +389,7 @@ class Decoder(nn.Module):
     the position comes from the cache index and `encoded` and the masks are not needed.
     """
     cfg = self.config
-    decode_index = None
-    if cfg.decode:
-      is_initialized = self.has_variable('cache', 'cache_index')
-      index = self.variable('cache', 'cache_index', lambda: jnp.array(0, jnp.int32))
-      if is_initialized:
-        decode_index = index.value
-        positions = jnp.full(decoder_inputs.shape, decode_index, jnp.int32)
-        index.value = decode_index + 1
+    positions, decode_index = self._step_positions(decoder_inputs, positions)
     y = AddPositions(cfg, name='positions')(self.embed(decoder_inputs), positions)
     y = nn.Dropout(cfg.dropout_rate)(y, deterministic=cfg.deterministic)
     y = nn.with_logical_constraint(y, ('batch', 'length', 'embed'))
@@ -394,57 +398,24 @@ class Decoder(nn.Module):
       y = layer(cfg, name=f'layer_{i}')(y, encoded, self_mask, cross_mask, positions, decode_index)
     if cfg.norm_position == 'pre':
       y = layer_norm(cfg, 'final_norm')(y)
-    ids = None if cfg.output_ids is None else np.asarray(cfg.output_ids, np.int32)
-    if cfg.tie_output_embedding:
-      logits = self.embed.attend(y, ids)
-      column_sums = lambda: self.embed.attend_sums(ids)
-    else:
-      projection = nn.Dense(
-          cfg.vocab_size,
-          use_bias=False,
-          dtype=cfg.dtype,
-          param_dtype=cfg.param_dtype,
-          kernel_init=nn.with_logical_partitioning(
-              nn.initializers.xavier_uniform(), ('embed', 'vocab')
-          ),
-          name='output_projection',
-      )
-      # Every column is multiplied; a shortlist then keeps its own (the tied layer, the
-      # default, multiplies only those).
-      logits = projection(y)
-      if ids is not None:
-        logits = jnp.take(logits, ids, axis=-1)
+    output_layer = OutputLayer(cfg, self.embed, name='output_layer')
+    nn.share_scope(self, output_layer)
+    return output_layer(y)
 
-      def column_sums():
-        kernel = jnp.asarray(nn.meta.unbox(projection.variables['params']['kernel']), cfg.dtype)
-        kernel = kernel if ids is None else jnp.take(kernel, ids, axis=1)
-        return jnp.sum(kernel.astype(jnp.float32), axis=1)
-
-    bias_sum = 0.0
-    if cfg.logits_bias:
-      bias = self.param(
-          'logits_bias',
-          nn.with_logical_partitioning(nn.initializers.zeros_init(), ('vocab',)),
-          (cfg.vocab_size,),
-          cfg.param_dtype,
-      )
-      bias = jnp.asarray(bias, cfg.dtype)
-      bias = bias if ids is None else jnp.take(bias, ids)
-      logits = logits + bias
-      bias_sum = jnp.sum(bias.astype(jnp.float32))
-    if self.is_mutable_collection('logit_sums'):
-      # Each token's logits summed over the vocabulary, from their linear map of y
-      # (`losses.token_losses_given_sums`): no pass over the logits.
-      self.sow(
-          'logit_sums',
-          'sums',
-          jnp.einsum('bld,d->bl', y.astype(jnp.float32), column_sums()) + bias_sum,
-      )
-    if ids is not None and cfg.decode:
-      # The search sees the whole vocabulary; what the layer does not score cannot be chosen.
-      full = jnp.full(logits.shape[:-1] + (cfg.vocab_size,), -jnp.inf, logits.dtype)
-      logits = full.at[..., ids].set(logits)
-    return nn.with_logical_constraint(logits, ('batch', 'length', 'vocab'))
+  def _step_positions(
+      self, decoder_inputs: Array, positions: Array | None
+  ) -> tuple[Array | None, Array | None]:
+    """(positions, the cache index): in a decode step every row is at the cache index, which
+    then moves on; otherwise the positions as given and no index."""
+    if not self.config.decode:
+      return positions, None
+    is_initialized = self.has_variable('cache', 'cache_index')
+    index = self.variable('cache', 'cache_index', lambda: jnp.array(0, jnp.int32))
+    if not is_initialized:
+      return positions, None
+    decode_index = index.value
+    index.value = decode_index + 1
+    return jnp.full(decoder_inputs.shape, decode_index, jnp.int32), decode_index
 
 
 def _default_positions_and_segments(

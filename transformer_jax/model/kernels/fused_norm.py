@@ -1,25 +1,34 @@
 """A post-norm sub-layer's dropout + residual + LayerNorm as one Pallas kernel each way.
 
-`LayerNorm(x + Dropout(y))` ends every post-norm sub-layer (`models.SubLayer`). XLA computes
+`LayerNorm(x + Dropout(y))` ends every post-norm sub-layer (`models.SubLayer`, which calls
+`add_and_norm` here). XLA computes
 it as several kernels forward and backward. `residual_layer_norm` is one Pallas kernel
 forward (the dropped sum, its float32 statistics, the normalised output) and one backward
 (the input gradients and each row block's partial scale and bias gradients), with the
 gradient by `jax.custom_vjp`. It is `config.post_norm_kernel='pallas'`: compiled by Triton on
 GPUs, run by Pallas's interpreter on CPU (for tests: slow), off by default because no GPU
-has yet shown it faster than XLA's kernels (bench/RESULTS.md).
+has yet shown it faster than XLA's kernels (bench/RESULTS.md, "Compile-only: a Pallas
+post-norm kernel, stacked q/k/v and a packed optimizer" and the H200 runs after it).
 
-The dropout mask comes from the caller (`models.SubLayer` draws it as `nn.Dropout` would,
-from the same random stream), one byte an element.
+The dropout mask is drawn as `nn.Dropout` would, from the same random stream
+(`DropoutMask`), one byte an element.
 """
 
+from __future__ import annotations
+
+from collections.abc import Callable
 import functools
 import math
+from typing import Any
 
+import flax.linen as nn
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pallas_triton
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+
+from transformer_jax.model.config import TransformerConfig
 
 Array = jax.Array
 
@@ -269,3 +278,75 @@ def residual_layer_norm(
   return _fused(
       x, y.astype(x.dtype), keep, scale, bias, float(rate), float(epsilon), bool(interpret), spec
   )
+
+
+class DropoutMask(nn.Module):
+  """Where `nn.Dropout(rate)` keeps its input. Named as that module is, it draws the same
+  random bits."""
+
+  rate: float
+
+  @nn.compact
+  def __call__(self, shape: tuple[int, ...]) -> Array:
+    return jax.random.bernoulli(self.make_rng('dropout'), 1.0 - self.rate, shape)
+
+
+class FusedResidualNorm(nn.Module):
+  """LayerNorm(x + Dropout(y)) by `residual_layer_norm`, with the parameters `nn.LayerNorm`
+  has; on a mesh, each device normalises its own rows."""
+
+  rate: float
+  epsilon: float
+  dtype: Any
+  param_dtype: Any
+  interpret: bool
+  scale_init: Callable[..., Array]
+  bias_init: Callable[..., Array]
+
+  @nn.compact
+  def __call__(self, x: Array, y: Array, keep: Array | None) -> Array:
+    scale = self.param('scale', self.scale_init, (x.shape[-1],), self.param_dtype)
+    bias = self.param('bias', self.bias_init, (x.shape[-1],), self.param_dtype)
+    mesh = jax.sharding.get_abstract_mesh()
+    spec = None
+    if not mesh.empty and mesh.size > 1:
+      spec = P(*nn.logical_to_mesh_axes(('batch', 'length')), None)
+    return residual_layer_norm(
+        x.astype(self.dtype),
+        y,
+        keep,
+        scale,
+        bias,
+        rate=self.rate,
+        epsilon=self.epsilon,
+        interpret=self.interpret,
+        spec=spec,
+    )
+
+
+def add_and_norm(
+    config: TransformerConfig, x: Array, y: Array, norm_init: tuple[Callable, Callable]
+) -> Array:
+  """LayerNorm(x + Dropout(y)) in one kernel each way, called inside a sub-layer's compact
+  method: its modules, 'Dropout_0' and 'norm', are the caller's children, named and drawing
+  random bits as `nn.Dropout` and `nn.LayerNorm` there would.
+
+  Args:
+    config: the model config.
+    x: [batch, length, d_model] the sub-layer's input (the residual).
+    y: [batch, length, d_model] the sub-layer's output.
+    norm_init: (scale_init, bias_init) of the layer norm's parameters.
+  """
+  keep = None
+  if not config.deterministic and config.dropout_rate > 0:
+    keep = DropoutMask(config.dropout_rate, name='Dropout_0')(y.shape)
+  return FusedResidualNorm(
+      rate=config.dropout_rate,
+      epsilon=config.layer_norm_epsilon,
+      dtype=config.dtype,
+      param_dtype=config.param_dtype,
+      interpret=config.post_norm_kernel == 'pallas_interpret',
+      scale_init=norm_init[0],
+      bias_init=norm_init[1],
+      name='norm',
+  )(x, y, keep)

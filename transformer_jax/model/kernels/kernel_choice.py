@@ -110,8 +110,9 @@ def attention_choice(
     how = 'a dense mask, as packed rows need' if packed else 'sequence lengths and a causal flag'
     return AttentionChoice('cudnn', not packed, f'cuDNN fused attention, as configured, fed {how}')
   if platform == 'cpu':
-    # jax.nn.dot_product_attention's XLA path spends about twice as long in the softmax and
-    # masks there: the main job's step 1.01-1.02x faster without it (bench/RESULTS.md).
+    # jax.nn.dot_product_attention's XLA path spends longer in the softmax and masks there
+    # (bench/RESULTS.md, "CPU training: the explicit softmax against `jax.nn`'s XLA
+    # attention").
     return AttentionChoice('explicit', False, 'explicit softmax attention (automatic on cpu)')
   if platform not in ('gpu', 'cuda'):
     return AttentionChoice(None, False, f'XLA attention (automatic on {platform})')
