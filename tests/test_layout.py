@@ -152,20 +152,20 @@ def test_nnx_bridge_wraps_the_linen_model_with_the_same_logits_and_gradients():
     nnx.jit(lambda m: bridge.lazy_init(m, source, target) and None)(model)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
-    logits = nnx.jit(lambda m: m(source, target))(model)
-    expected = models_testlib.apply(cfg, {'params': params}, source, target)
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=1e-5, atol=1e-6)
-
-    nnx_grads = nnx.to_pure_dict(
-        nnx.jit(nnx.grad(lambda m: jnp.mean(m(source, target) ** 2)))(model)
-    )
-    linen_grads = jax.jit(
+    # One program a side: the loss's gradient, with the logits as its auxiliary output.
+    loss = lambda logits: jnp.mean(logits**2)
+    nnx_grads, logits = nnx.jit(
+        nnx.grad(lambda m: (loss(out := m(source, target)), out), has_aux=True)
+    )(model)
+    linen = transformer_jax.Transformer(cfg)
+    linen_grads, expected = jax.jit(
         jax.grad(
-            lambda p: jnp.mean(
-                transformer_jax.Transformer(cfg).apply({'params': p}, source, target) ** 2
-            )
+            lambda p: (loss(out := linen.apply({'params': p}, source, target)), out),
+            has_aux=True,
         )
     )(params)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    nnx_grads = nnx.to_pure_dict(nnx_grads)
     assert jax.tree.structure(nnx_grads) == jax.tree.structure(linen_grads)
     jax.tree.map(
         lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
