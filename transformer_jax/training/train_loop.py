@@ -337,23 +337,23 @@ def _train_and_evaluate(
             config, datasets, model_config, state.params, partitioner
         )
       profiler = StepProfiler(config, workdir, writer)
+      context = _LoopContext(
+          config=config,
+          model_config=model_config,
+          partitioner=partitioner,
+          datasets=datasets,
+          batches=batches,
+          train_step=train_step,
+          eval_step=eval_step,
+          checkpointer=checkpointer,
+          meta=meta,
+          writer=writer,
+          stop_signal=stop_signal,
+          profiler=profiler,
+          validation=validation,
+      )
       with partitioner.activate():
-        return _train_loop(
-            config,
-            state,
-            datasets,
-            batches,
-            partitioner,
-            train_step,
-            eval_step,
-            checkpointer,
-            meta,
-            writer,
-            stop_signal,
-            model_config,
-            profiler,
-            validation,
-        )
+        return _train_loop(context, state)
     finally:
       if profiler is not None:
         profiler.stop()
@@ -556,25 +556,67 @@ def _restore_or_initialize(
   )
 
 
-def _train_loop(
-    config: ml_collections.ConfigDict,
-    state: train_steps.TrainState,
-    datasets: input_pipeline.Datasets,
-    batches: prefetch.DevicePrefetcher,
-    partitioner: Partitioner,
-    train_step: Callable,
-    eval_step: Callable,
-    checkpointer: checkpointing.Checkpointer,
-    meta: Mapping[str, Any],
-    writer: metrics_writer.MetricsWriter,
-    stop_signal: multihost.StopSignal,
-    model_config: TransformerConfig,
-    profiler: StepProfiler,
-    validation: ValidationTranslation | None = None,
-) -> TrainResult:
+@dataclasses.dataclass(frozen=True)
+class _LoopContext:
+  """What the training loop works with, built once by `_train_and_evaluate` (the state it
+  steps is passed on its own).
+
+  Attributes:
+    config: the run config.
+    model_config: the model's config (for the model FLOPs of each batch).
+    partitioner: the mesh the steps run on.
+    datasets: the validation batches come from here.
+    batches: the training batches, on the devices (checkpointed with the state).
+    train_step: `train_steps.jit_train_step`'s step.
+    eval_step: `train_steps.jit_eval_step`'s step.
+    checkpointer: saves the state and the data iterator.
+    meta: what every checkpoint carries besides (`checkpointing.make_meta`).
+    writer: the log lines and metrics.
+    stop_signal: asks the loop to save and stop.
+    profiler: traces the steps `config.profile_steps` names.
+    validation: translates the validation subset at each evaluation (None: no BLEU).
+  """
+
+  config: ml_collections.ConfigDict
+  model_config: TransformerConfig
+  partitioner: Partitioner
+  datasets: input_pipeline.Datasets
+  batches: prefetch.DevicePrefetcher
+  train_step: Callable
+  eval_step: Callable
+  checkpointer: checkpointing.Checkpointer
+  meta: Mapping[str, Any]
+  writer: metrics_writer.MetricsWriter
+  stop_signal: multihost.StopSignal
+  profiler: StepProfiler
+  validation: ValidationTranslation | None = None
+
+  def save(self, state: train_steps.TrainState, metrics: Mapping[str, float] | None = None) -> None:
+    """Saves `state` with the data iterator's position (and its validation `metrics`, if
+    given) unless it holds a non-finite value (then raises)."""
+    step = int(state.step)
+    if self.checkpointer.latest_step() == step:
+      return
+    if not bool(train_steps.all_finite((state.params, state.opt_state))):
+      raise NonFiniteError(
+          f'The parameters or optimizer state at step {step} are not finite; no checkpoint '
+          f'was written (latest checkpoint: {self.checkpointer.latest_step() or "none"}). Lower '
+          '--config.learning_rate_scale or set --config.grad_clip_norm.'
+      )
+    self.checkpointer.save(state, self.batches, self.meta, force=True, metrics=metrics)
+    self.writer.log(f'Saving checkpoint {step} (asynchronously).')
+
+
+def _train_loop(context: _LoopContext, state: train_steps.TrainState) -> TrainResult:
   """Steps from `state.step` to `config.num_train_steps` (or to a stop signal)."""
+  config, batches, checkpointer, writer = (
+      context.config,
+      context.batches,
+      context.checkpointer,
+      context.writer,
+  )
   start = int(state.step)
-  peak = _peak_flops(partitioner)
+  peak = _peak_flops(context.partitioner)
   pending: list[dict[str, jax.Array]] = []  # Step metrics since the last log line.
   untimed = 0  # How many of them throughput ignores (the first step: it compiles).
   flops = 0.0
@@ -583,11 +625,11 @@ def _train_loop(
   stopped = False
   skipped_in_a_row = 0  # Up to the last step fetched.
   for step in range(start, config.num_train_steps):
-    profiler.before(step)
+    context.profiler.before(step)
     batch, device_batch = next(batches)
-    state, metrics = train_step(state, device_batch)
+    state, metrics = context.train_step(state, device_batch)
     done = step + 1
-    profiler.after(done, metrics)
+    context.profiler.after(done, metrics)
     pending.append(metrics)
     checkpointer.check_for_errors()  # A failed background save surfaces at once.
     if step == start:
@@ -598,7 +640,7 @@ def _train_loop(
     else:
       # Model FLOPs of the real tokens; other hosts' batches are taken to be alike.
       flops += jax.process_count() * model_flops.batch_flops(
-          model_config,
+          context.model_config,
           (batch['inputs_segmentation'] > 0).sum(axis=1),
           (batch['targets_segmentation'] > 0).sum(axis=1),
       )
@@ -609,7 +651,7 @@ def _train_loop(
           '--config.learning_rate_scale, set --config.grad_clip_norm, or use '
           '--config.nonfinite=skip to drop such updates.'
       )
-    stopped = stop_signal.should_stop(done)
+    stopped = context.stop_signal.should_stop(done)
     writer.step_done(done)
 
     if done % config.log_every_steps == 0 or done == config.num_train_steps or stopped:
@@ -645,19 +687,23 @@ def _train_loop(
     ):
       eval_start = time.time()
       eval_metrics = evaluate(
-          eval_step, state.params, datasets.eval_batches(), partitioner, config.eval_batches
+          context.eval_step,
+          state.params,
+          context.datasets.eval_batches(),
+          context.partitioner,
+          config.eval_batches,
       )
-      if validation is not None:
-        translation_metrics, samples = validation(state.params)
+      if context.validation is not None:
+        translation_metrics, samples = context.validation(state.params)
         eval_metrics.update(translation_metrics)
         writer.text(done, 'eval/samples', samples)
       writer.write(done, 'eval', eval_metrics)
       interval_start += time.time() - eval_start  # Evaluation is not training throughput.
       if config.best_checkpoint_metric:  # Each evaluation's checkpoint competes for best.
-        _save(checkpointer, state, batches, meta, writer, metrics=eval_metrics)
+        context.save(state, metrics=eval_metrics)
 
     if stopped or checkpointer.should_save(done):
-      _save(checkpointer, state, batches, meta, writer)
+      context.save(state)
     if stopped:
       logging.info(
           'Stop requested: saving step %d on process %d, then exiting.', done, jax.process_index()
@@ -668,7 +714,7 @@ def _train_loop(
       state=state,
       stopped_early=stopped,
       eval_metrics=eval_metrics,
-      interrupted=stopped and stop_signal.interrupted,
+      interrupted=stopped and context.stop_signal.interrupted,
   )
 
 
@@ -712,26 +758,3 @@ class StepProfiler:
         f'view with `tensorboard --logdir={self._target}` (the Profile tab) or '
         'at ui.perfetto.dev (the .trace.json.gz files).'
     )
-
-
-def _save(
-    checkpointer: checkpointing.Checkpointer,
-    state: train_steps.TrainState,
-    data_iterator: Any,
-    meta: Mapping[str, Any],
-    writer: metrics_writer.MetricsWriter,
-    metrics: Mapping[str, float] | None = None,
-) -> None:
-  """Saves `state` (with its validation `metrics`, if given) unless it holds a non-finite
-  value (then raises)."""
-  step = int(state.step)
-  if checkpointer.latest_step() == step:
-    return
-  if not bool(train_steps.all_finite((state.params, state.opt_state))):
-    raise NonFiniteError(
-        f'The parameters or optimizer state at step {step} are not finite; no checkpoint '
-        f'was written (latest checkpoint: {checkpointer.latest_step() or "none"}). Lower '
-        '--config.learning_rate_scale or set --config.grad_clip_norm.'
-    )
-  checkpointer.save(state, data_iterator, meta, force=True, metrics=metrics)
-  writer.log(f'Saving checkpoint {step} (asynchronously).')
