@@ -24,6 +24,7 @@ import sys
 import tomllib
 
 import pytest
+
 import train_testlib
 
 REPO = train_testlib.REPO
