@@ -27,6 +27,8 @@ import numpy as np
 from bench import breakdown as bench_breakdown
 from bench import marian as bench_marian
 from bench import worker
+from configs import wmt14_ende_base
+from configs import wmt14_ende_big
 from transformer_jax.aot import aot
 from transformer_jax.aot import hlo_view
 from transformer_jax.config import base_config
@@ -45,33 +47,20 @@ from transformer_jax.runtime.partitioning import Partitioner
 from transformer_jax.training import optimizer
 from transformer_jax.training import train_steps
 
-# The paper's Table 3 sizes, plus a tiny one for --quick runs and tests.
-MODEL_SIZES = {
-    'base': dict(
-        d_model=512,
-        num_heads=8,
-        d_ff=2048,
-        num_encoder_layers=6,
-        num_decoder_layers=6,
-        dropout_rate=0.1,
-    ),
-    'big': dict(
-        d_model=1024,
-        num_heads=16,
-        d_ff=4096,
-        num_encoder_layers=6,
-        num_decoder_layers=6,
-        dropout_rate=0.3,
-    ),
-    'tiny': dict(
-        d_model=64,
-        num_heads=4,
-        d_ff=256,
-        num_encoder_layers=2,
-        num_decoder_layers=2,
-        dropout_rate=0.1,
-    ),
-}
+# The paper's Table 3 models, as the shipped configs train them.
+PAPER_CONFIGS = {'base': wmt14_ende_base.get_config, 'big': wmt14_ende_big.get_config}
+# The paper's shared vocabulary and its tokens a side a step, as its configs have them.
+PAPER_VOCAB_SIZE = wmt14_ende_base.get_config().vocab_size_target
+PAPER_TOKENS_PER_BATCH = wmt14_ende_base.get_config().tokens_per_batch
+# A tiny size of `base_config()`, for --quick runs and tests.
+TINY_SIZE = dict(
+    d_model=64,
+    num_heads=4,
+    d_ff=256,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    dropout_rate=0.1,
+)
 FIRST_ORDINARY_ID = 4  # Ids 0-3 are pad, bos, eos, unk.
 
 
@@ -109,14 +98,17 @@ def run_config(
     attention: str = '',
     overrides: Mapping[str, Any] | None = None,
 ) -> ml_collections.ConfigDict:
-  """The run config of a benchmark model: `base_config()` with the size's fields, or for
-  'main' the main job's config; then `overrides` (config field -> value: the GPU plan's
-  `--variants`, which `bench.run` checks before any worker starts)."""
+  """The run config of a benchmark model: the shipped config of the paper's 'base' or 'big'
+  model, the main job's config for 'main', or `base_config()` at `TINY_SIZE` for 'tiny';
+  then `overrides` (config field -> value: the GPU plan's `--variants`, which `bench.run`
+  checks before any worker starts)."""
   if model == 'main':
     config = main_job_config()
-  else:
+  elif model == 'tiny':
     config = base_config()
-    config.update(MODEL_SIZES[model])
+    config.update(TINY_SIZE)
+  else:
+    config = PAPER_CONFIGS[model]()
   config.vocab_size = vocab_size
   config.dtype = dtype
   config.remat_policy = remat
@@ -239,7 +231,7 @@ class TrainTask:
       rows: int = 8,
       source_length: int = 64,
       target_length: int = 64,
-      vocab_size: int = 37000,
+      vocab_size: int = PAPER_VOCAB_SIZE,
       remat: str = 'none',
       attention: str = '',
       packed: bool = False,
@@ -372,7 +364,7 @@ class DecodeTask:
       source_length: int = 32,
       output_length: int = 32,
       beam_size: int = 1,
-      vocab_size: int = 37000,
+      vocab_size: int = PAPER_VOCAB_SIZE,
       attention: str = '',
       export_dir: str = '',
   ):
@@ -486,9 +478,10 @@ class BudgetTask:
   """The largest token budget whose train step fits the device's memory, and runs.
 
   Each probe compiles the step for some rows of `length` tokens (source and target alike) and
-  reads XLA's memory analysis; `aot.largest_fitting` chooses the probes (about 4-6 compiles,
-  40-50 s each for the big model on an H200) within `time_budget_s`. The largest size found
-  is then run once to confirm it. Reports tokens per side (the paper's 25,000 is per side).
+  reads XLA's memory analysis; `aot.largest_fitting` chooses the probes (a handful of
+  compiles, each long for the big model) within `time_budget_s`. The largest size found
+  is then run once to confirm it. Reports tokens per side (the paper's budget,
+  `PAPER_TOKENS_PER_BATCH`, is per side).
   """
 
   def __init__(
@@ -497,9 +490,9 @@ class BudgetTask:
       dtype: str = 'bfloat16',
       remat: str = 'none',
       length: int = 64,
-      vocab_size: int = 37000,
+      vocab_size: int = PAPER_VOCAB_SIZE,
       limit_bytes: int | None = None,
-      start_tokens: int = 25000,
+      start_tokens: int = PAPER_TOKENS_PER_BATCH,
       max_doublings: int = 6,
       row_multiple: int = 8,
       attention: str = '',

@@ -35,7 +35,10 @@ from typing import Any
 
 from bench import breakdown
 from bench import worker
+from bench.jax_side import main_job_config
 from bench.jax_side import output_ids
+from bench.jax_side import PAPER_TOKENS_PER_BATCH
+from bench.jax_side import PAPER_VOCAB_SIZE
 from bench.jax_side import run_config
 from transformer_jax import config as config_lib
 from transformer_jax.errors import ConfigError
@@ -246,7 +249,7 @@ class Sizes:
 def cpu_sizes(quick: bool) -> Sizes:
   if quick:
     return Sizes('tiny', 1000, 8, 8, 8, 512, 2, 2, 2, 3)
-  return Sizes('base', 37000, 32, 32, 32, 2048, 5, 3, 2, 5)
+  return Sizes('base', PAPER_VOCAB_SIZE, 32, 32, 32, 2048, 5, 3, 2, 5)
 
 
 def model_config(model: str, vocab: int) -> TransformerConfig:
@@ -301,8 +304,9 @@ def run_cpu(args, results: dict[str, Any], log_dir: str) -> None:
 
 # The CPU plan's training sizes: (rows, length a side, vocabulary, packed rows).
 CPU_TRAIN_SHAPES = {
-    'base': (8, 64, 37000, False),
-    'main': (8, 128, 8000, True),  # The main job's 1,024-token packed batches, 8,000 pieces.
+    'base': (8, 64, PAPER_VOCAB_SIZE, False),
+    # The main job's packed batches (8 rows of 128 tokens: its tokens_per_batch), its pieces.
+    'main': (8, 128, main_job_config().vocab_size_target, True),
     'tiny': (4, 16, 1000, False),
 }
 BREAKDOWN_STEPS = 3
@@ -571,9 +575,9 @@ def gpu_sizes(quick: bool) -> dict[str, Any]:
     )
   return dict(
       models=['base', 'big'],
-      vocab=37000,
+      vocab=PAPER_VOCAB_SIZE,
       length=64,
-      tokens=25000,
+      tokens=PAPER_TOKENS_PER_BATCH,
       matmul_n=8192,
       matmul_reps=10,
       decode_batches=[32, 256, 1024],

@@ -204,3 +204,26 @@ def test_gpu_plan_variants_are_one_change_each_from_the_defaults_and_checked_fir
     bench_run.parse_variants('logits_sum=foo')
   with pytest.raises(SystemExit, match='dropout_rate'):
     bench_run.parse_variants('dropout_rate=lots')
+
+
+def test_the_papers_sizes_come_from_the_shipped_configs():
+  from bench import jax_side
+
+  table_3 = {
+      'base': dict(d_model=512, num_heads=8, d_ff=2048, dropout_rate=0.1),
+      'big': dict(d_model=1024, num_heads=16, d_ff=4096, dropout_rate=0.3),
+  }
+  for model, sizes in table_3.items():
+    config = jax_side.run_config(model, 1000)
+    shipped = jax_side.PAPER_CONFIGS[model]()
+    assert {field: config[field] for field in sizes} == sizes
+    assert (config.num_encoder_layers, config.num_decoder_layers) == (6, 6)
+    # The shipped config as it is, but for what `run_config` is given.
+    assert config.to_dict() == dict(
+        shipped.to_dict(),
+        vocab_size=1000,
+        dtype='float32',
+        remat_policy='none',
+        attention_implementation='',
+    )
+  assert (jax_side.PAPER_VOCAB_SIZE, jax_side.PAPER_TOKENS_PER_BATCH) == (37000, 25000)
