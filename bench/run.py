@@ -45,6 +45,7 @@ from transformer_jax.errors import ConfigError
 from transformer_jax.model import flops
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.runtime import host_memory
+from transformer_jax.training import config_checks
 
 GIB = 1024**3
 MAIN_JOB_RSS_GOAL = 8 * GIB
@@ -596,7 +597,7 @@ GPU_PARTS = ('train', 'budget', 'decode')
 def parse_variants(text: str) -> list[dict[str, Any]]:
   """`--variants`: the defaults ({}) first, then one change from them per ';'-separated
   item, each item `field=value[,field=value]` of the run config. Every variant is checked
-  with `config.validate` here, before any worker starts: a typo fails in a second, not
+  with `config_checks.validate_run` here, before any worker starts: a typo fails in a second, not
   after the minutes of the variants before it."""
   variants: list[dict[str, Any]] = [{}]
   defaults = config_lib.base_config()
@@ -622,7 +623,7 @@ def parse_variants(text: str) -> list[dict[str, Any]]:
     config = config_lib.base_config()
     config.update(overrides)
     try:
-      config_lib.validate(config)
+      config_checks.validate_run(config)
     except ConfigError as e:
       raise SystemExit(f'--variants: {item!r}: {e}') from None
     variants.append(overrides)

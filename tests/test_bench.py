@@ -179,7 +179,7 @@ def test_checkpoint_storage_bench_runs_and_reports_both_sides(tmp_path):
 
 def test_gpu_plan_variants_are_one_change_each_from_the_defaults_and_checked_first():
   """`--variants`: the defaults first, then each item's changes alone, typed as the field's
-  default; a field that does not exist or a value `config.validate` refuses fails before
+  default; a field that does not exist or a value `config_checks.validate_run` refuses fails before
   any worker starts, naming the item."""
   sys.path.insert(0, str(train_testlib.REPO))
   from bench import jax_side

@@ -10,7 +10,7 @@ The public API, importable from here:
 - `train_and_evaluate`: a whole training run into a work directory (what train.py runs).
 - `load`: a checkpoint (or the average of the last ones) ready for inference.
 - `Translator`, `load_translator`: batched translation of text; `beam_search`,
-  `greedy_search`, `sample`: the searches over a key/value cache.
+  `greedy_search`, `sample`: the searches over a key/value cache, with their `SearchOptions`.
 
 The package's folders, one concern each (a folder imports only the folders below it in this
 list, never one above; `tests/test_layout.py` checks it):
@@ -47,6 +47,7 @@ _PUBLIC = {
     'beam_search': 'transformer_jax.decoding.decode',
     'greedy_search': 'transformer_jax.decoding.decode',
     'sample': 'transformer_jax.decoding.decode',
+    'SearchOptions': 'transformer_jax.decoding.decode',
 }
 
 __all__ = sorted(_PUBLIC)
