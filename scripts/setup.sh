@@ -18,7 +18,7 @@ if [ "$mode" != "--aot" ]; then
   extras=tensorboard
   if [ "$mode" = "--test" ]; then
     extras=test,tensorboard
-    # SLURM, munge and Open MPI: tests/test_launchers.py starts a one-node cluster of them.
+    # SLURM, munge and Open MPI: tests/runtime/test_launchers.py starts a one-node cluster of them.
     bash scripts/local_slurm.sh install
   fi
   # pip resolves for about 10 s even when nothing is missing: ask first (scripts/installed.py).

@@ -84,6 +84,7 @@ LONGEST_FIRST = (
     'test_two_hosts',
     'test_cli',
     'test_aot',
+    'test_types',
     'test_docs',
     'test_marian',
     'test_models',

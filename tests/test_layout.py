@@ -4,8 +4,10 @@ API is importable from `transformer_jax`, and an NNX user can wrap the linen mod
 from __future__ import annotations
 
 import ast
+import configparser
 import glob
 import os
+import tomllib
 
 import flax
 from flax import nnx
@@ -174,3 +176,21 @@ def test_nnx_bridge_wraps_the_linen_model_with_the_same_logits_and_gradients():
     )
   finally:
     flax.config.update('flax_always_shard_variable', before)
+
+
+def test_the_test_folders_mirror_the_package_and_are_on_the_path():
+  """tests/ has a folder a sub-package, and each test folder is on pytest.ini's pythonpath and
+  in ruff's `src`, so that a test file imports another's helpers by name from any folder and
+  ruff sorts those imports as the project's own."""
+  tests = os.path.join(train_testlib.REPO, 'tests')
+  folders = {
+      name for name in os.listdir(tests) if glob.glob(os.path.join(tests, name, 'test_*.py'))
+  }
+  assert folders <= set(LAYERS), f'tests/ folders without a package folder: {folders}'
+  with open(os.path.join(train_testlib.REPO, 'pytest.ini'), encoding='utf-8') as f:
+    ini = configparser.ConfigParser()
+    ini.read_file(f)
+  assert {f'tests/{name}' for name in folders} <= set(ini['pytest']['pythonpath'].split())
+  with open(os.path.join(train_testlib.REPO, 'pyproject.toml'), 'rb') as f:
+    src = tomllib.load(f)['tool']['ruff']['src']
+  assert {f'tests/{name}' for name in folders} <= set(src)

@@ -81,7 +81,7 @@ def quick_tier_modules() -> set[str]:
   """The package modules that the quick tier's tests use."""
   modules = package_modules()
   used = set()
-  for path in glob.glob(os.path.join(REPO, 'tests', 'test_*.py')):
+  for path in glob.glob(os.path.join(REPO, 'tests', '**', 'test_*.py'), recursive=True):
     with open(path, encoding='utf-8') as f:
       tree = ast.parse(f.read())
     if any(

@@ -18,7 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Compiled programs are reused across the tests' subprocesses (keys are content hashes).
 JAX_CACHE = os.path.join(tempfile.gettempdir(), 'transformer_jax_test_jax_cache')
 # Its sitecustomize lets every process of a multi-process job write to that cache (see there).
-SUBPROCESS_SITE = os.path.join(REPO, 'tests', 'subprocess_site')
+TESTS = os.path.join(REPO, 'tests')  # The helper modules (train_testlib, ...), for scripts.
+SUBPROCESS_SITE = os.path.join(TESTS, 'subprocess_site')
 
 
 def write_parallel_text(directory: str, seed: int = 0) -> dict[str, str]:
@@ -114,7 +115,7 @@ def subprocess_env(devices: int = 1) -> dict[str, str]:
           'JAX_COMPILATION_CACHE_DIR': JAX_CACHE,
           'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0',
           'JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES': '-1',
-          'PYTHONPATH': os.pathsep.join([SUBPROCESS_SITE, REPO, env.get('PYTHONPATH', '')]),
+          'PYTHONPATH': os.pathsep.join([SUBPROCESS_SITE, REPO, TESTS, env.get('PYTHONPATH', '')]),
           'PYTHONUNBUFFERED': '1',
       }
   )

@@ -477,7 +477,7 @@ def test_console_scripts_take_shipped_config_names(tmp_path):
 def _installed_module():
   import importlib.util
 
-  path = os.path.join(os.path.dirname(os.path.dirname(__file__)), 'scripts', 'installed.py')
+  path = os.path.join(train_testlib.REPO, 'scripts', 'installed.py')
   spec = importlib.util.spec_from_file_location('installed', path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -488,7 +488,7 @@ def test_setup_skips_pip_only_when_the_environment_is_what_it_would_install():
   """scripts/installed.py (setup.sh asks it before pip): yes for the environment the tests run
   in (set up by setup.sh --test), no with a reason for anything that differs."""
   installed = _installed_module()
-  root = os.path.dirname(os.path.dirname(__file__))
+  root = train_testlib.REPO
   with open(os.path.join(root, 'pyproject.toml')) as f:
     pyproject = f.read()
   with open(os.path.join(root, 'requirements.txt')) as f:

@@ -21,6 +21,7 @@ from models_testlib import VARIANTS
 from models_testlib import VOCAB
 from transformer_jax.config import PAD_ID
 from transformer_jax.model import losses
+from transformer_jax.model.kernels import dot_product_attention
 from transformer_jax.model.models import Transformer
 
 # One layer a side: every option here replaces a computation of each layer (or of the logits),
@@ -95,6 +96,33 @@ def test_attention_fed_lengths_equals_the_dense_mask(attention_dropout):
       loss_and_grads(dataclasses.replace(dense, attention_lengths=True)),
       loss_and_grads(dense),
       np.asarray(weights),
+  )
+
+
+@pytest.mark.parametrize('causal', [False, True])
+def test_lengths_attend_as_their_dense_mask_in_every_kernel(causal):
+  """`Lengths` (right-padded rows as sequence lengths and a causal flag, what cuDNN takes)
+  selects the keys its `dense` mask selects: the explicit softmax and `jax.nn`'s XLA kernel
+  give the same output from either form, and the keys a row does not see do not matter."""
+  rng = np.random.default_rng(3)
+  query, key, value = (jnp.asarray(rng.normal(size=(2, 5, 2, 4)), jnp.float32) for _ in 'qkv')
+  lengths = dot_product_attention.Lengths(
+      jnp.asarray([5, 3], jnp.int32), jnp.asarray([5, 3], jnp.int32), causal
+  )
+  dense = lengths.dense(5, 5)
+  attend = lambda k, v, mask, implementation: dot_product_attention.attention(
+      query, k, v, mask, implementation=implementation
+  )[0]
+  reference = attend(key, value, dense, 'explicit')
+  for mask in (lengths, dense):
+    for implementation in ('explicit', 'xla'):
+      got = attend(key, value, mask, implementation)
+      np.testing.assert_allclose(got[0], reference[0], rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(got[1, :3], reference[1, :3], rtol=1e-5, atol=1e-6)
+  # Row 1's keys past its length changed: its real queries' outputs stay.
+  noisy = key.at[1, 3:].set(100.0), value.at[1, 3:].set(-100.0)
+  np.testing.assert_allclose(
+      attend(*noisy, lengths, 'explicit')[1, :3], reference[1, :3], rtol=1e-5, atol=1e-6
   )
 
 

@@ -17,7 +17,7 @@ from transformer_jax.commands import line_io
 from transformer_jax.decoding import attention_plot
 from transformer_jax.decoding import translator as translator_lib
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = train_testlib.REPO
 
 # Each entry is one input line's bytes (without its '\n').
 MIXED_LINES = [

@@ -738,7 +738,7 @@ def test_searches_run_with_the_batch_sharded_over_two_devices(tmp_path):
   np.savez(tmp_path / 'expected.npz', **expected)
   env = train_testlib.subprocess_env(2)
   env['PYTHONPATH'] = os.pathsep.join(
-      [train_testlib.REPO, os.path.join(train_testlib.REPO, 'tests')]
+      [train_testlib.REPO, train_testlib.TESTS, os.path.dirname(os.path.abspath(__file__))]
   )
   result = subprocess.run(
       [sys.executable, '-c', _SHARDED_SCRIPT, str(tmp_path / 'expected.npz')],

@@ -1,7 +1,7 @@
 """Two processes x 4 CPU devices through jax.distributed on a localhost coordinator given by
 flags (gloo): SIGTERM to one process only (one preempted VM) makes both save the same step
 and exit 0, and the pair resumes from it to the losses of one 8-device process. Launched by
-SLURM and Open MPI, and a killed or hung process: tests/test_launchers.py."""
+SLURM and Open MPI, and a killed or hung process: tests/runtime/test_launchers.py."""
 
 import json
 import os

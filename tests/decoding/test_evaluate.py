@@ -19,7 +19,7 @@ from transformer_jax.checkpoints import checkpointing
 from transformer_jax.checkpoints import loading
 from transformer_jax.decoding import evaluation
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = train_testlib.REPO
 
 
 def _run(*args: str, cache_dir: str | None = None, timeout: int = 300):
