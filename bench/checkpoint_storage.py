@@ -59,6 +59,7 @@ def main() -> None:
 
   from bench import jax_side
   from transformer_jax.checkpoints import checkpointing
+  from transformer_jax.storage.layout import RunLayout
 
   try:
     bucket = server.create_bucket()
@@ -72,7 +73,9 @@ def main() -> None:
       order = ('local', 'gcs') if r % 2 == 0 else ('gcs', 'local')
       for where in order:
         workdir = f'{bucket}/r{r}' if where == 'gcs' else os.path.join(local_root, f'r{r}')
-        checkpointer = checkpointing.Checkpointer(workdir, save_every=10**6, final_step=10**6)
+        checkpointer = checkpointing.Checkpointer(
+            RunLayout.of(workdir).checkpoints, save_every=10**6, final_step=10**6
+        )
         step = int(task.state.step)
         start = time.perf_counter()
         checkpointer.save(task.state, data, {'bench': True}, force=True)

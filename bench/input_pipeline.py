@@ -36,6 +36,7 @@ from transformer_jax.data import batching
 from transformer_jax.data import data_sources
 from transformer_jax.data import token_store
 from transformer_jax.data import vocab_cache
+from transformer_jax.storage.layout import RunLayout
 
 
 def _epoch_rate(data: batching.TrainData, epochs: int, packed: bool) -> dict[str, float]:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
   config.vocab_path = os.path.join(args.workdir, 'bible', 'vocab.model')
   config.data_threads = 1
   pairs = data_sources.open_split(config, 'train')
-  tokenizer = vocab_cache.tokenizer_for(config, args.workdir, pairs)
+  tokenizer = vocab_cache.tokenizer_for(config, RunLayout.of(args.workdir), pairs)
 
   directory = os.path.join(args.workdir, 'one_process_store')
   shutil.rmtree(directory, ignore_errors=True)

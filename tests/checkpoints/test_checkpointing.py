@@ -45,11 +45,13 @@ def read_beside_rotation(workdir: str, reads: int = 60) -> None:
   try:
     for _ in range(reads):
       try:
-        got, step = checkpointing.read_meta(workdir)
+        got, step = checkpointing.read_meta(RunLayout.of(workdir).checkpoints)
         assert got['step'] == step
-        params, step = checkpointing.restore_params(workdir)  # The latest again.
+        params, step = checkpointing.restore_params(
+            RunLayout.of(workdir).checkpoints
+        )  # The latest again.
         assert float(params['w0'][0]) == step
-        assert checkpointing.list_steps(workdir)
+        assert checkpointing.list_steps(RunLayout.of(workdir).checkpoints)
         read += 1
       except CheckpointGoneError:
         rotated += 1

@@ -116,8 +116,8 @@ def test_kill9_repeatedly_then_finish_equals_the_uninterrupted_run(tmp_path):
   assert final.process.wait(timeout=120) == 0, ''.join(final.log[-30:])
   assert complete_steps(workdir)[-1] == STEPS and not leftover_tmp(workdir)
 
-  ours, step = checkpointing.restore_params(workdir)
-  theirs, _ = checkpointing.restore_params(reference_dir)
+  ours, step = checkpointing.restore_params(RunLayout.of(workdir).checkpoints)
+  theirs, _ = checkpointing.restore_params(RunLayout.of(reference_dir).checkpoints)
   assert step == STEPS
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(ours), jax.device_get(theirs))
 

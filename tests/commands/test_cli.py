@@ -20,6 +20,7 @@ from transformer_jax import errors
 from transformer_jax.checkpoints import checkpointing
 from transformer_jax.commands import cli
 from transformer_jax.commands import line_io
+from transformer_jax.storage.layout import RunLayout
 
 REPO = train_testlib.REPO
 
@@ -413,8 +414,10 @@ def test_a_real_full_disk_stops_training_with_the_checkpoint_size(tmp_path, data
     os.remove(mount / 'filler')
     from transformer_jax.checkpoints import checkpointing
 
-    steps = checkpointing.list_steps(str(workdir))
-    _, step = checkpointing.restore_params(str(workdir), steps[-1])  # Intact, verified.
+    steps = checkpointing.list_steps(RunLayout.of(str(workdir)).checkpoints)
+    _, step = checkpointing.restore_params(
+        RunLayout.of(str(workdir)).checkpoints, steps[-1]
+    )  # Intact, verified.
     assert step >= 5
   finally:
     subprocess.run(['umount', '-l', str(mount)], check=False)

@@ -11,6 +11,7 @@ from transformer_jax.data import data_sources
 from transformer_jax.data import input_pipeline as ip
 from transformer_jax.data import token_store
 from transformer_jax.data import vocab_cache
+from transformer_jax.storage.layout import RunLayout
 
 PREPARE = os.path.join(train_testlib.REPO, 'prepare_data.py')
 
@@ -66,11 +67,11 @@ def test_two_hosts_prepare_and_training_reuses_the_stores(tmp_path):
 
   config = train_testlib.small_config(files)
   train = data_sources.open_split(config, 'train')
-  tokenizer = vocab_cache.tokenizer_for(config, workdir, train)
-  directory = vocab_cache.store_directory(config, workdir, tokenizer, train)
+  tokenizer = vocab_cache.tokenizer_for(config, RunLayout.of(workdir), train)
+  directory = vocab_cache.store_directory(config, RunLayout.of(workdir), tokenizer, train)
   with open(os.path.join(directory, 'meta.json')) as f:
     made = json.load(f)['created']
-  data = ip.get_datasets(config, workdir, process_index=0, process_count=1)
+  data = ip.get_datasets(config, RunLayout.of(workdir), process_index=0, process_count=1)
   next(data.train)
   with open(os.path.join(directory, 'meta.json')) as f:
     assert json.load(f)['created'] == made  # Reused by training, not rebuilt.
@@ -82,7 +83,7 @@ def test_two_hosts_prepare_and_training_reuses_the_stores(tmp_path):
     f.write('one more line\n')
   with open(files['train'].split(',')[1], 'a') as f:
     f.write('ENO EROM ENIL\n')
-  ip.get_datasets(config, workdir, process_index=0, process_count=1)
+  ip.get_datasets(config, RunLayout.of(workdir), process_index=0, process_count=1)
   assert len(token_store.TokenStore.open(directory)) == 401
 
 

@@ -22,6 +22,7 @@ from transformer_jax.data import input_pipeline as ip
 from transformer_jax.data import token_store
 from transformer_jax.data import vocab_cache
 from transformer_jax.model.models import BATCH_KEYS
+from transformer_jax.storage.layout import RunLayout
 
 WORDS = (
     'the a house river bird green old new town field red blue small long water '
@@ -66,8 +67,8 @@ def corpus(tmp_path_factory):
   config.data_threads = 1
   workdir = str(root / 'work')
   train = data_sources.open_split(config, 'train')
-  tok = vocab_cache.tokenizer_for(config, workdir, train)
-  store = vocab_cache.tokenized(train, tok, config, workdir)
+  tok = vocab_cache.tokenizer_for(config, RunLayout.of(workdir), train)
+  store = vocab_cache.tokenized(train, tok, config, RunLayout.of(workdir))
   return train, tok, config, workdir, store
 
 
@@ -195,7 +196,10 @@ def test_token_ids_stay_out_of_another_runs_work_directory(tmp_path):
   def directory(vocabulary):
     os.makedirs(os.path.dirname(vocabulary), exist_ok=True)
     return vocab_cache.store_directory(
-        config_lib.base_config(), run, types.SimpleNamespace(model_path=vocabulary), pairs
+        config_lib.base_config(),
+        RunLayout.of(run),
+        types.SimpleNamespace(model_path=vocabulary),
+        pairs,
     )
 
   assert directory(str(tmp_path / 'vocab' / 'spm.model')) == str(
@@ -330,13 +334,15 @@ def test_eval_batches_never_drop_or_truncate(corpus):
 
 def test_get_datasets_on_text_files(corpus):
   _, _, config, workdir, _ = corpus
-  data = ip.get_datasets(config, workdir, process_index=0, process_count=1, row_multiple=1)
+  data = ip.get_datasets(
+      config, RunLayout.of(workdir), process_index=0, process_count=1, row_multiple=1
+  )
   batch = next(data.train)
   assert set(batch) == set(BATCH_KEYS)
   assert data.output_ids is None  # output_vocabulary='all'.
   with config.unlocked():
     config.output_vocabulary = 'target'
-  ids = ip.get_datasets(config, workdir, process_index=0, process_count=1).output_ids
+  ids = ip.get_datasets(config, RunLayout.of(workdir), process_index=0, process_count=1).output_ids
   (directory,) = glob.glob(os.path.join(workdir, 'vocab', '*.tokens', '*_train_*'))
   store = token_store.TokenStore.open(directory)
   seen = set(np.unique(store.target).tolist())
@@ -397,7 +403,7 @@ def test_mock_wmt(tmp_path, name, source, target):
   with tfds.testing.mock_data(num_examples=64, policy=tfds.testing.MockPolicy.USE_CODE):
     pairs = data_sources.open_split(config, 'train')  # Registers the WMT builders with TFDS.
     records = tfds.data_source(name, split='train')
-    data = ip.get_datasets(config, str(tmp_path), process_index=0, process_count=1)
+    data = ip.get_datasets(config, RunLayout.of(str(tmp_path)), process_index=0, process_count=1)
     assert pairs[3] == (records[3][source], records[3][target])
     batches = _take(data.train, data.steps_per_epoch)
     assert _examples(batches) == _expected(pairs, data.tokenizer, max_len=64)

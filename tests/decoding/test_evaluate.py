@@ -18,6 +18,7 @@ from transformer_jax.checkpoints import averaging
 from transformer_jax.checkpoints import checkpointing
 from transformer_jax.checkpoints import loading
 from transformer_jax.decoding import evaluation
+from transformer_jax.storage.layout import RunLayout
 
 REPO = train_testlib.REPO
 
@@ -87,9 +88,11 @@ def test_the_average_of_the_last_checkpoints_is_their_mean_in_their_dtypes(tmp_p
         'dense': {'kernel': rng.normal(size=(3, 4)).astype(np.float32)},
         'norm': {'scale': rng.normal(size=(4,)).astype(jax.numpy.bfloat16)},
     }
-    checkpointing.write_params_checkpoint(workdir, step, saved[step], meta)
-  assert averaging.last_steps(workdir, 2) == [2, 3]
-  averaged = averaging.average_params(workdir, [2, 3])
+    checkpointing.write_params_checkpoint(
+        RunLayout.of(workdir).checkpoints, step, saved[step], meta
+    )
+  assert averaging.last_steps(RunLayout.of(workdir).checkpoints, 2) == [2, 3]
+  averaged = averaging.average_params(RunLayout.of(workdir).checkpoints, [2, 3])
   for path in (('dense', 'kernel'), ('norm', 'scale')):
     got = averaged[path[0]][path[1]]
     want = [saved[s][path[0]][path[1]] for s in (2, 3)]
@@ -100,18 +103,18 @@ def test_the_average_of_the_last_checkpoints_is_their_mean_in_their_dtypes(tmp_p
         rtol=1e-2 if got.dtype != np.float32 else 1e-6,
     )
   with pytest.raises(ValueError, match='No checkpoint steps'):
-    averaging.average_params(workdir, [])
+    averaging.average_params(RunLayout.of(workdir).checkpoints, [])
 
 
 @pytest.mark.slow
 def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
-  steps = averaging.last_steps(run_dir, 2)
+  steps = averaging.last_steps(RunLayout.of(run_dir).checkpoints, 2)
   assert steps == list(TRAIN_STEPS[-2:])
   expected = jax.tree.map(
       lambda a, b: (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2,
-      *[checkpointing.restore_params(run_dir, s)[0] for s in steps],
+      *[checkpointing.restore_params(RunLayout.of(run_dir).checkpoints, s)[0] for s in steps],
   )
-  averaged = averaging.average_params(run_dir, steps)
+  averaged = averaging.average_params(RunLayout.of(run_dir).checkpoints, steps)
   jax.tree.map(
       lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7), averaged, expected
   )
@@ -127,7 +130,7 @@ def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
   original = loading.load(run_dir)
   assert loaded.tokenizer.fingerprint == original.tokenizer.fingerprint
   assert loaded.model_config == original.model_config
-  meta, _ = checkpointing.read_meta(out)
+  meta, _ = checkpointing.read_meta(RunLayout.of(out).checkpoints)
   assert meta['averaged_steps'] == steps
   # An in-memory average (evaluate.py --average_last) equals the written one.
   in_memory = loading.load(run_dir, average_last=2)
@@ -139,7 +142,7 @@ def test_averaging_writes_a_loadable_checkpoint_of_the_mean(run_dir, tmp_path):
   with pytest.raises(ValueError, match='must differ'):
     averaging.average_checkpoints(run_dir, run_dir, 2)
   with pytest.raises(ValueError, match='only 3'):
-    averaging.last_steps(run_dir, 5)
+    averaging.last_steps(RunLayout.of(run_dir).checkpoints, 5)
   with pytest.raises(ValueError, match='not both'):
     loading.load(run_dir, step=100, average_last=2)
 

@@ -37,6 +37,7 @@ from transformer_jax.decoding import decode
 from transformer_jax.decoding import translator as translator_lib
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.models import Transformer
+from transformer_jax.storage.layout import RunLayout
 
 _EN = 'the cat dog house red blue big small runs sees eats a man woman child tree water'.split()
 _DE = (
@@ -126,7 +127,7 @@ def build_test_run(root: str) -> str:
     rows = np.random.default_rng(i).integers(0, len(inputs), 64)
     params, opt_state = step(params, opt_state, inputs[rows], targets[rows])
     if i in TRAIN_STEPS:
-      checkpointing.write_params_checkpoint(workdir, i, params, meta)
+      checkpointing.write_params_checkpoint(RunLayout.of(workdir).checkpoints, i, params, meta)
   with open(os.path.join(root, 'READY'), 'w') as f:
     f.write('ok\n')
   return workdir

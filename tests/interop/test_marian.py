@@ -35,6 +35,7 @@ from transformer_jax.interop import marian
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.models import sinusoidal_positions
 from transformer_jax.model.models import Transformer
+from transformer_jax.storage.layout import RunLayout
 
 # Imported when this file's first test starts, not when the tests are collected: every test process
 # collects every file, and importing PyTorch and transformers there cost each process seconds.
@@ -434,7 +435,7 @@ def test_import_into_an_empty_directory_and_a_retry_after_a_failure(opus_mt_dir,
   assert os.listdir(workdir) == [] and sorted(os.listdir(tmp_path)) == ['W', 'broken']
   marian.import_model(str(directory), str(workdir))
   assert sorted(os.listdir(workdir)) == ['checkpoints', 'finetune_config.py', 'marian_vocab.json']
-  meta, _ = checkpointing.read_meta(str(workdir))
+  meta, _ = checkpointing.read_meta(RunLayout.of(str(workdir)).checkpoints)
   assert meta['tokenizer']['path'] == str(workdir / 'marian_vocab.json')  # Not the staging.
   assert loading.load(str(workdir)).tokenizer.vocab_size == meta['vocab_size']
   other = tmp_path / 'other'
@@ -482,7 +483,7 @@ def test_imported_model_fine_tunes_from_its_config_file(opus_mt_dir, tmp_path):
   result = train_loop.train_and_evaluate(config, str(tmp_path / 'tuned'))
   assert int(result.state.step) == 2
   # It started from the imported parameters and moved from them.
-  start, _ = checkpointing.restore_params(str(imported_dir), 0)
+  start, _ = checkpointing.restore_params(RunLayout.of(str(imported_dir)).checkpoints, 0)
   moved = jax.tree.map(
       lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
       jax.device_get(result.state.params),
@@ -554,7 +555,10 @@ def _own_checkpoint(root, output_ids=None, **fields) -> str:
     params['shared_embedding']['embedding'][PAD_ID] = 0
   workdir = str(root / 'run')
   checkpointing.write_params_checkpoint(
-      workdir, 7, params, checkpointing.make_meta(config, tokenizer, output_ids)
+      RunLayout.of(workdir).checkpoints,
+      7,
+      params,
+      checkpointing.make_meta(config, tokenizer, output_ids),
   )
   return workdir
 
@@ -788,7 +792,7 @@ def test_import_and_export_on_a_bucket_match_the_local_ones(opus_mt_dir, bucket,
       ours.params,
       theirs.params,
   )
-  meta, _ = checkpointing.read_meta(workdir)
+  meta, _ = checkpointing.read_meta(RunLayout.of(workdir).checkpoints)
   assert meta['imported_from'] == f'{bucket}/opus'
   assert meta['tokenizer']['path'] == f'{workdir}/marian_vocab.json'
   assert f"c.init_from = '{workdir}'" in fs.cat(f'{workdir}/finetune_config.py').decode()

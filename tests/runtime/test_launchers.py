@@ -27,6 +27,7 @@ import pytest
 import test_multihost
 import train_testlib
 from transformer_jax.checkpoints import checkpointing
+from transformer_jax.storage.layout import RunLayout
 
 pytestmark = pytest.mark.slow  # a SLURM cluster and Open MPI, training through them.
 
@@ -254,8 +255,8 @@ def test_scancel_term_stops_every_task_at_one_step_and_resubmitting_ends_bitwise
   again = Job(recipe(config_path, workdir), str(tmp_path), 'resubmitted')
   assert again.finish() == ('COMPLETED', '0:0'), again.log()[-4000:]
   assert f'Resumed from the checkpoint at step {step}' in again.log()
-  ours, last = checkpointing.restore_params(workdir)
-  theirs, _ = checkpointing.restore_params(uninterrupted[0])
+  ours, last = checkpointing.restore_params(RunLayout.of(workdir).checkpoints)
+  theirs, _ = checkpointing.restore_params(RunLayout.of(uninterrupted[0]).checkpoints)
   assert last == STEPS
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(ours), jax.device_get(theirs))
 

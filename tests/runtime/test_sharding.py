@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import train_testlib
+from transformer_jax.storage.layout import RunLayout
 
 pytestmark = pytest.mark.slow  # training on 8 devices through a subprocess.
 
@@ -129,7 +130,9 @@ def _worker(checkpoint_dir: str) -> dict:
       saved_state = state
 
   # Save on the mixed mesh, restore onto the fsdp mesh (orbax reshards at load).
-  checkpointer = checkpointing.Checkpointer(checkpoint_dir, save_every=1, final_step=STEPS)
+  checkpointer = checkpointing.Checkpointer(
+      RunLayout.of(checkpoint_dir).checkpoints, save_every=1, final_step=STEPS
+  )
   data = iter(grain.MapDataset.range(4).to_iter_dataset())
   checkpointer.save(saved_state, data, {'note': 'test'}, force=True)
   checkpointer.wait()

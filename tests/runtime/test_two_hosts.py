@@ -28,6 +28,7 @@ from test_launchers import Job
 from test_launchers import recipe
 import test_multihost
 from transformer_jax.checkpoints import checkpointing
+from transformer_jax.storage.layout import RunLayout
 
 pytestmark = pytest.mark.slow  # a two-node SLURM cluster, training through it.
 
@@ -154,7 +155,7 @@ def test_two_hosts_a_slow_link_gives_the_same_losses_in_slower_steps(
   assert sorted(ours) == [1, 2, 3, 4]
   np.testing.assert_allclose([ours[s] for s in ours], [theirs[s] for s in ours], rtol=2e-5)
 
-  params, _ = checkpointing.restore_params(workdir)
+  params, _ = checkpointing.restore_params(RunLayout.of(workdir).checkpoints)
   floor = 4 * sum(np.size(p) for p in jax.tree.leaves(params)) / SLOW_LINK_BYTES_PER_S
   plain, slow = _step_seconds(across_two_hosts[0]), _step_seconds(workdir)
   shown = f'steps (s): unshaped {plain}, slow link {slow}; the link needs {floor:.2f}'

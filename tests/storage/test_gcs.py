@@ -180,7 +180,7 @@ def test_commands_read_a_run_and_write_their_results_on_a_bucket(run_dir, bucket
   assert result.returncode == 0, result.stderr[-3000:]
   from transformer_jax.checkpoints import checkpointing
 
-  meta, step = checkpointing.read_meta(f'{bucket}/avg')
+  meta, step = checkpointing.read_meta(RunLayout.of(f'{bucket}/avg').checkpoints)
   assert step == TRAIN_STEPS[-1] and meta['averaged_steps'] == list(TRAIN_STEPS[-2:])
   assert meta['averaged_from'] == run
 
@@ -310,8 +310,8 @@ def test_text_files_a_vocabulary_and_init_from_on_a_bucket(bucket, tmp_path):
   assert 'Trained a' not in tuned.stderr
   from transformer_jax.checkpoints import checkpointing
 
-  meta, step = checkpointing.read_meta(str(tmp_path / 'tuned'))
-  first_meta, _ = checkpointing.read_meta(f'{bucket}/run')
+  meta, step = checkpointing.read_meta(RunLayout.of(str(tmp_path / 'tuned')).checkpoints)
+  first_meta, _ = checkpointing.read_meta(RunLayout.of(f'{bucket}/run').checkpoints)
   assert step == 6 and meta['tokenizer']['sha256'] == first_meta['tokenizer']['sha256']
 
   prepared = _run(
@@ -380,9 +380,9 @@ def _lock_object(bucket: str, **record) -> Any:
 
 def test_the_lock_on_a_bucket_names_a_live_holder_and_takes_over_a_dead_one(bucket, caplog):
   run = f'{bucket}/run'
-  with workdir_lock.WorkdirLock(run, heartbeat_s=0.2):
+  with workdir_lock.WorkdirLock(RunLayout.of(run).lock, heartbeat_s=0.2):
     with pytest.raises(workdir_lock.WorkdirBusyError) as error:
-      workdir_lock.WorkdirLock(run).acquire()  # Created only if absent: refused.
+      workdir_lock.WorkdirLock(RunLayout.of(run).lock).acquire()  # Created only if absent: refused.
     assert f'process {os.getpid()} on host {socket.gethostname()}' in str(error.value)
   assert not epath.Path(RunLayout.of(run).lock).exists()  # Released.
 
@@ -393,11 +393,11 @@ def test_the_lock_on_a_bucket_names_a_live_holder_and_takes_over_a_dead_one(buck
       started=time.time(),
       token='old',
   )
-  with workdir_lock.WorkdirLock(run):
+  with workdir_lock.WorkdirLock(RunLayout.of(run).lock):
     assert 'is gone' in caplog.text
   caplog.clear()
   _lock_object(bucket)  # Parses, but no holder: taken over at once.
-  with workdir_lock.WorkdirLock(run):
+  with workdir_lock.WorkdirLock(RunLayout.of(run).lock):
     assert 'empty or cannot be parsed' in caplog.text
 
 
@@ -416,11 +416,15 @@ def test_another_hosts_lock_on_a_bucket_is_stale_when_its_generation_stops_chang
   beating.start()
   try:
     with pytest.raises(workdir_lock.WorkdirBusyError, match='host elsewhere'):
-      workdir_lock.WorkdirLock(f'{bucket}/run', stale_after_s=3, heartbeat_s=0.4).acquire()
+      workdir_lock.WorkdirLock(
+          RunLayout.of(f'{bucket}/run').lock, stale_after_s=3, heartbeat_s=0.4
+      ).acquire()
   finally:
     stop.set()
     beating.join()
-  lock = workdir_lock.WorkdirLock(f'{bucket}/run', stale_after_s=1, heartbeat_s=0.2)
+  lock = workdir_lock.WorkdirLock(
+      RunLayout.of(f'{bucket}/run').lock, stale_after_s=1, heartbeat_s=0.2
+  )
   lock.acquire()
   assert 'generation has not changed for 1 s' in caplog.text
   # Said once, before the wait: what it watches and for how long.
@@ -439,11 +443,16 @@ def test_metrics_on_a_bucket_keep_every_row_through_a_restart(bucket):
 
   run = f'{bucket}/run'
   row = lambda loss: {'loss': loss, 'perplexity': 2.0, 'accuracy': 0.5}
-  writer = metrics_writer.MetricsWriter(run, total_steps=40, start_step=0, enabled=True)
+  layout = RunLayout.of(run)
+  writer = metrics_writer.MetricsWriter(
+      layout.metrics, layout.tensorboard, total_steps=40, start_step=0, enabled=True
+  )
   for step in (10, 20, 30):
     writer.write(step, 'eval', row(step / 10))
   writer.close()
-  writer = metrics_writer.MetricsWriter(run, total_steps=40, start_step=20, enabled=True)
+  writer = metrics_writer.MetricsWriter(
+      layout.metrics, layout.tensorboard, total_steps=40, start_step=20, enabled=True
+  )
   for step in (30, 40):
     writer.write(step, 'eval', row(step))
   writer.close()
@@ -465,7 +474,9 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
 
   from transformer_jax.checkpoints import checkpointing
 
-  checkpointer = checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2)
+  checkpointer = checkpointing.Checkpointer(
+      RunLayout.of(f'{bucket}/run').checkpoints, save_every=1, final_step=2
+  )
   manager = ocp.CheckpointManager(
       checkpointer.directory, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
   )
@@ -478,7 +489,9 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
         ),
     )
   manager.wait_until_finished()
-  checkpointer = checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2)
+  checkpointer = checkpointing.Checkpointer(
+      RunLayout.of(f'{bucket}/run').checkpoints, save_every=1, final_step=2
+  )
   assert checkpointer.steps() == [1, 2]
   path = checkpointer.set_aside(2)
   assert path == f'{bucket}/run/checkpoints/2.damaged'
@@ -499,7 +512,9 @@ def test_a_damaged_checkpoint_on_a_bucket_is_set_aside_whole(bucket):
   assert restored['meta'] == {'step': 1}
   checkpointer.close()
   # The next train.py opens the directory again: the copy stays (issue 47 saw it deleted).
-  checkpointing.Checkpointer(f'{bucket}/run', save_every=1, final_step=2).close()
+  checkpointing.Checkpointer(
+      RunLayout.of(f'{bucket}/run').checkpoints, save_every=1, final_step=2
+  ).close()
   names = sorted(p.name for p in epath.Path(f'{bucket}/run/checkpoints').iterdir())
   assert names == ['1', '2.damaged']
 
@@ -582,8 +597,8 @@ def test_training_on_a_bucket_resumes_after_kill9_to_the_uninterrupted_result(
   assert 'Trained a' not in stderr and 'Tokeniz' not in stderr, stderr[-3000:]
   assert not epath.Path(RunLayout.of(run).lock).exists()
 
-  ours, step = checkpointing.restore_params(run)
-  theirs, _ = checkpointing.restore_params(reference)
+  ours, step = checkpointing.restore_params(RunLayout.of(run).checkpoints)
+  theirs, _ = checkpointing.restore_params(RunLayout.of(reference).checkpoints)
   assert step == STEPS
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(ours), jax.device_get(theirs))
 
@@ -693,8 +708,9 @@ def test_a_short_outage_is_ridden_out_and_a_long_one_stops_in_one_paragraph(
     compare = (
         'import jax, numpy as np, sys\n'
         'from transformer_jax.checkpoints import checkpointing\n'
-        'ours, step = checkpointing.restore_params(sys.argv[1])\n'
-        'theirs, _ = checkpointing.restore_params(sys.argv[2])\n'
+        'from transformer_jax.storage.layout import RunLayout\n'
+        'ours, step = checkpointing.restore_params(RunLayout.of(sys.argv[1]).checkpoints)\n'
+        'theirs, _ = checkpointing.restore_params(RunLayout.of(sys.argv[2]).checkpoints)\n'
         f'assert step == {STEPS}, step\n'
         'jax.tree.map(np.testing.assert_array_equal, ours, theirs)\n'
     )

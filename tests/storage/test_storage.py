@@ -348,7 +348,9 @@ def test_an_empty_or_unparsable_lock_is_taken_over_at_once_with_its_name(tmp_pat
   path = pathlib.Path(RunLayout.of(str(tmp_path)).lock)
   for contents in ('', '{"host": "elsewhere"', '[1, 2]', '{"pid": 1}'):
     path.write_text(contents)
-    lock = workdir_lock.WorkdirLock(str(tmp_path))  # The default 300 s staleness.
+    lock = workdir_lock.WorkdirLock(
+        RunLayout.of(str(tmp_path)).lock
+    )  # The default 300 s staleness.
     lock.acquire()
     assert json.loads(path.read_text())['pid'] == os.getpid()
     lock.release()
@@ -367,13 +369,13 @@ def test_the_lock_is_never_seen_without_its_contents_and_a_full_disk_leaves_none
     workdir.mkdir()
     train_testlib.fill_disk(str(mount / 'filler'))
     with pytest.raises(OSError) as error:
-      workdir_lock.WorkdirLock(str(workdir)).acquire()
+      workdir_lock.WorkdirLock(RunLayout.of(str(workdir)).lock).acquire()
     from transformer_jax import errors
 
     assert isinstance(errors.find_user_error(error.value), DiskFullError)
     assert os.listdir(workdir) == []  # No lock, no temporary.
     os.remove(mount / 'filler')
-    with workdir_lock.WorkdirLock(str(workdir)):
+    with workdir_lock.WorkdirLock(RunLayout.of(str(workdir)).lock):
       assert (
           json.loads(pathlib.Path(RunLayout.of(str(workdir)).lock).read_text())['pid']
           == os.getpid()

@@ -24,14 +24,14 @@ def _write_lock(workdir, **record):
 
 
 def test_a_second_lock_on_a_live_holder_names_it(tmp_path):
-  with WorkdirLock(str(tmp_path)):
+  with WorkdirLock(RunLayout.of(str(tmp_path)).lock):
     with pytest.raises(WorkdirBusyError) as error:
-      WorkdirLock(str(tmp_path)).acquire()
+      WorkdirLock(RunLayout.of(str(tmp_path)).lock).acquire()
     message = str(error.value)
     assert f'process {os.getpid()} on host {socket.gethostname()}' in message
     assert 'another --workdir' in message
   assert not os.path.exists(RunLayout.of(str(tmp_path)).lock)  # Released.
-  WorkdirLock(str(tmp_path)).acquire()  # Free again.
+  WorkdirLock(RunLayout.of(str(tmp_path)).lock).acquire()  # Free again.
 
 
 def test_the_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
@@ -42,7 +42,7 @@ def test_the_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
       started=time.time(),
       token='old',
   )
-  lock = WorkdirLock(str(tmp_path))
+  lock = WorkdirLock(RunLayout.of(str(tmp_path)).lock)
   lock.acquire()
   with open(RunLayout.of(str(tmp_path)).lock, encoding='utf-8') as f:
     assert json.load(f)['pid'] == os.getpid()
@@ -52,20 +52,20 @@ def test_the_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
 def test_a_reused_process_id_does_not_keep_a_lock(tmp_path):
   """The id is alive (this process) but started after the lock was written."""
   _write_lock(str(tmp_path), host=socket.gethostname(), pid=os.getpid(), started=1.0, token='old')
-  WorkdirLock(str(tmp_path)).acquire()
+  WorkdirLock(RunLayout.of(str(tmp_path)).lock).acquire()
 
 
 def test_another_hosts_lock_is_stale_only_without_heartbeat(tmp_path):
   path = _write_lock(str(tmp_path), host='elsewhere', pid=1, started=time.time(), token='old')
   with pytest.raises(WorkdirBusyError, match='host elsewhere'):
-    WorkdirLock(str(tmp_path), stale_after_s=60).acquire()
+    WorkdirLock(RunLayout.of(str(tmp_path)).lock, stale_after_s=60).acquire()
   old = time.time() - 120
   os.utime(path, (old, old))
-  WorkdirLock(str(tmp_path), stale_after_s=60).acquire()
+  WorkdirLock(RunLayout.of(str(tmp_path)).lock, stale_after_s=60).acquire()
 
 
 def test_heartbeat_touches_and_release_spares_a_lock_taken_over(tmp_path):
-  lock = WorkdirLock(str(tmp_path), heartbeat_s=0.05)
+  lock = WorkdirLock(RunLayout.of(str(tmp_path)).lock, heartbeat_s=0.05)
   lock.acquire()
   path = pathlib.Path(RunLayout.of(str(tmp_path)).lock)
   old = time.time() - 1000

@@ -34,6 +34,7 @@ from transformer_jax.model import models
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.runtime import multihost
 from transformer_jax.runtime.partitioning import Partitioner
+from transformer_jax.storage.layout import RunLayout
 from transformer_jax.training import metrics_writer
 from transformer_jax.training import optimizer
 from transformer_jax.training import train_loop
@@ -250,12 +251,13 @@ def test_train_py_imports_neither_pytorch_nor_the_cloud_storage_client(tmp_path)
   """tensorboardX imports both where they are installed (seconds of every start); the metrics
   writer gives it neither, and they still import afterwards: neither is left blocked (a None
   in sys.modules would be listed), and the lighter one imports (torch would cost seconds)."""
+  layout = RunLayout.of(str(tmp_path))
   code = (
       'import sys, importlib.util\n'
       'from transformer_jax.commands import train\n'
       'from transformer_jax.training import metrics_writer\n'
-      f'metrics_writer.MetricsWriter({str(tmp_path)!r}, total_steps=1, start_step=0,\n'
-      '                              enabled=True)\n'
+      f'metrics_writer.MetricsWriter({layout.metrics!r}, {layout.tensorboard!r},\n'
+      '                              total_steps=1, start_step=0, enabled=True)\n'
       'print(sorted(m for m in ("torch", "google.cloud.storage", "tensorboardX")\n'
       '             if m in sys.modules))\n'
       'import google.cloud.storage\n'
@@ -307,7 +309,7 @@ def test_run_writes_metrics_tensorboard_and_checkpoints(finished_run):
   # keep_checkpoints=1 keeps step 6; keep_checkpoint_period=4 keeps step 4; and the best
   # by BLEU of the checkpoints saved at evaluations (3 and 6; ties: the later) is kept.
   best = max((m['bleu'], m['step']) for m in evals)[1]
-  assert checkpointing.list_steps(workdir) == sorted({4, 6, best})
+  assert checkpointing.list_steps(RunLayout.of(workdir).checkpoints) == sorted({4, 6, best})
   assert loading.load(workdir, step='best').step == best
 
 
@@ -358,7 +360,12 @@ def test_the_best_checkpoints_are_kept_besides_the_latest(tmp_path, metric, kept
   import grain
 
   checkpointer = checkpointing.Checkpointer(
-      str(tmp_path), save_every=100, final_step=100, keep=1, best_metric=metric, keep_best=2
+      RunLayout.of(str(tmp_path)).checkpoints,
+      save_every=100,
+      final_step=100,
+      keep=1,
+      best_metric=metric,
+      keep_best=2,
   )
   meta = {'config': {'best_checkpoint_metric': metric}, 'vocab_size': 8, 'tokenizer': {}}
   data = iter(grain.MapDataset.range(4).to_iter_dataset())
@@ -375,10 +382,14 @@ def test_the_best_checkpoints_are_kept_besides_the_latest(tmp_path, metric, kept
     checkpointer.save(_fake_state(step), data, meta, force=True, metrics=metrics)
     checkpointer.wait()
   checkpointer.close()
-  assert checkpointing.list_steps(str(tmp_path)) == kept
-  meta_read, step = checkpointing.read_meta(str(tmp_path), checkpointing.BEST)
+  assert checkpointing.list_steps(RunLayout.of(str(tmp_path)).checkpoints) == kept
+  meta_read, step = checkpointing.read_meta(
+      RunLayout.of(str(tmp_path)).checkpoints, checkpointing.BEST
+  )
   assert step == best and meta_read['vocab_size'] == 8
-  params, step = checkpointing.restore_params(str(tmp_path), checkpointing.BEST)
+  params, step = checkpointing.restore_params(
+      RunLayout.of(str(tmp_path)).checkpoints, checkpointing.BEST
+  )
   assert step == best and float(params['w'][0]) == best
 
 
@@ -390,7 +401,7 @@ def test_loading_for_inference_needs_only_the_workdir(finished_run, tmp_path):
   assert loaded.model_config.deterministic and loaded.model_config.num_encoder_layers == 1
   # The output layer's pieces come with the checkpoint: the target side's, not all 128.
   ids = loaded.model_config.output_ids
-  assert ids == tuple(checkpointing.read_meta(workdir)[0]['output_ids'])
+  assert ids == tuple(checkpointing.read_meta(RunLayout.of(workdir).checkpoints)[0]['output_ids'])
   assert 2 < len(ids) < loaded.model_config.vocab_size == 128
   assert loaded.config.d_model == config.d_model
   jax.tree.map(
@@ -404,17 +415,17 @@ def test_loading_for_inference_needs_only_the_workdir(finished_run, tmp_path):
   expected = loaded.tokenizer.encode(sentence)
   os.rename(original, original + '.moved')
   try:
-    meta, _ = checkpointing.read_meta(workdir, 4)
+    meta, _ = checkpointing.read_meta(RunLayout.of(workdir).checkpoints, 4)
     assert checkpointing.tokenizer_from_meta(meta).encode(sentence) == expected
   finally:
     os.rename(original + '.moved', original)
-  params, step = checkpointing.restore_params(workdir, 4)
+  params, step = checkpointing.restore_params(RunLayout.of(workdir).checkpoints, 4)
   assert step == 4
   assert not np.array_equal(
       params['shared_embedding']['embedding'], loaded.params['shared_embedding']['embedding']
   )
   with pytest.raises(FileNotFoundError, match='no checkpoint for step 5'):
-    checkpointing.restore_params(workdir, 5)
+    checkpointing.restore_params(RunLayout.of(workdir).checkpoints, 5)
 
 
 @pytest.mark.slow
@@ -509,7 +520,7 @@ def test_init_from_starts_a_new_run_from_the_checkpoint_parameters(finished_run,
   tuned_dir = str(tmp_path / 'tuned')
   result = train_loop.train_and_evaluate(tuned, tuned_dir)
   assert int(result.state.step) == 2
-  source, _ = checkpointing.restore_params(workdir, 4)
+  source, _ = checkpointing.restore_params(RunLayout.of(workdir).checkpoints, 4)
   jax.tree.map(
       lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-12),
       jax.device_get(result.state.params),
@@ -517,9 +528,10 @@ def test_init_from_starts_a_new_run_from_the_checkpoint_parameters(finished_run,
   )
   # The checkpoint's vocabulary, not a new one trained in the new work directory.
   assert not os.path.exists(os.path.join(tuned_dir, 'vocab'))
-  meta, _ = checkpointing.read_meta(tuned_dir)
+  meta, _ = checkpointing.read_meta(RunLayout.of(tuned_dir).checkpoints)
   assert (
-      meta['tokenizer']['sha256'] == checkpointing.read_meta(workdir, 4)[0]['tokenizer']['sha256']
+      meta['tokenizer']['sha256']
+      == checkpointing.read_meta(RunLayout.of(workdir).checkpoints, 4)[0]['tokenizer']['sha256']
   )
   assert loading.load(tuned_dir).config.init_from == workdir
   # Resuming it goes on from its own checkpoint, not from step 4 again.
@@ -579,10 +591,12 @@ def test_init_from_refuses_other_shapes_and_vocabularies_before_compiling(finish
       ),
       str(tmp_path / 'mapped'),
   )
-  source, _ = checkpointing.restore_params(workdir)
+  source, _ = checkpointing.restore_params(RunLayout.of(workdir).checkpoints)
   source = jax.device_get(source)
   params = jax.device_get(mapped.state.params)
-  old_pieces = checkpointing.tokenizer_from_meta(checkpointing.read_meta(workdir)[0]).pieces()
+  old_pieces = checkpointing.tokenizer_from_meta(
+      checkpointing.read_meta(RunLayout.of(workdir).checkpoints)[0]
+  ).pieces()
   new_pieces = other.pieces()
   shared = [(i, old_pieces.index(p)) for i, p in enumerate(new_pieces) if p in old_pieces]
   assert 8 < len(shared) < len(new_pieces)  # Some pieces are shared, not all.
@@ -626,9 +640,9 @@ def test_a_run_that_skips_every_update_stops_with_an_error(data_files, tmp_path)
   )
   with pytest.raises(train_loop.NonFiniteError, match='last 3 updates .* all skipped'):
     train_loop.train_and_evaluate(config, str(tmp_path))
-  steps = checkpointing.list_steps(str(tmp_path))
+  steps = checkpointing.list_steps(RunLayout.of(str(tmp_path)).checkpoints)
   assert steps and max(steps) < 12
-  params, _ = checkpointing.restore_params(str(tmp_path), max(steps))
+  params, _ = checkpointing.restore_params(RunLayout.of(str(tmp_path)).checkpoints, max(steps))
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(jax.device_get(params)))
 
 
@@ -658,7 +672,7 @@ def test_sigterm_and_ctrl_c_save_that_step_and_stop(finished_run, tmp_path, sign
   assert stopped.stopped_early and int(stopped.state.step) == 3
   assert stopped.interrupted == (signum == signal.SIGINT)  # train.py then exits 130, not 0.
   # Step 3 is not a regular save step (every 2), and it is complete on return.
-  assert checkpointing.list_steps(workdir) == [3]
+  assert checkpointing.list_steps(RunLayout.of(workdir).checkpoints) == [3]
   logged = [m['step'] for m in read_metrics(workdir) if m['split'] == 'train']
   assert logged == [1, 2, 3]
   assert signal.getsignal(signum) is not stop._on_signal
@@ -709,7 +723,7 @@ def test_ctrl_c_saves_exits_130_and_stops_the_script_and_a_rerun_resumes(data_fi
       os.killpg(job.pid, signal.SIGKILL)
   assert job.returncode == 130 and 'NEXT' not in out, (job.returncode, out, err[-3000:])
   assert 'interrupted by Ctrl-C' in err and 'Traceback' not in err, err[-3000:]
-  saved = checkpointing.list_steps(str(workdir))
+  saved = checkpointing.list_steps(RunLayout.of(str(workdir)).checkpoints)
   assert len(saved) == 1, saved
   # The rerun resumes; a scheduler's SIGTERM arriving as it ends (after its last step, while
   # it shuts down) leaves the documented exit 0, never 143.
@@ -738,7 +752,7 @@ def test_ctrl_c_saves_exits_130_and_stops_the_script_and_a_rerun_resumes(data_fi
     assert resumed.wait(timeout=1) == 0, log.read_text()[-3000:]
   finally:
     resumed.kill()
-  assert checkpointing.list_steps(str(workdir))[-1] == saved[0] + 1
+  assert checkpointing.list_steps(RunLayout.of(str(workdir)).checkpoints)[-1] == saved[0] + 1
   logged = [m['step'] for m in read_metrics(str(workdir)) if m['split'] == 'train']
   assert logged == list(range(1, saved[0] + 2)), logged  # Each step once: resumed, not redone.
 

@@ -23,26 +23,26 @@ from transformer_jax.checkpoints import checkpointing
 from transformer_jax.errors import CheckpointNotFoundError
 from transformer_jax.errors import ConfigError
 from transformer_jax.storage import paths
-from transformer_jax.storage import storage
+from transformer_jax.storage.layout import RunLayout
 
 PyTree = Any
 
 
-def last_steps(workdir: str, num: int) -> list[int]:
-  """The last `num` checkpoint steps of `workdir`, ascending.
+def last_steps(directory: str, num: int) -> list[int]:
+  """The last `num` checkpoint steps in `directory` (`RunLayout.checkpoints`), ascending.
 
   Raises:
-    CheckpointNotFoundError: `workdir` has no checkpoints.
+    CheckpointNotFoundError: `directory` has no checkpoints.
     ConfigError: it has fewer than `num`, or `num` < 1.
   """
   if num < 1:
     raise ConfigError(f'Cannot average {num} checkpoints; ask for 1 or more.')
-  steps = checkpointing.list_steps(workdir)
+  steps = checkpointing.list_steps(directory)
   if not steps:
-    raise CheckpointNotFoundError(f'{workdir} has no complete checkpoint.')
+    raise CheckpointNotFoundError(f'{directory} has no complete checkpoint.')
   if len(steps) < num:
     raise ConfigError(
-        f'Asked to average the last {num} checkpoints, but {workdir} has only '
+        f'Asked to average the last {num} checkpoints, but {directory} has only '
         f'{len(steps)} ({steps}); ask for at most {len(steps)}, or keep more '
         'with --config.keep_checkpoints / keep_checkpoint_period.'
     )
@@ -54,13 +54,13 @@ def _add(total: PyTree, params: PyTree) -> PyTree:
   return jax.tree.map(lambda a, b: a + b.astype(a.dtype), total, params)
 
 
-def average_params(workdir: str, steps: Sequence[int], *, shardings: PyTree = None) -> PyTree:
+def average_params(directory: str, steps: Sequence[int], *, shardings: PyTree = None) -> PyTree:
   """The element-wise mean of the parameters of `steps`, summed in float32.
 
   Checkpoints are read one at a time, so memory holds two copies of the parameters, not N.
 
   Args:
-    workdir: a training run's work directory.
+    directory: a training run's checkpoint directory (`RunLayout.checkpoints`).
     steps: the checkpoints to average.
     shardings: where the parameters go (see `checkpointing.restore_params`).
 
@@ -71,7 +71,7 @@ def average_params(workdir: str, steps: Sequence[int], *, shardings: PyTree = No
     raise ValueError('No checkpoint steps to average.')
   total, dtypes = None, None
   for step in steps:
-    params, _ = checkpointing.restore_params(workdir, step, shardings=shardings)
+    params, _ = checkpointing.restore_params(directory, step, shardings=shardings)
     if total is None:
       dtypes = jax.tree.map(lambda x: x.dtype, params)
       total = jax.tree.map(lambda x: x.astype(jnp.float32), params)
@@ -106,10 +106,11 @@ def average_checkpoints(workdir: str, output_workdir: str, num: int) -> tuple[st
         'The output directory must differ from the training work directory: '
         'an averaged checkpoint has no optimizer state to resume from.'
     )
-  steps = last_steps(workdir, num)
-  meta, last = checkpointing.read_meta(workdir, steps[-1])
-  params = average_params(workdir, steps)
+  source, output = RunLayout.of(workdir), RunLayout.of(output_workdir)
+  steps = last_steps(source.checkpoints, num)
+  meta, last = checkpointing.read_meta(source.checkpoints, steps[-1])
+  params = average_params(source.checkpoints, steps)
   meta = copy.deepcopy(meta)
   meta['averaged_steps'] = steps
-  meta['averaged_from'] = storage.resolve(workdir)
-  return checkpointing.write_params_checkpoint(output_workdir, last, params, meta), steps
+  meta['averaged_from'] = source.root
+  return checkpointing.write_params_checkpoint(output.checkpoints, last, params, meta), steps

@@ -51,7 +51,6 @@ from transformer_jax.errors import find_user_error
 from transformer_jax.errors import OutputExistsError
 from transformer_jax.errors import UserError
 from transformer_jax.storage import storage
-from transformer_jax.storage.layout import RunLayout
 
 META_FORMAT = 1
 BEST = 'best'  # The step argument that asks for the best checkpoint (`best_step`).
@@ -253,14 +252,15 @@ def _options(
 
 
 class Checkpointer:
-  """The run's checkpoints: one orbax `CheckpointManager` over `WORKDIR/checkpoints`.
+  """The run's checkpoints: one orbax `CheckpointManager` over its checkpoint directory
+  (`RunLayout.checkpoints`).
 
   Every process of the job must create it and call `save` and `restore` together.
   """
 
   def __init__(
       self,
-      workdir: str,
+      directory: str,
       *,
       save_every: int,
       final_step: int,
@@ -269,10 +269,10 @@ class Checkpointer:
       best_metric: str = '',
       keep_best: int = 1,
   ):
-    """Opens (and creates) `workdir/checkpoints`.
+    """Opens (and creates) `directory`.
 
     Args:
-      workdir: the run's work directory.
+      directory: the run's checkpoint directory (`RunLayout.checkpoints`).
       save_every: save every this many steps.
       final_step: always save at this step (the end of the run).
       keep: keep the latest `keep` checkpoints (0: all).
@@ -281,7 +281,7 @@ class Checkpointer:
         one ('bleu', 'chrf' or 'loss'; '': none).
       keep_best: see `best_metric`.
     """
-    self.directory = RunLayout.of(workdir).checkpoints
+    self.directory = directory
     self._bytes = 0  # Of the last checkpoint's arrays.
     options = _options(
         save_every=save_every,
@@ -466,12 +466,11 @@ def _listed(list_steps: Callable[[], Any]) -> Any:
   return list_steps()
 
 
-def _reader(workdir: str) -> '_Bounded':
-  directory = RunLayout.of(workdir).checkpoints
+def _reader(directory: str) -> '_Bounded':
   if not storage.is_directory(directory):
     raise CheckpointNotFoundError(
-        f'{directory} does not exist: {workdir} holds no '
-        'checkpoints; pass the --workdir of a training run.'
+        f'{directory} does not exist: its work directory holds no checkpoints; pass the '
+        '--workdir of a training run.'
     )
   options = _options(save_every=1, final_step=0, keep=0, keep_period=0, read_only=True)
   make = lambda: ocp.CheckpointManager(directory, options=options)
@@ -525,29 +524,30 @@ _DOING = {
 }
 
 
-def list_steps(workdir: str) -> list[int]:
-  """The steps of the complete checkpoints in `workdir`, ascending."""
-  with _reader(workdir) as manager:
+def list_steps(directory: str) -> list[int]:
+  """The steps of the complete checkpoints in `directory` (`RunLayout.checkpoints`),
+  ascending."""
+  with _reader(directory) as manager:
     return sorted(manager.all_steps())
 
 
-def _resolve_step(manager: ocp.CheckpointManager, workdir: str, step: int | str | None) -> int:
+def _resolve_step(manager: ocp.CheckpointManager, directory: str, step: int | str | None) -> int:
   steps = sorted(manager.all_steps())
   if not steps:
     raise CheckpointNotFoundError(
-        f'{workdir} has no complete checkpoint; train first, or '
+        f'{directory} has no complete checkpoint; train first, or '
         'pass the --workdir of a training run.'
     )
   if step is None:
     return steps[-1]
   if step == BEST:
-    return _best_step(manager, workdir, steps)
+    return _best_step(manager, directory, steps)
   if step not in steps:
-    raise CheckpointNotFoundError(f'{workdir} has no checkpoint for step {step}; it has {steps}.')
+    raise CheckpointNotFoundError(f'{directory} has no checkpoint for step {step}; it has {steps}.')
   return step
 
 
-def _best_step(manager: ocp.CheckpointManager, workdir: str, steps: list[int]) -> int:
+def _best_step(manager: ocp.CheckpointManager, directory: str, steps: list[int]) -> int:
   """The step of the best checkpoint by the run's `best_checkpoint_metric` (of the latest
   checkpoint's config), among those saved with validation metrics; ties: the later."""
   with _damaged(manager, manager.directory, steps[-1], 'meta'):
@@ -555,7 +555,7 @@ def _best_step(manager: ocp.CheckpointManager, workdir: str, steps: list[int]) -
   metric = meta.get('config', {}).get('best_checkpoint_metric', '')
   if not metric:
     raise CheckpointNotFoundError(
-        f"{workdir} keeps no best checkpoint (its run has best_checkpoint_metric=''); pass "
+        f"{directory} keeps no best checkpoint (its run has best_checkpoint_metric=''); pass "
         f'--step (it has {steps}), or train with --config.best_checkpoint_metric=bleu.'
     )
   key = _metric_key(metric)
@@ -566,7 +566,7 @@ def _best_step(manager: ocp.CheckpointManager, workdir: str, steps: list[int]) -
       scored.append((key(metrics), step))
   if not scored:
     raise CheckpointNotFoundError(
-        f'No checkpoint of {workdir} ({steps}) was saved with validation {metric} yet; one is '
+        f'No checkpoint of {directory} ({steps}) was saved with validation {metric} yet; one is '
         'at each evaluation (eval_every_steps). Pass --step meanwhile.'
     )
   return max(scored)[1]
@@ -627,12 +627,12 @@ def _damaged(
 
 
 def restore_params(
-    workdir: str, step: int | str | None = None, *, shardings: Any = None
+    directory: str, step: int | str | None = None, *, shardings: Any = None
 ) -> tuple[Any, int]:
   """The parameters of one checkpoint (nothing else is read).
 
   Args:
-    workdir: a training run's work directory.
+    directory: a training run's checkpoint directory (`RunLayout.checkpoints`).
     step: which checkpoint; None for the latest, `BEST` for the best (`_best_step`).
     shardings: a pytree of shardings matching the parameters, or one sharding for all;
       None places them on this process's first device.
@@ -640,8 +640,8 @@ def restore_params(
   Returns:
     (params, step).
   """
-  with _reader(workdir) as manager:
-    step = _resolve_step(manager, workdir, step)
+  with _reader(directory) as manager:
+    step = _resolve_step(manager, directory, step)
     with _damaged(manager, manager.directory, step, 'params'):
       metadata = manager.item_metadata(step)['params']
       if metadata is None:  # A manager that has not restored 'params' yet has no handler.
@@ -669,8 +669,8 @@ def restore_params(
   return params, step
 
 
-def write_params_checkpoint(workdir: str, step: int, params: Any, meta: dict[str, Any]) -> str:
-  """Writes `params` and `meta` as `workdir/checkpoints/<step>` (readable by
+def write_params_checkpoint(directory: str, step: int, params: Any, meta: dict[str, Any]) -> str:
+  """Writes `params` and `meta` as `directory/<step>` (readable by
   `loading.load` and `init_from`): no optimizer or data state, so not a run to resume.
 
   Returns:
@@ -679,7 +679,6 @@ def write_params_checkpoint(workdir: str, step: int, params: Any, meta: dict[str
   Raises:
     OutputExistsError: that step already exists there.
   """
-  directory = RunLayout.of(workdir).checkpoints
   if storage.is_directory(f'{directory}/{step}'):
     raise OutputExistsError(
         f'{directory}/{step} already exists; choose another output directory or remove it.'
@@ -698,11 +697,11 @@ def write_params_checkpoint(workdir: str, step: int, params: Any, meta: dict[str
   return f'{directory}/{step}'
 
 
-def read_meta(workdir: str, step: int | str | None = None) -> tuple[dict[str, Any], int]:
-  """The `meta` item of a checkpoint (config, vocabulary) and its step (`step`: an int, None
-  for the latest, `BEST` for the best)."""
-  with _reader(workdir) as manager:
-    step = _resolve_step(manager, workdir, step)
+def read_meta(directory: str, step: int | str | None = None) -> tuple[dict[str, Any], int]:
+  """The `meta` item of a checkpoint of `directory` (`RunLayout.checkpoints`): config and
+  vocabulary, and its step (`step`: an int, None for the latest, `BEST` for the best)."""
+  with _reader(directory) as manager:
+    step = _resolve_step(manager, directory, step)
     with _damaged(manager, manager.directory, step, 'meta'):
       meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
       if not isinstance(meta, dict) or not {'config', 'vocab_size', 'tokenizer'} <= set(meta):
@@ -710,12 +709,13 @@ def read_meta(workdir: str, step: int | str | None = None) -> tuple[dict[str, An
   return meta, step
 
 
-def newest_readable_meta(workdir: str) -> dict[str, Any] | None:
-  """The `meta` of the newest checkpoint of `workdir` whose meta can be read; None if it
-  has none (damaged checkpoints are skipped here and dealt with when restoring)."""
-  if not storage.is_directory(RunLayout.of(workdir).checkpoints):
+def newest_readable_meta(directory: str) -> dict[str, Any] | None:
+  """The `meta` of the newest checkpoint in `directory` (`RunLayout.checkpoints`) whose meta
+  can be read; None if it has none (damaged checkpoints are skipped here and dealt with when
+  restoring)."""
+  if not storage.is_directory(directory):
     return None
-  with _reader(workdir) as manager:
+  with _reader(directory) as manager:
     for step in sorted(manager.all_steps(), reverse=True):
       try:
         with _damaged(manager, manager.directory, step, 'meta'):

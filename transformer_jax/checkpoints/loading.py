@@ -28,6 +28,7 @@ from transformer_jax.errors import CheckpointNotFoundError
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.models import Transformer
 from transformer_jax.runtime.partitioning import Partitioner
+from transformer_jax.storage.layout import RunLayout
 
 PyTree = Any
 
@@ -109,20 +110,21 @@ def load(
   """
   if average_last and step is not None:
     raise ConfigError('Give --step or --average_last, not both.')
+  directory = RunLayout.of(workdir).checkpoints
   for _ in range(_RETRIES if step is None else 0):
     try:
-      return _load(workdir, step, average_last)
+      return _load(directory, step, average_last)
     except CheckpointGoneError as e:
       # A training run rotated away a step being read: "the latest" (or "the last N")
       # now means other steps, which are read instead. A step asked for by number is gone.
       logging.warning('%s Reading the checkpoints there now instead.', e)
-  return _load(workdir, step, average_last)
+  return _load(directory, step, average_last)
 
 
-def _load(workdir: str, step: int | str | None, average_last: int) -> InferenceCheckpoint:
-  """`load`, once."""
-  steps = averaging.last_steps(workdir, average_last) if average_last else None
-  meta, last = checkpointing.read_meta(workdir, steps[-1] if steps else step)
+def _load(directory: str, step: int | str | None, average_last: int) -> InferenceCheckpoint:
+  """`load` from a checkpoint directory, once."""
+  steps = averaging.last_steps(directory, average_last) if average_last else None
+  meta, last = checkpointing.read_meta(directory, steps[-1] if steps else step)
   config = config_lib.from_saved(meta['config'])
   config_lib.validate(config, vocab_size=meta['vocab_size'])
   model_config = TransformerConfig.from_config(
@@ -135,16 +137,16 @@ def _load(workdir: str, step: int | str | None, average_last: int) -> InferenceC
   shardings = param_shardings(model_config, partitioner)
   try:
     if steps:
-      params = averaging.average_params(workdir, steps, shardings=shardings)
+      params = averaging.average_params(directory, steps, shardings=shardings)
     else:
-      params, _ = checkpointing.restore_params(workdir, last, shardings=shardings)
+      params, _ = checkpointing.restore_params(directory, last, shardings=shardings)
   except CheckpointNotFoundError as e:
     # Listed a moment ago, so gone since: deleted by the training run writing there.
-    gone = sorted(set(steps or [last]) - set(checkpointing.list_steps(workdir)))
+    gone = sorted(set(steps or [last]) - set(checkpointing.list_steps(directory)))
     if isinstance(e, CheckpointGoneError) or not gone:
       raise
     raise CheckpointGoneError(
-        f'Checkpoint(s) {gone} of {workdir} were deleted while being read: the training '
+        f'Checkpoint(s) {gone} in {directory} were deleted while being read: the training '
         'run writing there keeps only its latest checkpoints (keep_checkpoints) and '
         'rotated them away.'
     ) from e

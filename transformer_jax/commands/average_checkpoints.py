@@ -18,6 +18,7 @@ from absl import flags
 
 from transformer_jax.commands import cli
 from transformer_jax.storage import paths
+from transformer_jax.storage.layout import RunLayout
 
 _WORKDIR = flags.DEFINE_string('workdir', None, "The training run's work directory.")
 _OUTPUT_WORKDIR = flags.DEFINE_string(
@@ -44,7 +45,9 @@ def main(argv: list[str]) -> None:
   from transformer_jax.checkpoints import checkpointing
 
   num = _NUM.value or int(
-      checkpointing.read_meta(_WORKDIR.value)[0]['config']['checkpoints_to_average']
+      checkpointing.read_meta(RunLayout.of(_WORKDIR.value).checkpoints)[0]['config'][
+          'checkpoints_to_average'
+      ]
   )
   path, steps = averaging.average_checkpoints(_WORKDIR.value, _OUTPUT_WORKDIR.value, num)
   print(f'Averaged steps {steps} into {path}')

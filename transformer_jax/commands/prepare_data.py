@@ -33,6 +33,7 @@ from transformer_jax.data import token_store
 from transformer_jax.data import vocab_cache
 from transformer_jax.storage import paths
 from transformer_jax.storage import storage
+from transformer_jax.storage.layout import RunLayout
 from transformer_jax.training import config_checks
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -83,14 +84,15 @@ def main(argv: list[str]) -> None:
       dict.fromkeys((config.train_split, config.eval_split, config.test_split))
   )
   train = data_sources.open_split(config, config.train_split)
-  tokenizer = vocab_cache.tokenizer_for(config, _WORKDIR.value, train)
+  layout = RunLayout.of(_WORKDIR.value)
+  tokenizer = vocab_cache.tokenizer_for(config, layout, train)
   print(f'vocabulary: {tokenizer.model_path} ({tokenizer.vocab_size} pieces)')
   for split in splits:
     pairs = train if split == config.train_split else data_sources.open_split(config, split)
-    directory = vocab_cache.store_directory(config, _WORKDIR.value, tokenizer, pairs)
+    directory = vocab_cache.store_directory(config, layout, tokenizer, pairs)
     start = time.perf_counter()
     if remote:  # Made locally, then published to the bucket.
-      store = vocab_cache.tokenized(pairs, tokenizer, config, _WORKDIR.value, workers)
+      store = vocab_cache.tokenized(pairs, tokenizer, config, layout, workers)
     else:
       store = token_store.prepare(
           pairs,

@@ -33,6 +33,7 @@ from transformer_jax.data.vocab_cache import tokenized
 from transformer_jax.data.vocab_cache import tokenizer_for
 from transformer_jax.runtime import multihost
 from transformer_jax.storage import storage
+from transformer_jax.storage.layout import RunLayout
 
 
 @dataclasses.dataclass
@@ -71,17 +72,17 @@ def target_side_ids(store: TokenStore, vocab_size: int) -> tuple[int, ...]:
   return tuple(int(i) for i in np.flatnonzero(counts))
 
 
-def _tokenized_on_every_host(config, workdir, tokenizer, splits):
+def _tokenized_on_every_host(config, layout, tokenizer, splits):
   """The token stores of `splits`. Process 0 prepares them first; the others then find them
   ready on a shared filesystem or the bucket, or prepare their own copies on local disks."""
   return multihost.on_process_0_first(
-      lambda: [tokenized(pairs, tokenizer, config, workdir) for pairs in splits], 'token stores'
+      lambda: [tokenized(pairs, tokenizer, config, layout) for pairs in splits], 'token stores'
   )
 
 
 def get_datasets(
     config: ml_collections.ConfigDict,
-    workdir: str,
+    layout: RunLayout,
     *,
     process_index: int | None = None,
     process_count: int | None = None,
@@ -91,7 +92,8 @@ def get_datasets(
 
   Args:
     config: the run's config (see `config.base_config`, Data section).
-    workdir: holds the vocabulary (`vocab/`) and, beside it, the token ids of the splits.
+    layout: the run's paths: its vocabulary (`layout.vocab`, unless `config.vocab_path`) and
+      the token ids of the splits beside it.
     process_index: this host; default `jax.process_index()`.
     process_count: all hosts; default `jax.process_count()`.
     row_multiple: every batch's rows are a multiple of this (this host's data shards).
@@ -112,11 +114,11 @@ def get_datasets(
   train_pairs = open_split(config, config.train_split)
   eval_pairs = open_split(config, config.eval_split)
   tokenizer = multihost.on_process_0_first(
-      lambda: tokenizer_for(config, workdir, train_pairs),
+      lambda: tokenizer_for(config, layout, train_pairs),
       'vocabulary',
-      storage.is_remote(workdir) or storage.is_remote(config.vocab_path),
+      storage.is_remote(layout.root) or storage.is_remote(config.vocab_path),
   )
-  stores = _tokenized_on_every_host(config, workdir, tokenizer, (train_pairs, eval_pairs))
+  stores = _tokenized_on_every_host(config, layout, tokenizer, (train_pairs, eval_pairs))
   info = train_dataset(
       stores[0],
       config,

@@ -3,7 +3,7 @@
 The vocabulary goes to `config.vocab_path` or to the work directory's `vocab/`; each split is
 tokenized once (`tokenized`, `token_store`) into binary arrays beside it, reused while the data
 and the vocabulary are the ones they were made from, and rebuilt, with a warning, when either
-changes. For a gs:// work directory both are made in a local cache (`local_directory`) and
+changes. For a gs:// work directory both are made in its local cache (`RunLayout.local`) and
 published to the bucket (`storage.publish`), where other hosts and resumed runs fetch them.
 """
 
@@ -28,30 +28,25 @@ from transformer_jax.storage.layout import RunLayout
 _READ_CHUNK = 4096
 
 
-def local_directory(workdir: str) -> str:
-  """Where the vocabulary and token stores of `workdir` are read from: the work directory
-  itself, or for a gs:// one its local cache (`storage.local_cache`; SentencePiece reads
-  files, token stores are memory-mapped). `storage.publish` copies what is made there to the
-  bucket, and `storage.fetch` brings it to other hosts and resumed runs."""
-  return RunLayout.of(workdir).local
-
-
-def _remote_of(path: str, workdir: str) -> str | None:
-  """The gs:// twin of a local `path` under `local_directory(workdir)`, or None."""
-  local = local_directory(workdir)
-  if local == workdir or not os.path.abspath(path).startswith(local + os.sep):
+def _remote_of(path: str, layout: RunLayout) -> str | None:
+  """The gs:// twin of a local `path` under a gs:// run's local cache (`layout.local`:
+  SentencePiece reads files, token stores are memory-mapped; `storage.publish` copies what is
+  made there to the bucket, and `storage.fetch` brings it to other hosts and resumed runs),
+  or None."""
+  local = os.path.abspath(layout.local)
+  if not storage.is_remote(layout.root) or not os.path.abspath(path).startswith(local + os.sep):
     return None
-  return f'{storage.resolve(workdir)}/{os.path.relpath(path, local)}'
+  return f'{layout.root}/{os.path.relpath(os.path.abspath(path), local)}'
 
 
 def tokenizer_for(
-    config: ml_collections.ConfigDict, workdir: str, train_pairs: Sequence[tuple[str, str]]
+    config: ml_collections.ConfigDict, layout: RunLayout, train_pairs: Sequence[tuple[str, str]]
 ) -> Tokenizer:
   """Loads the shared vocabulary, training it on a sample of `train_pairs` the first time.
 
-  The model goes to `config.vocab_path`, or to `workdir/vocab/` under a name made of the
+  The model goes to `config.vocab_path`, or to the run's `layout.vocab` under a name made of the
   dataset, the language pair (in either direction), the model type and the size. For a
-  gs:// work directory it is made in `local_directory` and published to the bucket, and
+  gs:// work directory it is made in its local cache and published to the bucket, and
   a run that finds it published there downloads it instead of training it again.
   """
   if storage.is_remote(config.vocab_path):
@@ -61,10 +56,10 @@ def tokenizer_for(
     langs = '-'.join(sorted((config.source_lang, config.target_lang)))
     dataset = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.dataset)
     path = os.path.join(
-        RunLayout.of(workdir).vocab,
+        layout.vocab,
         f'{dataset}.{langs}.{config.vocab_model_type}{config.vocab_size_target}.model',
     )
-  remote = _remote_of(path, workdir)
+  remote = _remote_of(path, layout)
   if remote and storage.published(remote) is not None and not os.path.exists(path):
     storage.fetch(remote, path)
   tokenizer = _load_or_train(config, path, train_pairs)
@@ -110,20 +105,18 @@ def _load_or_train(
 
 
 def store_directory(
-    config: ml_collections.ConfigDict, workdir: str, tokenizer: Tokenizer, pairs: ParallelText
+    config: ml_collections.ConfigDict, layout: RunLayout, tokenizer: Tokenizer, pairs: ParallelText
 ) -> str:
   """Where the token ids of `pairs` live: beside the vocabulary, in '<vocabulary>.tokens/'
   (in the work directory's 'tokens/' when the vocabulary's directory is read-only or is
   another run's work directory, such as an imported model's, which is only read)."""
   name = re.sub(r'[^A-Za-z0-9_.-]+', '_', pairs.name.replace('->', '-to-')).strip('_')
   beside = os.path.dirname(os.path.abspath(tokenizer.model_path))
-  others_run = RunLayout.is_run(beside) and beside != os.path.abspath(local_directory(workdir))
+  others_run = RunLayout.is_run(beside) and beside != os.path.abspath(layout.local)
   if os.access(beside, os.W_OK) and not others_run:
     root = os.path.splitext(os.path.abspath(tokenizer.model_path))[0] + '.tokens'
   else:
-    root = os.path.join(
-        RunLayout.of(workdir).tokens, os.path.basename(os.path.splitext(tokenizer.model_path)[0])
-    )
+    root = os.path.join(layout.tokens, os.path.basename(os.path.splitext(tokenizer.model_path)[0]))
   return os.path.join(root, name)
 
 
@@ -131,15 +124,15 @@ def tokenized(
     pairs: ParallelText,
     tokenizer: Tokenizer,
     config: ml_collections.ConfigDict,
-    workdir: str,
+    layout: RunLayout,
     workers: int | None = None,
 ) -> token_store.TokenStore:
   """The token ids of `pairs`, prepared on first use (`prepare_data.py` does it ahead, on
   several processes and hosts) and rebuilt, with a warning, when the data or vocabulary
   changed. For a gs:// work directory they are prepared locally and published to the
   bucket, and downloaded from there when published for the same data and vocabulary."""
-  directory = store_directory(config, workdir, tokenizer, pairs)
-  remote = _remote_of(directory, workdir)
+  directory = store_directory(config, layout, tokenizer, pairs)
+  remote = _remote_of(directory, layout)
   if remote:
     meta = storage.published(remote)
     if meta is not None and meta != token_store.read_meta(directory):

@@ -322,7 +322,8 @@ def import_model(model_dir: str, workdir: str, *, imported_from: str | None = No
     with tempfile.TemporaryDirectory() as local:
       storage.download(model_dir, os.path.join(local, 'model'), '--model_dir')
       return import_model(os.path.join(local, 'model'), workdir, imported_from=model_dir)
-  if storage.is_directory(RunLayout.of(workdir).checkpoints) and checkpointing.list_steps(workdir):
+  layout = RunLayout.of(workdir)
+  if storage.is_directory(layout.checkpoints) and checkpointing.list_steps(layout.checkpoints):
     raise OutputExistsError(f'{workdir} already has checkpoints; import into a new --workdir.')
   if not storage.is_remote(workdir) and os.path.isdir(workdir) and os.listdir(workdir):
     raise OutputExistsError(f'{workdir} is not empty; import into a new or empty --workdir.')
@@ -378,10 +379,10 @@ def import_model(model_dir: str, workdir: str, *, imported_from: str | None = No
         model_config,
     )
     if not remote:
-      checkpointing.write_params_checkpoint(staging, 0, params, meta)
+      checkpointing.write_params_checkpoint(RunLayout.of(staging).checkpoints, 0, params, meta)
   if remote:
-    checkpointing.write_params_checkpoint(workdir, 0, params, meta)
-  return f'{RunLayout.of(workdir).checkpoints}/0'
+    checkpointing.write_params_checkpoint(layout.checkpoints, 0, params, meta)
+  return f'{layout.checkpoints}/0'
 
 
 def _write_import(
@@ -655,7 +656,7 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
   """
   from transformer_jax.checkpoints import loading
 
-  meta, _ = checkpointing.read_meta(workdir, step)
+  meta, _ = checkpointing.read_meta(RunLayout.of(workdir).checkpoints, step)
   exportable(
       TransformerConfig.from_config(
           config_lib.from_saved(meta['config']),

@@ -40,7 +40,6 @@ from absl import logging
 
 from transformer_jax.errors import UserError
 from transformer_jax.storage import storage
-from transformer_jax.storage.layout import RunLayout
 
 _RELEASED = 'it was just released'
 HEARTBEAT_S = 30.0
@@ -64,19 +63,20 @@ def _process_start_time(pid: int) -> float | None:
 
 
 class WorkdirLock:
-  """The lock of one training job on `workdir` (a context manager)."""
+  """The lock of one training job on a work directory (a context manager), a file or object
+  at `path` (`RunLayout.lock`)."""
 
   def __init__(
-      self, workdir: str, *, stale_after_s: float = STALE_AFTER_S, heartbeat_s: float = HEARTBEAT_S
+      self, path: str, *, stale_after_s: float = STALE_AFTER_S, heartbeat_s: float = HEARTBEAT_S
   ):
-    self.path = RunLayout.of(workdir).lock
+    self.path = path
     self._stale_after_s = stale_after_s
     self._heartbeat_s = heartbeat_s
     self._token = uuid.uuid4().hex
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._object = (
-        storage.GenerationObject(self.path, '--workdir') if storage.is_remote(workdir) else None
+        storage.GenerationObject(self.path, '--workdir') if storage.is_remote(path) else None
     )
     self._generation = 0  # Of the lock object as last seen or written (Cloud Storage).
 

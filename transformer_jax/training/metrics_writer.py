@@ -26,7 +26,6 @@ import tqdm
 
 from transformer_jax.model import flops as model_flops
 from transformer_jax.storage import storage
-from transformer_jax.storage.layout import RunLayout
 
 # What tensorboardX imports when it is installed and this module never gives it: PyTorch (to
 # accept its tensors; a slow import at every train.py start where the tests or the benchmarks
@@ -121,9 +120,17 @@ class MetricsWriter:
   """Progress display, TensorBoard event files and `metrics.jsonl` for one run."""
 
   def __init__(
-      self, workdir: str, *, total_steps: int, start_step: int, enabled: bool, config: Any = None
+      self,
+      metrics_path: str,
+      tensorboard_dir: str,
+      *,
+      total_steps: int,
+      start_step: int,
+      enabled: bool,
+      config: Any = None,
   ):
-    """Opens the outputs; with `enabled=False` (processes other than 0) does nothing.
+    """Opens the outputs, the run's `RunLayout.metrics` and `RunLayout.tensorboard`; with
+    `enabled=False` (processes other than 0) does nothing.
 
     `config` (a `ConfigDict`), if given, goes to TensorBoard as text at `start_step`.
 
@@ -137,7 +144,7 @@ class MetricsWriter:
     if not enabled:
       return
     self._metrics = storage.LineLog(
-        RunLayout.of(workdir).metrics,
+        metrics_path,
         keep=lambda line: _step_at_most(line, start_step),
     )
     # Event file names have the second and the host: a random suffix keeps a restart within
@@ -146,9 +153,7 @@ class MetricsWriter:
     # (every event kept), rather than through tensorboardX's own gs:// writer, which uploads
     # once more when it is collected: at the end of the process, when the run's last upload
     # is long done.
-    self._tb_dir = storage.LocalMirror(
-        RunLayout.of(workdir).tensorboard, 'the TensorBoard directory'
-    )
+    self._tb_dir = storage.LocalMirror(tensorboard_dir, 'the TensorBoard directory')
     self._tb = _summary_writer_class()(
         self._tb_dir.local, filename_suffix=f'.{uuid.uuid4().hex[:8]}'
     )

@@ -179,9 +179,10 @@ def train_and_evaluate(
   # can take minutes.
   config_checks.validate_run(config, training=True)
   paths.check_output_directory(workdir, '--workdir', {'--config.init_from': config.init_from})
-  lock = _lock_workdir(workdir)
+  layout = RunLayout.of(workdir)
+  lock = _lock_workdir(layout)
   try:
-    return _train_and_evaluate(config, workdir, stop_signal)
+    return _train_and_evaluate(config, layout, stop_signal)
   finally:
     if lock is not None:
       lock.release()
@@ -218,11 +219,11 @@ def _check_data_paths(config: ml_collections.ConfigDict) -> None:
       paths.check_input_directory(path, flag, 'a TFDS data directory')
 
 
-def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
+def _lock_workdir(layout: RunLayout) -> workdir_lock.WorkdirLock | None:
   """Process 0 takes the work directory's lock; every process fails alike if it cannot."""
   lock, error = None, None
   if jax.process_index() == 0:
-    lock = workdir_lock.WorkdirLock(workdir)
+    lock = workdir_lock.WorkdirLock(layout.lock)
     try:
       lock.acquire()
     except workdir_lock.WorkdirBusyError as e:
@@ -231,7 +232,7 @@ def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
     busy = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
     if busy and error is None:
       raise workdir_lock.WorkdirBusyError(
-          f'{workdir} is in use by another training job (process 0 says more).'
+          f'{layout.root} is in use by another training job (process 0 says more).'
       )
   if error is not None:
     raise error
@@ -239,7 +240,7 @@ def _lock_workdir(workdir: str) -> workdir_lock.WorkdirLock | None:
 
 
 def _train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str, stop_signal: multihost.StopSignal | None
+    config: ml_collections.ConfigDict, layout: RunLayout, stop_signal: multihost.StopSignal | None
 ) -> TrainResult:
   """`train_and_evaluate` once the work directory is checked and locked."""
   config, init_source = _init_source(config)
@@ -250,12 +251,12 @@ def _train_and_evaluate(
 
   # A resume that the config would refuse is refused now, before the vocabulary and token
   # store are built for a config that will never train here.
-  saved = checkpointing.newest_readable_meta(workdir)
+  saved = checkpointing.newest_readable_meta(layout.checkpoints)
   if saved is not None:
-    checkpointing.check_config_matches(saved['config'], config, RunLayout.of(workdir).checkpoints)
+    checkpointing.check_config_matches(saved['config'], config, layout.checkpoints)
   datasets = input_pipeline.get_datasets(
       config,
-      workdir,
+      layout,
       process_index=jax.process_index(),
       process_count=jax.process_count(),
       row_multiple=rows_multiple,
@@ -277,7 +278,7 @@ def _train_and_evaluate(
       ).reason,
   )
   checkpointer = checkpointing.Checkpointer(
-      workdir,
+      layout.checkpoints,
       save_every=config.checkpoint_every_steps,
       final_step=config.num_train_steps,
       keep=config.keep_checkpoints,
@@ -313,7 +314,8 @@ def _train_and_evaluate(
       )
       start = int(state.step)
       writer = metrics_writer.MetricsWriter(
-          workdir,
+          layout.metrics,
+          layout.tensorboard,
           total_steps=config.num_train_steps,
           start_step=start,
           enabled=jax.process_index() == 0,
@@ -336,7 +338,7 @@ def _train_and_evaluate(
         validation = ValidationTranslation(
             config, datasets, model_config, state.params, partitioner
         )
-      profiler = StepProfiler(config, workdir, writer)
+      profiler = StepProfiler(config, layout.profile, writer)
       context = _LoopContext(
           config=config,
           model_config=model_config,
@@ -371,7 +373,7 @@ def _train_and_evaluate(
 class _InitSource:
   """The checkpoint a fine-tuning run (`config.init_from`) takes its parameters from."""
 
-  workdir: str
+  checkpoints: str  # Its run's checkpoint directory (`RunLayout.checkpoints`).
   step: int
   tokenizer: Tokenizer  # The checkpoint's vocabulary.
   map_vocab: bool  # The run has its own vocabulary, mapped by piece (`_map_vocabulary`).
@@ -394,7 +396,8 @@ def _init_source(
   step = config.init_from_step
   try:
     meta, step = checkpointing.read_meta(
-        config.init_from, int(step) if step.isdigit() else (step or None)
+        RunLayout.of(config.init_from).checkpoints,
+        int(step) if step.isdigit() else (step or None),
     )
   except CheckpointNotFoundError as e:
     raise CheckpointNotFoundError(f'--config.init_from has no checkpoint to start from: {e}') from e
@@ -445,7 +448,10 @@ def _init_source(
         + '\n  '.join(changed or ['(several together)'])
         + "\nSet them to the checkpoint's values to fine-tune it."
     )
-  return config, _InitSource(config.init_from, step, tokenizer, config.init_from_map_vocab)
+  source = _InitSource(
+      RunLayout.of(config.init_from).checkpoints, step, tokenizer, config.init_from_map_vocab
+  )
+  return config, source
 
 
 def _map_vocabulary(params: Any, fresh: Any, old: Tokenizer, new: Tokenizer) -> Any:
@@ -501,7 +507,7 @@ def _restore_or_initialize(
     if init_source is None:
       return state
     params, _ = checkpointing.restore_params(
-        init_source.workdir, init_source.step, shardings=shardings.params
+        init_source.checkpoints, init_source.step, shardings=shardings.params
     )
     if init_source.map_vocab:
       params = _map_vocabulary(params, state.params, init_source.tokenizer, datasets.tokenizer)
@@ -509,7 +515,7 @@ def _restore_or_initialize(
     logging.info(
         'Fine-tuning: parameters from %s, step %d; optimizer, schedule and data '
         'order start afresh.',
-        init_source.workdir,
+        init_source.checkpoints,
         init_source.step,
     )
     return state.replace(params=params)
@@ -721,15 +727,15 @@ def _train_loop(context: _LoopContext, state: train_steps.TrainState) -> TrainRe
 class StepProfiler:
   """A `jax.profiler` trace of the steps `config.profile_steps` names (A:B traces steps A+1
   to B; a resumed run that starts between them traces from its first step), written by every
-  process under <workdir>/profile (a gs:// work directory: traced to the local cache, then
-  uploaded)."""
+  process under `target` (`RunLayout.profile`; on a gs:// work directory traced to the local
+  cache, then uploaded)."""
 
   def __init__(
-      self, config: ml_collections.ConfigDict, workdir: str, writer: metrics_writer.MetricsWriter
+      self, config: ml_collections.ConfigDict, target: str, writer: metrics_writer.MetricsWriter
   ):
     self._range = config_lib.profile_range(config)
-    self._target = RunLayout.of(workdir).profile
-    self._remote = storage.is_remote(workdir)
+    self._target = target
+    self._remote = storage.is_remote(target)
     self._directory = storage.local_cache(self._target) if self._remote else self._target
     self._writer = writer
     self._active = False
