@@ -27,8 +27,10 @@ import numpy as np
 from bench import breakdown as bench_breakdown
 from bench import marian as bench_marian
 from bench import worker
-from configs import wmt14_ende_base
-from configs import wmt14_ende_big
+from bench.sizes import PAPER_CONFIGS
+from bench.sizes import PAPER_TOKENS_PER_BATCH
+from bench.sizes import PAPER_VOCAB_SIZE
+from bench.sizes import TINY_SIZE
 from transformer_jax.aot import aot
 from transformer_jax.aot import hlo_view
 from transformer_jax.config import base_config
@@ -47,20 +49,6 @@ from transformer_jax.runtime.partitioning import Partitioner
 from transformer_jax.training import optimizer
 from transformer_jax.training import train_steps
 
-# The paper's Table 3 models, as the shipped configs train them.
-PAPER_CONFIGS = {'base': wmt14_ende_base.get_config, 'big': wmt14_ende_big.get_config}
-# The paper's shared vocabulary and its tokens a side a step, as its configs have them.
-PAPER_VOCAB_SIZE = wmt14_ende_base.get_config().vocab_size_target
-PAPER_TOKENS_PER_BATCH = wmt14_ende_base.get_config().tokens_per_batch
-# A tiny size of `base_config()`, for --quick runs and tests.
-TINY_SIZE = dict(
-    d_model=64,
-    num_heads=4,
-    d_ff=256,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    dropout_rate=0.1,
-)
 FIRST_ORDINARY_ID = 4  # Ids 0-3 are pad, bos, eos, unk.
 
 

@@ -27,17 +27,13 @@ from typing import Any
 import numpy as np
 
 from bench import breakdown as bench_breakdown
+from bench import sizes
 from bench import worker
 
 EOS_ID = 2  # As in this project; Marian's pad is vocab_size - 1.
 FIRST_ORDINARY_ID = 4
 SOURCES_FILE = 'bench_sources.npy'  # Beside the exported model: the decoding bench's inputs.
 
-MODEL_SIZES = {
-    'base': dict(d_model=512, heads=8, d_ff=2048, layers=6),
-    'big': dict(d_model=1024, heads=16, d_ff=4096, layers=6),
-    'tiny': dict(d_model=64, heads=4, d_ff=256, layers=2),
-}
 THREADS = int(os.environ.get('BENCH_THREADS', '2'))
 
 
@@ -52,15 +48,15 @@ def marian_config(model: str, vocab_size: int, max_length: int = 512, dropout: f
   """A `MarianConfig` with this project's dimensions (the paper's base or big model)."""
   import transformers
 
-  size = MODEL_SIZES[model]
+  size = sizes.dimensions(model)
   pad = vocab_size - 1
   return transformers.MarianConfig(
       vocab_size=vocab_size,
       d_model=size['d_model'],
-      encoder_layers=size['layers'],
-      decoder_layers=size['layers'],
-      encoder_attention_heads=size['heads'],
-      decoder_attention_heads=size['heads'],
+      encoder_layers=size['num_encoder_layers'],
+      decoder_layers=size['num_decoder_layers'],
+      encoder_attention_heads=size['num_heads'],
+      decoder_attention_heads=size['num_heads'],
       encoder_ffn_dim=size['d_ff'],
       decoder_ffn_dim=size['d_ff'],
       activation_function='relu',

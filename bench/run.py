@@ -37,9 +37,9 @@ from bench import breakdown
 from bench import worker
 from bench.jax_side import main_job_config
 from bench.jax_side import output_ids
-from bench.jax_side import PAPER_TOKENS_PER_BATCH
-from bench.jax_side import PAPER_VOCAB_SIZE
 from bench.jax_side import run_config
+from bench.sizes import PAPER_TOKENS_PER_BATCH
+from bench.sizes import PAPER_VOCAB_SIZE
 from transformer_jax import config as config_lib
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import flops

@@ -207,16 +207,20 @@ def test_gpu_plan_variants_are_one_change_each_from_the_defaults_and_checked_fir
 
 
 def test_the_papers_sizes_come_from_the_shipped_configs():
+  """Both sides of a comparison take the paper's sizes from configs/ (`bench.sizes`): the JAX
+  side's run config is the shipped one, the PyTorch side's Marian model has its dimensions."""
   from bench import jax_side
+  from bench import marian
+  from bench import sizes
 
   table_3 = {
       'base': dict(d_model=512, num_heads=8, d_ff=2048, dropout_rate=0.1),
       'big': dict(d_model=1024, num_heads=16, d_ff=4096, dropout_rate=0.3),
   }
-  for model, sizes in table_3.items():
+  for model, expected in table_3.items():
     config = jax_side.run_config(model, 1000)
-    shipped = jax_side.PAPER_CONFIGS[model]()
-    assert {field: config[field] for field in sizes} == sizes
+    shipped = sizes.PAPER_CONFIGS[model]()
+    assert {field: config[field] for field in expected} == expected
     assert (config.num_encoder_layers, config.num_decoder_layers) == (6, 6)
     # The shipped config as it is, but for what `run_config` is given.
     assert config.to_dict() == dict(
@@ -226,4 +230,11 @@ def test_the_papers_sizes_come_from_the_shipped_configs():
         remat_policy='none',
         attention_implementation='',
     )
-  assert (jax_side.PAPER_VOCAB_SIZE, jax_side.PAPER_TOKENS_PER_BATCH) == (37000, 25000)
+    theirs = marian.marian_config(model, 1000)
+    assert (theirs.d_model, theirs.encoder_attention_heads, theirs.encoder_ffn_dim) == (
+        config.d_model,
+        config.num_heads,
+        config.d_ff,
+    )
+    assert (theirs.encoder_layers, theirs.decoder_layers) == (6, 6)
+  assert (sizes.PAPER_VOCAB_SIZE, sizes.PAPER_TOKENS_PER_BATCH) == (37000, 25000)

@@ -227,7 +227,7 @@ def test_averaging_takes_the_steps_that_exist_when_training_rotates_one_away(
     steps = listed(directory, num)
     if not rotated:  # The training job deletes the oldest of them meanwhile.
       rotated.append(steps[0])
-      shutil.rmtree(os.path.join(directory, 'checkpoints', str(steps[0])))
+      shutil.rmtree(os.path.join(directory, str(steps[0])))
     return steps
 
   monkeypatch.setattr(averaging, 'last_steps', list_then_rotate)
