@@ -22,6 +22,7 @@ from models_testlib import VOCAB
 from transformer_jax.config import PAD_ID
 from transformer_jax.model import losses
 from transformer_jax.model.kernels import dot_product_attention
+from transformer_jax.model.kernels import stacked_projection
 from transformer_jax.model.models import Transformer
 
 # One layer a side: every option here replaces a computation of each layer (or of the logits),
@@ -97,6 +98,20 @@ def test_attention_fed_lengths_equals_the_dense_mask(attention_dropout):
       loss_and_grads(dense),
       np.asarray(weights),
   )
+
+
+def test_stacked_projection_equals_each_projection_on_its_own():
+  """q/k/v from one product of the stacked kernels: each equal to x times its own kernel plus
+  its bias, in the kernels' order."""
+  rng = np.random.default_rng(4)
+  x = jnp.asarray(rng.normal(size=(2, 3, 8)), jnp.float32)
+  kernels = [jnp.asarray(rng.normal(size=(8, 2, 4)), jnp.float32) for _ in range(3)]
+  biases = [jnp.asarray(rng.normal(size=(2, 4)), jnp.float32) for _ in range(3)]
+  stacked = stacked_projection.project(x, kernels, biases)
+  assert len(stacked) == 3
+  for got, kernel, bias in zip(stacked, kernels, biases):
+    want = jnp.einsum('bld,dhk->blhk', x, kernel) + bias
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize('causal', [False, True])

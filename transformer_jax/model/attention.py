@@ -18,6 +18,7 @@ import numpy as np
 
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.kernels import dot_product_attention
+from transformer_jax.model.kernels import stacked_projection
 from transformer_jax.model.kernels.dot_product_attention import Lengths
 
 Array = jax.Array
@@ -141,16 +142,14 @@ class MultiHeadAttention(nn.Module):
     return nn.with_logical_constraint(y, ('batch', 'length', 'heads', 'kv'))
 
   def _projections(self, names: tuple[str, ...], x: Array) -> tuple[Array, ...]:
-    """The projections of x by several kernels, as `_projection` gives them, from one matmul
-    when `config.qkv_projection` is 'stacked' (the kernels stacked at use, on an axis of
-    their own so that a split of the heads stays where it is; the parameters do not change)."""
+    """The projections of x by several kernels, as `_projection` gives them (from one product
+    with `config.qkv_projection='stacked'`)."""
     if self.config.qkv_projection != 'stacked':
       return tuple(self._projection(name, x) for name in names)
     kernels, biases = zip(*(self._projection_params(name) for name in names))
-    y = jnp.einsum('bld,dnhk->blnhk', x, jnp.stack(kernels, 1)) + jnp.stack(biases)
     return tuple(
-        nn.with_logical_constraint(y[:, :, i], ('batch', 'length', 'heads', 'kv'))
-        for i in range(len(names))
+        nn.with_logical_constraint(y, ('batch', 'length', 'heads', 'kv'))
+        for y in stacked_projection.project(x, kernels, biases)
     )
 
   def _heads_major_projection(self, name: str, x: Array) -> Array:
