@@ -66,8 +66,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.warmup_steps = 300
   c.learning_rate_scale = 0.7  # Peak 0.0036 at step 300,
   c.lr_schedule = 'constant'  # held until the cooldown.
-  # 2,500 steps: the whole job within about ten minutes on 2 cores; more steps gave a better
-  # test sacreBLEU but ran past them in a slow hour (docs/main_job.md; bench/RESULTS.md,
+  # 2,500 steps: the whole job in about ten minutes on 2 cores in most hours; more steps gave
+  # a better test sacreBLEU at a cost in minutes a slow hour does not have (docs/main_job.md;
+  # bench/RESULTS.md,
   # section "CPU: the main job in ten minutes on a Zen 3, 2 cores (AMD EPYC, Zen 3, AVX2
   # only), 2026-11-28, commits 9c46a1c-dded3ae").
   c.num_train_steps = 2500
