@@ -29,9 +29,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.max_target_length = 128
   # With packed rows these shape only validation and decoding, where each bucket is one
   # more beam search to compile: two buckets evaluate the test books sooner than more would,
-  # validation costs the same, the output is identical (bench/RESULTS.md, section "CPU: the
-  # main job's fixed costs and its step, 2 cores (Intel Xeon @ 2.50GHz with AVX-512, VNNI),
-  # 2026-11-28, commits ca0d36b-cfe9b29").
+  # validation costs the same, the output is identical (bench/RESULTS.md, section "CPU: the main
+  # job's fixed costs and its step").
   c.bucket_boundaries = (48, 128)
   # Several examples a row: less padding than with buckets, one compiled shape
   # (bench/RESULTS.md, section "The main job: every measured run").
@@ -51,15 +50,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.norm_position = 'pre'
   # Rotary positions in self-attention (relative) instead of the paper's sinusoids added to the
   # embeddings: a better validation perplexity and test sacreBLEU after the same steps, for
-  # little of the step's time (bench/RESULTS.md, section "CPU: rotary positions in the main
-  # job, 2 cores (Intel Xeon @ 2.50GHz with AVX-512, VNNI), 2026-11-28, commits
-  # bb3ca14-e5cbb97").
+  # little of the step's time (bench/RESULTS.md, section "CPU: rotary positions in the main job").
   c.positional_encoding = 'rope'
   # The output layer scores only the 5,312 pieces of the Spanish side (and EOS, UNK) of the
   # 8,000 the two languages share: the same test sacreBLEU, a faster step, and a smaller gain
-  # in train.py, whose input pipeline shares the two cores (bench/RESULTS.md, section "CPU:
-  # the main job on a Zen 3, the target side's pieces and no adjacent repeats, 2 cores (AMD
-  # EPYC, Zen 3, AVX2 only), 2026-11-28, commits c25f2ae-58ce349").
+  # in train.py, whose input pipeline shares the two cores (bench/RESULTS.md, section "CPU: the main
+  # job on a Zen 3, the target side's pieces and no adjacent repeats").
   c.output_vocabulary = 'target'
   c.dropout_rate = 0.0
   c.max_len = 256
@@ -69,16 +65,14 @@ def get_config() -> ml_collections.ConfigDict:
   # 2,500 steps: the whole job in about ten minutes on 2 cores in most hours; more steps gave
   # a better test sacreBLEU at a cost in minutes a slow hour does not have (docs/main_job.md;
   # bench/RESULTS.md,
-  # section "CPU: the main job in ten minutes on a Zen 3, 2 cores (AMD EPYC, Zen 3, AVX2
-  # only), 2026-11-28, commits 9c46a1c-dded3ae").
+  # section "CPU: the main job in ten minutes on a Zen 3").
   c.num_train_steps = 2500
   c.lr_cooldown_steps = 750  # The last 30%.
 
   c.log_every_steps = 25
   # Validation loss and perplexity halfway and at the end: each later one and its save cost
   # seconds of training (the first also compiles its step), and more of them change nothing
-  # in training (bench/RESULTS.md, section "CPU: the main job's fixed costs on a Zen 3, 2
-  # cores (AMD EPYC, Zen 3, AVX2 only), 2026-11-29").
+  # in training (bench/RESULTS.md, section "CPU: the main job's fixed costs on a Zen 3").
   c.eval_every_steps = 1250
   # No validation translations: their time (compiling the beam search, then each search)
   # buys more steps instead, and evaluate.py translates the test books right after training
@@ -94,8 +88,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.decode_batch_size = 64
   # No span of up to 8 tokens said twice in a row (`te te te`, `con Dios con Dios`): test
   # translations did, the references never, and validation sacreBLEU is better without them
-  # (docs/evaluating.md; bench/RESULTS.md, section "CPU: the main job on a Zen 3, the target
-  # side's pieces and no adjacent repeats, 2 cores (AMD EPYC, Zen 3, AVX2 only), 2026-11-28,
-  # commits c25f2ae-58ce349").
+  # (docs/evaluating.md; bench/RESULTS.md, section "CPU: the main job on a Zen 3, the target side's
+  # pieces and no adjacent repeats").
   c.no_adjacent_repeat_size = 8
   return c

@@ -3,8 +3,7 @@
 setup.sh asks before it runs `pip install -c requirements.txt -e .[EXTRAS]`, which spends
 seconds of a 2-core machine resolving dependencies even when nothing is missing: a share of the
 main job's ten minutes, spent on every run (bench/RESULTS.md, section "CPU: the main job's fixed
-costs and its step, 2 cores (Intel Xeon @ 2.50GHz with AVX-512, VNNI), 2026-11-28, commits
-ca0d36b-cfe9b29"). Installed means all of:
+costs and its step"). Installed means all of:
 
   * transformer-jax is installed editable from this checkout, with pyproject.toml's version
     and console scripts;

@@ -3,7 +3,7 @@ their libraries once, for the tests that run a command many times (bad input, sm
 
 A command started as a new Python spends seconds of CPU importing jax, flax, optax, orbax, grain and
 tfds before it reads its first flag; the suite starts a few hundred (bench/RESULTS.md, section "Test
-suite: 2 CPU cores"). This server imports them once and forks a child per command: the child takes
+suite"). This server imports them once and forks a child per command: the child takes
 the request's standard streams, working directory, environment and argv, and runs the script as
 `python script.py` would (`runpy`, as `__main__`), then exits through Python's normal shutdown.
 Nothing of JAX's runtime exists before the fork (no backend, no thread of its): each child

@@ -15,8 +15,8 @@ import pytest
 # emitters instead of its MLIR fusion emitters, and each program's machine code made as one
 # LLVM module (the cores are busy with other tests' work, so splitting it across threads
 # only adds work). The HLO programs, and so what the tests check, are unchanged; the machine
-# code is less tuned and compiles in much less CPU time (bench/RESULTS.md, section "Test
-# suite: 2 CPU cores"). Both sides of every comparison are compiled alike, here or in a
+# code is less tuned and compiles in much less CPU time (bench/RESULTS.md, section "Test suite").
+# Both sides of every comparison are compiled alike, here or in a
 # subprocess.
 os.environ['XLA_FLAGS'] = ' '.join(
     [
@@ -38,7 +38,7 @@ def pytest_xdist_auto_num_workers(config):
   """`-n auto` (pytest.ini): a worker a core for the quick tier, whose tests keep the cores
   busy compiling; one more for the whole suite, whose slow tests also wait (on SLURM's
   time-limit sweep, on Cloud Storage retries, on subprocesses starting), which a third
-  worker fills on 2 cores (bench/RESULTS.md, section "Test suite: 2 CPU cores")."""
+  worker fills on 2 cores (bench/RESULTS.md, section "Test suite")."""
   cores = (
       len(os.sched_getaffinity(0))
       if hasattr(os, 'sched_getaffinity')  # Linux
@@ -62,13 +62,12 @@ def pytest_configure(config):
   if cache is not None and jax.config.jax_compilation_cache_dir is None:
     jax.config.update('jax_compilation_cache_dir', str(cache.mkdir('jax_compilation_cache')))
     # An eager operation compiles in well under JAX's default threshold of 1 s, and the tests
-    # compile thousands (bench/RESULTS.md, section "Where the time goes, by file (2026-11-26,
-    # AMD EPYC, AVX2 only)").
+    # compile thousands (bench/RESULTS.md, section "Where the time goes, by file").
     jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.0)
 
 
-# The files that took longest in the last measured whole run (bench/RESULTS.md, section "Test suite:
-# 2 CPU cores"), longest first, except that the three files that mostly wait on a service (SLURM,
+# The files that took longest in the last measured whole run (bench/RESULTS.md, section "Test
+# suite"), longest first, except that the three files that mostly wait on a service (SLURM,
 # Cloud Storage) do not all start together: test_bench, which keeps a core busy, starts beside two
 # of them and test_two_hosts when a worker is free, so the cores do not idle while three workers
 # wait at once. The workers take whole files (`--dist loadfile`) in collection order

@@ -60,8 +60,7 @@ def cached_params(cfg):
 def apply(cfg, variables, *args, method=None, mutable=False, **kwargs):
   """`Transformer(cfg).apply(variables, *args, ...)`, compiled as one program per config,
   method and shapes: applied eagerly, each of its hundreds of operations compiles on its own at
-  every new shape (bench/RESULTS.md, section "Where the time goes, by file (2026-11-26, AMD
-  EPYC, AVX2 only)")."""
+  every new shape (bench/RESULTS.md, section "Where the time goes, by file")."""
   mutable = mutable if isinstance(mutable, bool) else tuple(mutable)
   return compiled_apply(cfg, method, mutable)(variables, *args, **kwargs)
 

@@ -149,30 +149,29 @@ def base_config() -> ml_collections.ConfigDict:
   c.layer_norm_epsilon = 1e-6  # Added to the variance in every layer norm.
   # 'one_pass' | 'two_pass' (LAYER_NORM_STATISTICS): the same to float32 rounding; one pass
   # makes one pass over the activations fewer, and the main job's step faster on CPU
-  # (bench/RESULTS.md, section "CPU training: the main job's size and base, 2 cores (AMD EPYC,
-  # Zen 3, AVX2 only), 2026-11-26, commit bea290e").
+  # (bench/RESULTS.md, section "CPU training: the main job's size and base").
   c.layer_norm_statistics = 'one_pass'
   # '' | 'linear' | 'reduce' (LOGITS_SUMS): how label smoothing gets each token's sum of
   # logits over the vocabulary: the decoder output times the output projection's column
   # sums (no pass over the logits), or a reduction over them; the same to rounding. '':
   # 'linear' on GPUs (one pass over the logits fewer), 'reduce' elsewhere (XLA:TPU fuses the
-  # sum with another; on CPU no difference measured; bench/RESULTS.md, section "Compile-only:
-  # the training step's kernels on 1xH100 and v5e-1, 2026-11-26, no accelerator").
+  # sum with another; on CPU no difference measured; bench/RESULTS.md, section "Compile-only: the
+  # training step's kernels on 1xH100 and v5e-1").
   c.logits_sum = ''
   # 'xla' | 'pallas' (POST_NORM_KERNELS): a post-norm sub-layer's LayerNorm(x + Dropout(y))
   # as XLA's kernels, or as one Pallas kernel each way (`fused_norm`: Triton on GPUs, an
   # interpreter on CPU, for tests; not on TPUs). The same to rounding and the same dropout
   # masks; 'pallas' needs norm_position='post' and a power-of-two d_model. Off by default: on
-  # a GPU it made base's step faster and big's slower (bench/RESULTS.md, section "GPU: one
-  # NVIDIA H200, 2026-11-27, one change at a time (commit fe41bca)").
+  # a GPU it made base's step faster and big's slower (bench/RESULTS.md, section "one change at a
+  # time").
   c.post_norm_kernel = 'xla'
   # '' | 'separate' | 'stacked' (QKV_PROJECTIONS): attention's query, key and value
   # projections (encoder-decoder attention: key and value) as a matmul each, or as one over
   # the kernels stacked at use (the parameters do not change); the same to rounding. '':
   # 'stacked' on GPUs (the backward's products merge into fewer kernels), 'separate'
   # elsewhere (XLA:TPU's step moves more bytes stacked; on CPU no difference measured;
-  # bench/RESULTS.md, section "Compile-only: a Pallas post-norm kernel, stacked q/k/v and a
-  # packed optimizer, 2026-11-26, no accelerator").
+  # bench/RESULTS.md, section "Compile-only: a Pallas post-norm kernel, stacked q/k/v and a packed
+  # optimizer").
   c.qkv_projection = ''
   c.share_embeddings = True  # One matrix for source and target embeddings.
   c.tie_output_embedding = True  # Pre-softmax projection = the target embedding.

@@ -6,7 +6,7 @@ JAX writes cache entries from process 0 only, expecting every process of a job t
 the same keys. On the CPU they do not: a key includes the fingerprint of the process's
 device topology, which differs between processes, so process 1 of every two-process test
 job missed every program and compiled them all again, with process 0 waiting at the first
-collective (bench/RESULTS.md, section "Test suite: 2 CPU cores"). With this, process 1's programs
+collective (bench/RESULTS.md, section "Test suite"). With this, process 1's programs
 are cached under its own keys and later jobs load them as process 0 does. What is compiled,
 and so what the tests check, is the same; a JAX without the hook point is left as it is.
 Another sitecustomize further along the path still runs.

@@ -166,8 +166,8 @@ def top_k_of_rows(x: jax.Array, k: int, block: int = 128) -> tuple[jax.Array, ja
   CPU, rows of at least 2 * k * block elements are cut into blocks of `block` first: the k
   best elements lie in the k blocks with the largest maxima (ties to the lower block, as to
   the lower index), so only those k * block elements are ranked, in index order (timed in
-  bench/RESULTS.md, section "CPU decoding: 2 cores (AMD EPYC), 2026-11-23, each beam's best
-  candidates first, by blocks"). Other backends have their own TopK kernels and get
+  bench/RESULTS.md, section "each beam's best candidates first, by blocks"). Other backends have
+  their own TopK kernels and get
   `lax.top_k` unchanged.
 
   Returns:
@@ -193,11 +193,11 @@ def argmax_of_rows(x: jax.Array) -> jax.Array:
   """`jnp.argmax` over the last axis of x [rows, n]: the first index of the maximum.
 
   Through `top_k_of_rows` with k=1: XLA:CPU's argmax is a variadic (value, index)
-  reduction it does not vectorise, and the blocks are faster (bench/RESULTS.md, section "CPU:
-  2 cores (Intel Xeon with AVX-512 and AMX), 2026-11-25, quiet machine"). Other backends get
+  reduction it does not vectorise, and the blocks are faster (bench/RESULTS.md, section "CPU: 2
+  cores (Intel Xeon with AVX-512 and AMX)"). Other backends get
   `jnp.argmax`, their own reduction kernel: greedy search on an H200 was slower through
-  `lax.top_k` (bench/RESULTS.md, section "GPU: one NVIDIA H200, 2026-11-28: decoding with
-  `jnp.argmax` again, and the token-budget search (commit 7239c99)").
+  `lax.top_k` (bench/RESULTS.md, section "decoding with `jnp.argmax` again, and the token-budget
+  search").
   """
   if jax.default_backend() != 'cpu':
     return jnp.argmax(x, axis=-1).astype(jnp.int32)
@@ -642,8 +642,8 @@ def beam_search(
     # `jax.nn.log_softmax` computes it. Within one beam, `shifted` ranks the tokens as their
     # log-probabilities do, so the 2 * beam best of each beam are chosen first and only those
     # get the normalizer and the beam's score: the [batch * beam, vocab] log-probabilities
-    # and candidate scores are never written (bench/RESULTS.md, section "CPU decoding: 2 cores
-    # (AMD EPYC), 2026-11-23, each beam's best candidates first, by blocks").
+    # and candidate scores are never written (bench/RESULTS.md, section "each beam's best candidates
+    # first, by blocks").
     logits = logits.astype(jnp.float32)  # [batch * beam, vocab]
     vocab_size = logits.shape[-1]
     shifted = logits - jnp.max(logits, axis=-1, keepdims=True)

@@ -476,8 +476,8 @@ class Translator:
     Fewer rows come from a call that fills less than one batch, whose one search would not
     win back the phases' compile: one loop compiles in about half the time, and the phases'
     faster search pays that back only over hundreds of sentences ("A search of fewer rows
-    than a batch in one loop" in bench/RESULTS.md, section "CPU: the main job's fixed costs on
-    a Zen 3, 2 cores (AMD EPYC, Zen 3, AVX2 only), 2026-11-29")."""
+    than a batch in one loop" in bench/RESULTS.md, section "CPU: the main job's fixed costs on a Zen
+    3")."""
     return rows >= self.rows_for(self.options.batch_size)
 
   def compile(self, rows: int, bucket: int) -> Callable:

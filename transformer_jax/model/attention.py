@@ -36,8 +36,7 @@ def rope(x: Array, positions: Array, base: float = 10000.0) -> Array:
   x2 cos + x1 sin), written as x * [cos, cos] + [x2, x1] * [-sin, sin] over the whole head,
   with the halves swapped by a reshape: on a CPU that is faster than splitting x and
   concatenating the two halves, which XLA copies each (bench/RESULTS.md, section
-  "CPU: rotary positions in the main job, 2 cores (Intel Xeon @ 2.50GHz with AVX-512, VNNI),
-  2026-11-28, commits bb3ca14-e5cbb97"), with the same arithmetic.
+  "CPU: rotary positions in the main job"), with the same arithmetic.
 
   Args:
     x: [batch, length, heads, head_dim] queries or keys.

@@ -5,8 +5,8 @@ job's train step, `compiled.memory_analysis().temp_size_in_bytes`), mallocs it f
 own threads and frees it when the call ends. glibc's malloc serves a block that large from a
 thread's arena with a fresh `mmap` and returns it with `munmap`, so the kernel zero-fills it
 page by page, on first touch, in every step: a page fault a page, a large share of the step's
-time on a CPU (bench/RESULTS.md, section "CPU training: the main job's size and base, 2 cores
-(AMD EPYC, Zen 3, AVX2 only), 2026-11-26, commit bea290e"). PyTorch's CPU steps reuse their
+time on a CPU (bench/RESULTS.md, section "CPU training: the main job's size and base"). PyTorch's
+CPU steps reuse their
 memory and pay nothing of the kind.
 
 `retain_freed_memory` tells glibc to keep such blocks: one arena (the main one, which grows

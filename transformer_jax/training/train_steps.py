@@ -279,8 +279,7 @@ def create_train_state(
     if jax.default_backend() != 'cpu':
       return jitted(key)
     # It runs once, in milliseconds: LLVM's optimization passes would only add to its compile
-    # (bench/RESULTS.md, section "CPU: the main job in ten minutes on a Zen 3, 2 cores (AMD
-    # EPYC, Zen 3, AVX2 only), 2026-11-28, commits 9c46a1c-dded3ae").
+    # (bench/RESULTS.md, section "CPU: the main job in ten minutes on a Zen 3").
     return jitted.lower(key).compile(compiler_options=_UNOPTIMIZED)(key)
 
 

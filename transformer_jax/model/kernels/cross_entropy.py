@@ -50,8 +50,7 @@ def _token_losses(logits, targets, eps, sum_x=None):
   top = jnp.max(x, axis=-1)
   shift = jnp.where(jnp.isfinite(top), top, 0.0)  # As jax.nn.logsumexp: no inf - inf.
   # Two plain sums, not one variadic reduction: XLA:CPU vectorizes the plain ones only
-  # (bench/RESULTS.md, section "CPU training: the main job's size and base, 2 cores (AMD EPYC, Zen
-  # 3, AVX2 only), 2026-11-26, commit bea290e").
+  # (bench/RESULTS.md, section "CPU training: the main job's size and base").
   lse = shift + jnp.log(jnp.sum(jnp.exp(x - shift[..., None]), axis=-1))
   if sum_x is None:
     sum_x = jnp.sum(x, axis=-1)

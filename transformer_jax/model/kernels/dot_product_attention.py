@@ -60,8 +60,7 @@ def attention(
   heads-major or `implementation='explicit'`; then the weights are formed here (softmax in
   float32 either way). 'explicit' is what `kernel_choice` picks on a CPU, where `jax.nn`'s
   XLA path spends longer in the softmax and masks (bench/RESULTS.md, section
-  "CPU training: the explicit softmax against `jax.nn`'s XLA attention, 2 cores (Intel Xeon @
-  2.50GHz with AVX-512, VNNI), 2026-11-28, commit b8ecba4").
+  "CPU training: the explicit softmax against `jax.nn`'s XLA attention").
 
   Args:
     query: [batch, q_length, heads, head_dim].
@@ -125,8 +124,7 @@ def attention(
     # Heads-major out, then a transpose of the small [batch, heads, q, head_dim] result: asked
     # for [batch, q, heads, head_dim] directly, XLA:CPU computes value^T x weights per (batch,
     # head) and transposes, slower for the beams of a sentence over the source's cache
-    # (q = beams; bench/RESULTS.md, section "CPU decoding: 2 cores (AMD EPYC), 2026-11-23,
-    # heads-major decode caches");
+    # (q = beams; bench/RESULTS.md, section "heads-major decode caches");
     # with one query position both forms are the same product.
     out = jnp.swapaxes(jnp.einsum('bhqk,bhkd->bhqd', probs.astype(value.dtype), value), 1, 2)
   else:

@@ -8,8 +8,7 @@ forward (the dropped sum, its float32 statistics, the normalised output) and one
 gradient by `jax.custom_vjp`. It is `config.post_norm_kernel='pallas'`: compiled by Triton on
 GPUs, run by Pallas's interpreter on CPU (for tests: slow), off by default because no GPU
 has yet shown it faster than XLA's kernels (bench/RESULTS.md, section
-"Compile-only: a Pallas post-norm kernel, stacked q/k/v and a packed optimizer, 2026-11-26, no
-accelerator").
+"Compile-only: a Pallas post-norm kernel, stacked q/k/v and a packed optimizer").
 
 The dropout mask is drawn as `nn.Dropout` would, from the same random stream
 (`DropoutMask`), one byte an element.

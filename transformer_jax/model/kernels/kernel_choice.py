@@ -112,7 +112,7 @@ def attention_choice(
   if platform == 'cpu':
     # jax.nn.dot_product_attention's XLA path spends longer in the softmax and masks there
     # (bench/RESULTS.md, section "CPU training: the explicit softmax against `jax.nn`'s XLA
-    # attention, 2 cores (Intel Xeon @ 2.50GHz with AVX-512, VNNI), 2026-11-28, commit b8ecba4").
+    # attention").
     return AttentionChoice('explicit', False, 'explicit softmax attention (automatic on cpu)')
   if platform not in ('gpu', 'cuda'):
     return AttentionChoice(None, False, f'XLA attention (automatic on {platform})')

@@ -3,8 +3,7 @@
 `project(x, rows)` is `jnp.einsum('...d,vd->...v', x, rows)`. Autodiff's transpose rule makes
 XLA:CPU form the logits' [tokens, vocab] gradient twice, once in each layout, to multiply it by
 the rows and by x; the backward written here reads it in the one layout it has. Measured on the
-main job's step in bench/RESULTS.md, section "CPU: the main job in ten minutes on a Zen 3, 2 cores
-(AMD EPYC, Zen 3, AVX2 only), 2026-11-28, commits 9c46a1c-dded3ae".
+main job's step in bench/RESULTS.md, section "CPU: the main job in ten minutes on a Zen 3".
 """
 
 from __future__ import annotations
