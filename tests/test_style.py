@@ -132,13 +132,14 @@ def _tracked_python() -> dict[str, str]:
         timeout=60,
     ).stdout.split('\0')
   else:
-    paths = [
-        os.path.relpath(os.path.join(folder, name), train_testlib.REPO)
-        for folder, subfolders, names in os.walk(train_testlib.REPO)
-        if not subfolders.__setitem__(slice(None), [d for d in subfolders if d[0] != '.'])
-        for name in names
-        if name.endswith('.py')
-    ]
+    paths = []
+    for folder, subfolders, names in os.walk(train_testlib.REPO):
+      subfolders[:] = [d for d in subfolders if not d.startswith('.')]
+      paths += [
+          os.path.relpath(os.path.join(folder, n), train_testlib.REPO)
+          for n in names
+          if n.endswith('.py')
+      ]
   texts = {}
   for path in filter(None, paths):
     full = os.path.join(train_testlib.REPO, path)
