@@ -19,6 +19,10 @@ class ConfigError(UserError, ValueError):
   """A config value that cannot work; the message names the field and the fix."""
 
 
+class EnsembleError(UserError, ValueError):
+  """Models that cannot be decoded as one ensemble, or weights that do not fit them."""
+
+
 class DatasetNotFoundError(UserError, FileNotFoundError):
   """The dataset is not there (not prepared, no such file); the message says how to get it."""
 

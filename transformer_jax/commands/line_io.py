@@ -97,7 +97,7 @@ def translate_lines(
           f'{translator.options.max_decode_extra_length} (learned positions end there).'
       )
     for index, error in stats.failed:
-      warn(f'line {first + index + 1}: could not be tokenized ({error}); writing an empty line.')
+      warn(f'line {first + index + 1}: {error}; writing an empty line.')
     for index, hypotheses in enumerate(outputs, first):
       if n_best_format:
         for hypothesis in hypotheses:

@@ -222,6 +222,32 @@ def _row_limits(max_lengths: jax.Array | None, batch_size: int, max_decode_len: 
   return jnp.clip(jnp.asarray(max_lengths, jnp.int32), 1, max_decode_len)
 
 
+def _forced_tokens(prefixes: jax.Array | None, step: jax.Array, pad_id: int) -> jax.Array | None:
+  """int32 [batch]: each row's forced token at `step` (its prefix's token there), `pad_id`
+  where the row's prefix has ended; None without prefixes."""
+  if prefixes is None or prefixes.shape[1] == 0:
+    return None
+  column = lax.dynamic_index_in_dim(
+      prefixes, jnp.minimum(step, prefixes.shape[1] - 1), axis=1, keepdims=False
+  )
+  return jnp.where(step < prefixes.shape[1], column, pad_id)
+
+
+def _check_prefixes(prefixes: jax.Array | None, batch_size: int, max_decode_len: int) -> None:
+  if prefixes is None:
+    return
+  if jnp.ndim(prefixes) != 2 or prefixes.shape[0] != batch_size:
+    raise ValueError(
+        f'prefixes has shape {jnp.shape(prefixes)}; it needs one row a batch row, '
+        f'({batch_size}, prefix_length).'
+    )
+  if prefixes.shape[1] >= max_decode_len:
+    raise ValueError(
+        f'prefixes of {prefixes.shape[1]} tokens leave no room for an output of at most '
+        f'max_decode_len={max_decode_len} tokens.'
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
   """What greedy search, sampling and beam search share: the ids, the length, the cache's
@@ -379,11 +405,13 @@ def _sampling_loop(
     max_lengths: jax.Array | None,
     select: Select,
     rng: jax.Array | None = None,
+    prefixes: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Decodes one token a row a step with `select(logits, fold_in(rng, step))` (greedy search
   and sampling; see `greedy_search` for the arguments and the outputs)."""
   _check_batch_size(batch_size)
   max_decode_len, pad_id = options.max_decode_len, options.pad_id
+  _check_prefixes(prefixes, batch_size, max_decode_len)
   limits = _row_limits(max_lengths, batch_size, max_decode_len)
   positions = jnp.arange(max_decode_len)[None, :]  # [1, max_decode_len]
 
@@ -396,6 +424,9 @@ def _sampling_loop(
     step_rng = None if state.rng is None else jax.random.fold_in(state.rng, state.step)
     allowed = options.ban_repeats(logits.at[:, pad_id].set(NEG_INF), state.sequences, state.step)
     token = select(allowed, step_rng).astype(jnp.int32)
+    forced = _forced_tokens(prefixes, state.step, pad_id)
+    if forced is not None:
+      token = jnp.where(forced != pad_id, forced, token)
     token = jnp.where(state.finished, pad_id, token)  # [batch]
     token_log_prob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None], axis=1)[:, 0]
     return _SamplingState(
@@ -427,6 +458,7 @@ def greedy_search(
     batch_size: int,
     options: SearchOptions,
     max_lengths: jax.Array | None = None,
+    prefixes: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Picks the most probable next token (never `pad_id`) until EOS or `max_decode_len`.
 
@@ -439,6 +471,10 @@ def greedy_search(
     max_lengths: int32 [batch], each row's own limit (at most `max_decode_len`, the size
       of the outputs): a row stops there as if `max_decode_len` were its limit. None: every
       row `max_decode_len`.
+    prefixes: int32 [batch, prefix_length], each row's forced first tokens, then `pad_id`
+      (fewer than `max_decode_len`, and fewer than the row's limit): while a row's prefix
+      lasts, its token is the prefix's, whatever the model prefers or the bans say; the
+      output and its log-probability include it. None: no prefixes.
 
   Returns:
     sequences: int32 [batch, max_decode_len], the EOS included, then `pad_id`.
@@ -452,6 +488,7 @@ def greedy_search(
       options,
       max_lengths,
       lambda logits, _: argmax_of_rows(logits),
+      prefixes=prefixes,
   )
 
 
@@ -487,6 +524,7 @@ def sample(
     batch_size: int,
     options: SearchOptions,
     max_lengths: jax.Array | None = None,
+    prefixes: jax.Array | None = None,
     *,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -504,6 +542,7 @@ def sample(
     batch_size: rows decoded together.
     options: the ids, the length, the cache's growth and the bans on repeats.
     max_lengths: see `greedy_search`.
+    prefixes: see `greedy_search`.
     temperature: >= 0; 0 is greedy search (argmax), 1 the model's distribution.
     top_k: >= 0; 0 keeps every token.
     top_p: in (0, 1]; 1 keeps every token.
@@ -526,7 +565,9 @@ def sample(
     logits = _filter_logits(logits / temperature, top_k, top_p)
     return jax.random.categorical(step_rng, logits, axis=-1)
 
-  return _sampling_loop(tokens_to_logits, cache, batch_size, options, max_lengths, select, rng)
+  return _sampling_loop(
+      tokens_to_logits, cache, batch_size, options, max_lengths, select, rng, prefixes
+  )
 
 
 # --- Beam search. ---
@@ -549,6 +590,7 @@ def beam_search(
     beam_size: int,
     options: SearchOptions,
     max_lengths: jax.Array | None = None,
+    prefixes: jax.Array | None = None,
     *,
     alpha: float = 0.6,
     length_penalty_form: str = 'gnmt',
@@ -590,6 +632,10 @@ def beam_search(
     max_lengths: int32 [batch], each row's own limit (at most `max_decode_len`): a row's
       search ends there exactly as a search with that `max_decode_len` would (its state is
       kept while the other rows go on). None: every row `max_decode_len`.
+    prefixes: int32 [batch, prefix_length], each row's forced first tokens, then `pad_id`
+      (see `greedy_search`): while a row's prefix lasts, each of its beams has one
+      candidate, the prefix's token, so the search goes on from the one hypothesis that
+      starts with the prefix; its score includes the prefix's log-probability.
     alpha: the length-penalty exponent; 0 ranks by plain log-probability.
     length_penalty_form: 'gnmt' or 'power', see `length_penalty`.
     early_stopping: stop once the result can no longer change (see above).
@@ -610,6 +656,7 @@ def beam_search(
         f'length_penalty_form={length_penalty_form!r} is not one of {LENGTH_PENALTY_FORMS}.'
     )
   max_decode_len, pad_id = options.max_decode_len, options.pad_id
+  _check_prefixes(prefixes, batch_size, max_decode_len)
 
   def penalty(length):
     return length_penalty(length, alpha, length_penalty_form)
@@ -654,6 +701,12 @@ def beam_search(
       # Each beam's tokens so far: columns 1..step, after bos_id.
       history = state.alive_seqs[:, :, 1:].reshape(batch_size * beam_size, max_decode_len)
       allowed = options.ban_repeats(allowed, history, step)
+    forced = _forced_tokens(prefixes, step, pad_id)
+    if forced is not None:
+      # A row in its prefix: each beam's one candidate is the prefix's token (bans aside).
+      forced = jnp.repeat(forced, beam_size)[:, None]  # [batch * beam, 1]
+      only = jnp.where(jnp.arange(vocab_size)[None, :] == forced, shifted, NEG_INF)
+      allowed = jnp.where(forced != pad_id, only, allowed)
     beam_top, beam_tokens = top_k_of_rows(allowed, per_beam)
     candidates = state.alive_log_probs[:, :, None] + (beam_top - normalizer).reshape(
         batch_size, beam_size, per_beam

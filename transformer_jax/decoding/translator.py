@@ -50,6 +50,7 @@ from transformer_jax.config import LENGTH_PENALTY_FORMS
 from transformer_jax.config import PAD_ID
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.decoding import decode
+from transformer_jax.errors import EnsembleError
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.models import Transformer
 from transformer_jax.runtime.partitioning import Partitioner
@@ -202,7 +203,8 @@ class DecodeStats:
     decode_seconds: time spent searching, compilation excluded.
     truncated: indices of the sources cut to `max_len` tokens.
     capped: indices of the sources whose output limit `max_len` cut (learned positions).
-    failed: (index, error) of the sentences the tokenizer failed on (given '').
+    failed: (index, reason) of the sentences not translated (given ''): the tokenizer
+      failed on them, or their forced prefix did not fit.
   """
 
   sentences: int = 0
@@ -290,6 +292,34 @@ def start_decoding(
   return tokens_to_logits, variables['cache']
 
 
+def ensemble_step(
+    steps: Sequence[decode.TokensToLogits], weights: Sequence[float]
+) -> decode.TokensToLogits:
+  """One decoder step of several models decoded as one: each model's step over its own
+  cache (the cache is the tuple of theirs), and as logits the weighted sum of the models'
+  log-probabilities.
+
+  The searches take a log-softmax of what a step returns, so the ensemble's distribution
+  is the weighted geometric mean of the models' distributions, renormalized (weights
+  summing to 1 keep it a mean): a token any model rules out (-inf) is ruled out.
+  One model is its own step, unchanged.
+  """
+  if len(steps) == 1:
+    return steps[0]
+
+  def tokens_to_logits(tokens: jax.Array, caches: PyTree) -> tuple[jax.Array, PyTree]:
+    total = None
+    new_caches = []
+    for step, cache, weight in zip(steps, caches, weights):
+      logits, cache = step(tokens, cache)
+      log_probs = weight * jax.nn.log_softmax(logits.astype(jnp.float32))
+      total = log_probs if total is None else total + log_probs
+      new_caches.append(cache)
+    return total, tuple(new_caches)
+
+  return tokens_to_logits
+
+
 def search(
     model_config: TransformerConfig,
     params: PyTree,
@@ -298,16 +328,21 @@ def search(
     max_decode_len: int,
     batch_index: jax.Array | int = 0,
     grow: bool = True,
+    prefixes: jax.Array | None = None,
+    ensemble: Sequence[tuple[TransformerConfig, PyTree]] = (),
+    weights: Sequence[float] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Encodes `inputs`, creates the caches and runs the whole search (traceable under jit).
 
   Beam size 1 is greedy search (`decode.greedy_search`); `options.sampling` samples
   `n_best` outputs a sentence (`decode.sample`, key `fold_in(key(seed), batch_index)`).
-  Greedy and sampled outputs get the same length-penalized score as beam search's.
+  Greedy and sampled outputs get the same length-penalized score as beam search's. Several
+  models are searched as one ensemble (`ensemble_step`), each encoding the source itself
+  and keeping its own caches.
 
   Args:
-    model_config: the model's config.
-    params: the parameters.
+    model_config: the (first) model's config.
+    params: its parameters.
     inputs: int32 [batch, source_length], ids ending with EOS, then PAD.
     options: the search options.
     max_decode_len: the most output tokens, EOS included, of any row (the compiled size);
@@ -315,6 +350,11 @@ def search(
     batch_index: int32 [], folded into the sampling key (unused by the searches).
     grow: grow the self-attention caches in phases (`decode.cache_lengths`), each phase one
       more loop to compile; False: one loop over caches of `max_decode_len` positions.
+    prefixes: int32 [batch, prefix_length], each sentence's forced first output tokens,
+      then PAD (see `decode.greedy_search`); None: none.
+    ensemble: further models, (config, parameters) each, searched with the first as one
+      ensemble (the same vocabulary and decoder start token, see `check_ensemble`).
+    weights: each model's weight, the first's first (None: equal), normalized to sum 1.
 
   Returns:
     sequences: int32 [batch, n_best, max_decode_len], best first, PAD after the end.
@@ -322,12 +362,13 @@ def search(
     log_probs: float32 [batch, n_best], log P(Y).
   """
   n = options.n_best if options.sampling else options.beam_size
-  tokens_to_logits, cache = start_decoding(
-      model_config,
-      params,
-      inputs,
-      decode.cache_lengths(max_decode_len)[0] if grow else max_decode_len,
+  cache_length = decode.cache_lengths(max_decode_len)[0] if grow else max_decode_len
+  models = [(model_config, params), *ensemble]
+  started = [start_decoding(config, p, inputs, cache_length) for config, p in models]
+  tokens_to_logits = ensemble_step(
+      [step for step, _ in started], ensemble_weights(weights, len(models))
   )
+  cache = started[0][1] if len(started) == 1 else tuple(c for _, c in started)
   search_options = decode.SearchOptions(
       max_decode_len,
       bos_id=model_config.decoder_start_id,
@@ -356,13 +397,14 @@ def search(
           batch_size * n,
           search_options,
           decode.tile_beams(max_lengths, n),
+          None if prefixes is None else decode.tile_beams(prefixes, n),
           temperature=options.temperature,
           top_k=options.top_k,
           top_p=options.top_p,
       )
     else:
       sequences, log_probs = decode.greedy_search(
-          tokens_to_logits, cache, batch_size, search_options, max_lengths
+          tokens_to_logits, cache, batch_size, search_options, max_lengths, prefixes
       )
     sequences = sequences.reshape(batch_size, n, max_decode_len)
     log_probs = log_probs.reshape(batch_size, n)
@@ -380,6 +422,7 @@ def search(
       options.beam_size,
       search_options,
       max_lengths,
+      prefixes,
       alpha=options.length_penalty,
       length_penalty_form=options.length_penalty_form,
   )
@@ -391,8 +434,79 @@ def _next_power_of_two(n: int) -> int:
   return 1 << max(0, n - 1).bit_length()
 
 
+def ensemble_weights(weights: Sequence[float] | None, count: int) -> tuple[float, ...]:
+  """`count` models' weights normalized to sum 1 (None: equal weights).
+
+  Raises:
+    EnsembleError: not one weight a model, or one that is not a positive number.
+  """
+  if weights is None:
+    return (1.0 / count,) * count
+  weights = [float(w) for w in weights]
+  if len(weights) != count:
+    raise EnsembleError(
+        f'{len(weights)} weight(s) {weights} for {count} model(s): give one weight a model, '
+        'in the order of the models, or none for equal weights.'
+    )
+  bad = [w for w in weights if not np.isfinite(w) or w <= 0]
+  if bad:
+    raise EnsembleError(
+        f'ensemble weights must be positive numbers; got {bad}. Leave a model out '
+        'instead of giving it weight 0.'
+    )
+  total = sum(weights)
+  return tuple(w / total for w in weights)
+
+
+def check_ensemble(
+    model_configs: Sequence[TransformerConfig],
+    tokenizers: Sequence[Tokenizer | None],
+    weights: Sequence[float] | None,
+    names: Sequence[str] | None = None,
+) -> tuple[float, ...]:
+  """Checks that models can be decoded as one ensemble; their weights, summing to 1.
+
+  They need one vocabulary (the same SentencePiece model(s), so the same ids mean the same
+  pieces) and the same decoder start token. Sizes, depths, positions and output shortlists
+  may differ.
+
+  Args:
+    model_configs: each model's config.
+    tokenizers: each model's tokenizer (None: not checked, as in compile-only use).
+    weights: one positive weight a model (normalized here), or None for equal weights.
+    names: what to call each model in errors (e.g. its work directory).
+
+  Raises:
+    EnsembleError: naming the models that differ and how, or the weights' problem.
+  """
+  normalized = ensemble_weights(weights, len(model_configs))
+  names = list(names or [f'model {i + 1}' for i in range(len(model_configs))])
+  first = model_configs[0]
+  for name, config, tokenizer in zip(names[1:], model_configs[1:], tokenizers[1:]):
+    if config.vocab_size != first.vocab_size or (
+        tokenizer is not None
+        and tokenizers[0] is not None
+        and tokenizer.sentencepiece_models() != tokenizers[0].sentencepiece_models()
+    ):
+      raise EnsembleError(
+          f'{name} has another vocabulary than {names[0]} ({config.vocab_size} and '
+          f'{first.vocab_size} pieces, or other pieces): an ensemble averages each token '
+          "id's probability, so every model must use the same SentencePiece model. Train "
+          "the runs with the same vocabulary (copy the first run's vocabulary file, see "
+          'docs/data.md) or decode them separately.'
+      )
+    if config.decoder_start_id != first.decoder_start_id:
+      raise EnsembleError(
+          f'{name} starts decoding with token {config.decoder_start_id}, {names[0]} with '
+          f'{first.decoder_start_id} (decoder_start_token): every model of an ensemble '
+          'is fed the same first token; decode them separately.'
+      )
+  return normalized
+
+
 class Translator:
-  """Translates batches of sentences with one compiled search per (rows, bucket) shape."""
+  """Translates batches of sentences with one compiled search per (rows, bucket, prefix
+  width) shape, with one model or an ensemble."""
 
   def __init__(
       self,
@@ -401,42 +515,67 @@ class Translator:
       tokenizer: Tokenizer,
       options: DecodeOptions | None = None,
       partitioner: Partitioner | None = None,
+      *,
+      ensemble: Sequence[tuple[TransformerConfig, PyTree]] = (),
+      weights: Sequence[float] | None = None,
   ):
     """Prepares the translator; nothing compiles until the first batch of a shape.
 
     Args:
-      model_config: the model's config.
+      model_config: the (first) model's config.
       params: its parameters, placed as `loading.param_shardings` says when `partitioner` is given.
       tokenizer: the model's vocabulary.
       options: the search; defaults to the paper's.
       partitioner: splits the batch rows over its batch mesh axes; None: one device.
+      ensemble: further models (config, parameters placed on the same mesh), searched
+        with the first as one ensemble (`ensemble_step`); the models must pass
+        `check_ensemble` (their vocabularies are the caller's to compare).
+      weights: each model's weight, the first's first (None: equal); normalized to sum 1.
+
+    Raises:
+      EnsembleError: the models cannot be decoded together or the weights do not fit.
     """
     self.model_config = model_config
     self.params = params
     self.tokenizer = tokenizer
     self.options = options or DecodeOptions()
     self.partitioner = partitioner
-    max_len = model_config.max_len
+    self.ensemble = tuple(ensemble)
+    configs = [model_config] + [config for config, _ in self.ensemble]
+    self.weights = check_ensemble(configs, [None] * len(configs), weights)
+    max_len = min(config.max_len for config in configs)
+    self._max_len = max_len
+    self._learned_positions = any(c.positional_encoding == 'learned' for c in configs)
     self.buckets = tuple(sorted({b for b in self.options.buckets if b < max_len} | {max_len}))
     self._row_multiple = partitioner.num_batch_shards if partitioner else 1
-    self._compiled: dict[tuple[int, int], Callable] = {}
+    self._compiled: dict[tuple[int, int, int], Callable] = {}
+
+  @property
+  def model_configs(self) -> tuple[TransformerConfig, ...]:
+    """Every model's config, the first's first."""
+    return (self.model_config,) + tuple(config for config, _ in self.ensemble)
+
+  @property
+  def all_params(self) -> tuple[PyTree, ...]:
+    """Every model's parameters, the first's first."""
+    return (self.params,) + tuple(params for _, params in self.ensemble)
 
   @property
   def num_compiled(self) -> int:
-    """How many (rows, bucket) shapes have been compiled so far."""
+    """How many (rows, bucket, prefix width) shapes have been compiled so far."""
     return len(self._compiled)
 
   @property
   def max_source_length(self) -> int:
-    """The longest source, EOS included (`max_len`)."""
-    return self.model_config.max_len
+    """The longest source, EOS included (`max_len`; an ensemble's smallest)."""
+    return self._max_len
 
   def output_limit(self, source_length: int) -> int:
     """The most output tokens (EOS included) for a source of `source_length` tokens (EOS
     included): source length + the extra length, at most `max_len` with learned positions."""
     limit = source_length + self.options.max_decode_extra_length
-    if self.model_config.positional_encoding == 'learned':
-      limit = min(limit, self.model_config.max_len)
+    if self._learned_positions:
+      limit = min(limit, self._max_len)
     return limit
 
   def is_capped(self, source_length: int) -> bool:
@@ -469,6 +608,33 @@ class Translator:
       return ids, False
     return ids[: self.max_source_length - 1] + [EOS_ID], True
 
+  def encode_prefix(self, text: str) -> list[int]:
+    """A forced output prefix's ids (target side, no EOS): the output starts with them."""
+    ids = self.tokenizer.encode(text, side='target')
+    return ids[:-1] if ids and ids[-1] == EOS_ID else ids
+
+  def check_prefix(self, source_length: int, prefix: Sequence[int]) -> str | None:
+    """Why `prefix` cannot start the output of a source of `source_length` tokens (EOS
+    included), or None: it must leave room for at least the EOS within the output limit."""
+    limit = self.output_limit(source_length)
+    if len(prefix) >= limit:
+      return (
+          f'its prefix has {len(prefix)} tokens, and its output may have at most {limit} '
+          f'(EOS included: the source length + max_decode_extra_length'
+          f'{", within max_len" if self._learned_positions else ""}); shorten the prefix or '
+          'raise --max_decode_extra_length'
+      )
+    if any(t in (PAD_ID, EOS_ID) for t in prefix):
+      return 'its prefix holds a padding or end-of-sentence id'
+    return None
+
+  def prefix_width(self, longest: int, bucket: int) -> int:
+    """The prefix columns compiled for a batch whose longest prefix has `longest` tokens:
+    0 for none, else a power of two >= 4 (few shapes), within the bucket's output size."""
+    if longest == 0:
+      return 0
+    return min(max(4, _next_power_of_two(longest)), self.max_decode_len(bucket) - 1)
+
   # --- Compilation. ---
 
   def grows_cache(self, rows: int) -> bool:
@@ -480,31 +646,46 @@ class Translator:
     3")."""
     return rows >= self.rows_for(self.options.batch_size)
 
-  def compile(self, rows: int, bucket: int) -> Callable:
+  def compile(self, rows: int, bucket: int, prefix_width: int = 0) -> Callable:
     """The search compiled for [rows, bucket] sources (once per shape; `params` may be
-    `jax.ShapeDtypeStruct`s with shardings, to compile without any weights)."""
-    key = (rows, bucket)
+    `jax.ShapeDtypeStruct`s with shardings, to compile without any weights), taking
+    (all parameters, inputs, batch index) and, with `prefix_width` > 0, int32 [rows,
+    prefix_width] forced prefixes."""
+    key = (rows, bucket, prefix_width)
     if key not in self._compiled:
       max_decode_len = self.max_decode_len(bucket)
       grow = self.grows_cache(rows)
 
-      def fn(params, inputs, batch_index):
+      def fn(params, inputs, batch_index, prefixes=None):
+        first, *others = params
         return search(
-            self.model_config, params, inputs, self.options, max_decode_len, batch_index, grow
+            self.model_config,
+            first,
+            inputs,
+            self.options,
+            max_decode_len,
+            batch_index,
+            grow,
+            prefixes,
+            ensemble=[(config, p) for (config, _), p in zip(self.ensemble, others)],
+            weights=self.weights,
         )
 
-      if self.partitioner is None:
-        jitted = jax.jit(fn)
-        spec = jax.ShapeDtypeStruct((rows, bucket), jnp.int32)
-        index = jax.ShapeDtypeStruct((), jnp.int32)
-        self._compiled[key] = jitted.lower(self.params, spec, index).compile()
+      p = self.partitioner
+      batch = None if p is None else p.batch_sharding
+      replicated = None if p is None else p.replicated
+      specs = [
+          jax.ShapeDtypeStruct((rows, bucket), jnp.int32, sharding=batch),
+          jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+      ]
+      if prefix_width:
+        specs.append(jax.ShapeDtypeStruct((rows, prefix_width), jnp.int32, sharding=batch))
+      if p is None:
+        self._compiled[key] = jax.jit(fn).lower(self.all_params, *specs).compile()
       else:
-        p = self.partitioner
         jitted = jax.jit(fn, out_shardings=p.replicated)
-        spec = jax.ShapeDtypeStruct((rows, bucket), jnp.int32, sharding=p.batch_sharding)
-        index = jax.ShapeDtypeStruct((), jnp.int32, sharding=p.replicated)
         with p.activate():
-          self._compiled[key] = jitted.lower(self.params, spec, index).compile()
+          self._compiled[key] = jitted.lower(self.all_params, *specs).compile()
     return self._compiled[key]
 
   def _place_index(self, number: int) -> jax.Array:
@@ -513,7 +694,9 @@ class Translator:
       return jnp.asarray(index)
     return jax.make_array_from_callback((), self.partitioner.replicated, lambda _: index)
 
-  def _place(self, inputs: np.ndarray) -> jax.Array:
+  def place_batch(self, inputs: np.ndarray) -> jax.Array:
+    """A [rows, ...] host array on the devices, its rows split as the compiled searches
+    take them."""
     if self.partitioner is None:
       return jnp.asarray(inputs)
     # Every process holds the whole batch; each device takes its rows.
@@ -524,7 +707,10 @@ class Translator:
   # --- Translation. ---
 
   def translate_ids(
-      self, sources: Sequence[Sequence[int]], progress: ProgressFn | None = None
+      self,
+      sources: Sequence[Sequence[int]],
+      progress: ProgressFn | None = None,
+      prefixes: Sequence[Sequence[int]] | None = None,
   ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
     """Translates source ids (each ending with EOS, at most `max_len` long).
 
@@ -532,11 +718,25 @@ class Translator:
       sources: one id list per sentence.
       progress: called with (0, 0) once compilation is done, then after each batch with
         (sentences, output tokens of their best hypotheses) of that batch.
+      prefixes: one id list per sentence (empty: none), the first output tokens, forced
+        in every search (see `decode.greedy_search`); each must pass `check_prefix`.
+        The hypotheses' tokens, scores and log-probabilities include them.
 
     Returns:
       The `n_best` hypotheses of each source (best first), in input order, and what the
       call did.
+
+    Raises:
+      ValueError: a prefix `check_prefix` refuses (`translate_n_best` reports those per
+        sentence instead).
     """
+    if prefixes is not None:
+      if len(prefixes) != len(sources):
+        raise ValueError(f'{len(prefixes)} prefixes for {len(sources)} sources.')
+      for i, (source, prefix) in enumerate(zip(sources, prefixes)):
+        problem = self.check_prefix(len(source), prefix)
+        if problem:
+          raise ValueError(f'source {i}: {problem}.')
     stats = DecodeStats(
         sentences=len(sources),
         source_tokens=sum(len(s) for s in sources),
@@ -555,23 +755,34 @@ class Translator:
         batches.append((bucket, []))
       batches[-1][1].append(i)
 
+    widths = [
+        self.prefix_width(max((len(prefixes[i]) for i in indices), default=0) if prefixes else 0, b)
+        for b, indices in batches
+    ]
     start = time.perf_counter()
-    compiled = {bucket: self.compile(rows, bucket) for bucket, _ in batches}
+    compiled = {
+        (bucket, width): self.compile(rows, bucket, width)
+        for (bucket, _), width in zip(batches, widths)
+    }
     stats.compile_seconds = time.perf_counter() - start
     if progress is not None:
       progress(0, 0)
 
     start = time.perf_counter()
     results: list[tuple[Hypothesis, ...]] = [()] * len(sources)
-    for number, (bucket, indices) in enumerate(batches):
+    for number, ((bucket, indices), width) in enumerate(zip(batches, widths)):
       inputs = np.full((rows, bucket), PAD_ID, np.int32)
       inputs[:, 0] = EOS_ID  # Dummy rows: an empty sentence.
       for row, i in enumerate(indices):
         inputs[row, :] = PAD_ID
         inputs[row, : len(sources[i])] = sources[i]
-      sequences, scores, log_probs = jax.device_get(
-          compiled[bucket](self.params, self._place(inputs), self._place_index(number))
-      )
+      arguments = [self.all_params, self.place_batch(inputs), self._place_index(number)]
+      if width:
+        forced = np.full((rows, width), PAD_ID, np.int32)
+        for row, i in enumerate(indices):
+          forced[row, : len(prefixes[i])] = prefixes[i]  # type: ignore[index]
+        arguments.append(self.place_batch(forced))
+      sequences, scores, log_probs = jax.device_get(compiled[bucket, width](*arguments))
       batch_tokens = 0
       for row, i in enumerate(indices):
         hypotheses = []
@@ -597,7 +808,10 @@ class Translator:
     return results, stats
 
   def translate(
-      self, texts: Sequence[str], progress: ProgressFn | None = None
+      self,
+      texts: Sequence[str],
+      progress: ProgressFn | None = None,
+      prefixes: Sequence[str] | None = None,
   ) -> tuple[list[str], DecodeStats]:
     """Translates sentences; each gives exactly one output line, in input order.
 
@@ -608,32 +822,50 @@ class Translator:
     Args:
       texts: the sentences.
       progress: see `translate_ids`; blank and failed sentences are reported last.
+      prefixes: one forced output prefix a sentence ('' for none), see `translate_n_best`.
 
     Returns:
       The best translation of each sentence and what the call did.
     """
-    n_best, stats = self.translate_n_best(texts, progress)
+    n_best, stats = self.translate_n_best(texts, progress, prefixes)
     return [hypotheses[0].text for hypotheses in n_best], stats
 
   def translate_n_best(
-      self, texts: Sequence[str], progress: ProgressFn | None = None
+      self,
+      texts: Sequence[str],
+      progress: ProgressFn | None = None,
+      prefixes: Sequence[str] | None = None,
   ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
     """`translate`, with the `n_best` hypotheses of each sentence, best first, their `text`
-    filled (a blank or failed sentence: `n_best` empty hypotheses of score 0)."""
+    filled (a blank or failed sentence: `n_best` empty hypotheses of score 0).
+
+    `prefixes` (one a sentence, '' for none) are the outputs' forced starts: every
+    hypothesis begins with the prefix's pieces and its text with the prefix (as the
+    tokenizer writes it back). A sentence whose prefix cannot be encoded or does not fit
+    its output limit fails alone: its index and the reason go to `failed`."""
+    if prefixes is not None and len(prefixes) != len(texts):
+      raise ValueError(f'{len(prefixes)} prefixes for {len(texts)} sentences.')
     sources, kept, truncated, failed = [], [], [], []
+    forced: list[list[int]] = []
     for i, text in enumerate(texts):
       if not text.strip():
         continue
       try:
         ids, cut = self.encode_source(text)
+        prefix = self.encode_prefix(prefixes[i]) if prefixes and prefixes[i].strip() else []
       except Exception as e:  # One sentence must not stop all.
-        failed.append((i, f'{type(e).__name__}: {e}'))
+        failed.append((i, f'could not be tokenized ({type(e).__name__}: {e})'))
+        continue
+      problem = self.check_prefix(len(ids), prefix)
+      if problem:
+        failed.append((i, problem))
         continue
       sources.append(ids)
+      forced.append(prefix)
       kept.append(i)
       if cut:
         truncated.append(i)
-    n_best, stats = self.translate_ids(sources, progress)
+    n_best, stats = self.translate_ids(sources, progress, forced if any(forced) else None)
     if progress is not None and len(kept) < len(texts):
       progress(len(texts) - len(kept), 0)
     empty = Hypothesis(tokens=(), score=0.0, length=0)
@@ -656,35 +888,61 @@ class Translator:
 
 
 def load_translator(
-    workdir: str, *, step: int | str | None = None, average_last: int = 0, **overrides: Any
+    workdir: str | Sequence[str],
+    *,
+    step: int | str | None = None,
+    average_last: int = 0,
+    weights: Sequence[float] | None = None,
+    **overrides: Any,
 ) -> tuple['Translator', loading.InferenceCheckpoint]:
-  """A `Translator` for a checkpoint (or the average of the last ones) of `workdir`.
+  """A `Translator` for a checkpoint (or the average of the last ones) of `workdir`, or an
+  ensemble of several work directories' (the same `step` or `average_last` in each).
 
-  Parameters are placed, and batches split, as `loading.load` chooses. Decoding options
-  come from the run's config unless overridden.
+  Parameters are placed, and batches split, as `loading.load` chooses for the first work
+  directory; the other models' parameters go on its mesh. Decoding options come from the
+  first run's config unless overridden.
 
   Args:
-    workdir: a training run's work directory (or one written by `average_checkpoints`).
+    workdir: a training run's work directory (or one written by `average_checkpoints`), or
+      several, decoded as one ensemble.
     step: the checkpoint; None for the latest, 'best' for the best (see `loading.load`).
     average_last: average the last this many checkpoints instead (0: none).
+    weights: with several work directories, each one's weight (None: equal).
     **overrides: `DecodeOptions` fields; None values are ignored.
 
   Returns:
-    The translator and the loaded checkpoint (`checkpoint.steps`: where its parameters
-    come from).
+    The translator and the (first) loaded checkpoint (`checkpoint.steps`: where its
+    parameters come from).
 
   Raises:
-    errors.UserError: no such checkpoint, a damaged one, or a decoding option that cannot
-      work (checked before anything is read).
+    errors.UserError: no such checkpoint, a damaged one, a decoding option that cannot
+      work (checked before anything is read), or models that cannot form an ensemble
+      (`EnsembleError`: other vocabularies, weights that do not fit).
   """
+  workdirs = [workdir] if isinstance(workdir, str) else list(workdir)
   DecodeOptions(**{k: v for k, v in overrides.items() if v is not None})  # Check early.
-  checkpoint = loading.load(workdir, step=step, average_last=average_last)
-  options = DecodeOptions.from_config(checkpoint.config, **overrides)
-  translator = Translator(
-      checkpoint.model_config,
-      checkpoint.params,
-      checkpoint.tokenizer,
-      options,
-      checkpoint.partitioner,
+  ensemble_weights(weights, len(workdirs))  # Check early.
+  checkpoints = [loading.load(w, step=step, average_last=average_last) for w in workdirs]
+  first = checkpoints[0]
+  check_ensemble(
+      [c.model_config for c in checkpoints], [c.tokenizer for c in checkpoints], weights, workdirs
   )
-  return translator, checkpoint
+  ensemble = []
+  for checkpoint in checkpoints[1:]:
+    params = checkpoint.params
+    if checkpoint.partitioner.mesh != first.partitioner.mesh:
+      params = jax.device_put(
+          params, loading.param_shardings(checkpoint.model_config, first.partitioner)
+      )
+    ensemble.append((checkpoint.model_config, params))
+  options = DecodeOptions.from_config(first.config, **overrides)
+  translator = Translator(
+      first.model_config,
+      first.params,
+      first.tokenizer,
+      options,
+      first.partitioner,
+      ensemble=ensemble,
+      weights=weights,
+  )
+  return translator, first
