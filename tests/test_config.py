@@ -183,6 +183,10 @@ def test_a_saved_config_gets_legacy_values_and_todays_defaults_for_missing_field
         ('profile_steps', '5:3', "profile_steps='5:3' must be 'A:B'"),
         ('profile_steps', '10', "profile_steps='10' must be 'A:B'"),
         ('output_vocabulary', 'source', "output_vocabulary='source' must be one of"),
+        ('ema_decay', 1.0, r'ema_decay=1.0 must be in \[0, 1\)'),
+        ('ema_decay', -0.1, r'ema_decay=-0.1 must be in \[0, 1\)'),
+        ('ema_for_evaluation', True, 'True only with --config.ema_decay > 0'),
+        ('early_stopping_patience', -1, r'early_stopping_patience=-1 must be an int >= 0'),
     ],
 )
 def test_validate_names_the_field(field, value, message):
@@ -190,6 +194,20 @@ def test_validate_names_the_field(field, value, message):
   config[field] = value
   with pytest.raises(ConfigError, match=message):
     config_checks.validate_run(config)
+
+
+def test_early_stopping_needs_validations_with_a_best_metric():
+  config = base_config()
+  config.early_stopping_patience = 3
+  config_checks.validate_run(config)
+  for field, value in (('eval_every_steps', 0), ('best_checkpoint_metric', '')):
+    changed = base_config()
+    changed.early_stopping_patience = 3
+    changed[field] = value
+    with pytest.raises(ConfigError, match=f'{field}=.*--config.early_stopping_patience=0'):
+      config_checks.validate_run(changed)
+  config.ema_decay, config.ema_for_evaluation = 0.999, True
+  config_checks.validate_run(config)
 
 
 def _package_imports(module) -> set[str]:

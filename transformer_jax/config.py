@@ -110,6 +110,8 @@ RESUMABLE_FIELDS = frozenset(
         'eval_bleu_sentences',
         'best_checkpoint_metric',
         'keep_best_checkpoints',
+        'ema_for_evaluation',
+        'early_stopping_patience',
         'init_from',
         'init_from_step',
         'init_from_map_vocab',
@@ -122,6 +124,7 @@ RESUMABLE_FIELDS = frozenset(
 # (`from_saved`), so an older run resumes when the config asks for the old behaviour.
 LEGACY_VALUES = {
     'dropout_rng_impl': 'threefry2x32',
+    'ema_decay': 0.0,
     'lr_cooldown_steps': 0,
     'lr_schedule': 'rsqrt',
 }
@@ -251,6 +254,14 @@ def base_config() -> ml_collections.ConfigDict:
   # With 'skip': a run whose updates are skipped this many steps in a row has diverged, and
   # stops with an error (checked at each log line; 0: never).
   c.max_skipped_steps_in_a_row = 20
+  # Keep an exponential moving average of the parameters besides them (float32, sharded as
+  # they are, in the checkpoint): after each applied update ema = decay * ema + (1 - decay) *
+  # params, starting from the initial parameters. Validation (and so the best checkpoints)
+  # then uses the average. 0: none; in [0, 1), e.g. 0.999.
+  c.ema_decay = 0.0
+  # With ema_decay: evaluate.py, translate.py, checkpoint averaging and init_from read the
+  # average instead of the trained parameters from this run's checkpoints.
+  c.ema_for_evaluation = False
   c.log_every_steps = 100  # Steps between training log lines and metrics rows.
   # 'A:B' traces steps A+1 to B (counted from step 0) with jax.profiler into
   # <workdir>/profile, for TensorBoard's profile tab or Perfetto; '' traces nothing.
@@ -268,6 +279,9 @@ def base_config() -> ml_collections.ConfigDict:
   # `evaluate.py --step=best` picks the best.
   c.best_checkpoint_metric = 'bleu'
   c.keep_best_checkpoints = 1  # How many best checkpoints (best_checkpoint_metric) to keep.
+  # Stop the run after this many validations in a row that do not improve on the best
+  # best_checkpoint_metric (0: never); a rerun of a stopped run trains no further.
+  c.early_stopping_patience = 0
   # Fine-tuning: start from the parameters of another run's checkpoint (its work directory,
   # or one written by average_checkpoints.py) instead of random ones. The optimizer state,
   # the schedule and the data order start afresh; the vocabulary is the checkpoint's. The
@@ -390,6 +404,26 @@ def validate(
       f'best_checkpoint_metric={metric!r} needs validation translations, but '
       'eval_bleu_sentences=0; set --config.eval_bleu_sentences (e.g. 512), or '
       "--config.best_checkpoint_metric=loss (or '' for none).",
+  )
+  decay = config.ema_decay
+  _require(
+      isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0.0 <= decay < 1.0,
+      f'ema_decay={decay!r} must be in [0, 1) (0 keeps no average; e.g. 0.999); set '
+      '--config.ema_decay.',
+  )
+  _require(
+      isinstance(config.ema_for_evaluation, bool) and (not config.ema_for_evaluation or decay),
+      f'ema_for_evaluation={config.ema_for_evaluation!r} must be a bool, and True only with '
+      '--config.ema_decay > 0 (the average it would evaluate).',
+  )
+  _int_at_least(config, 'early_stopping_patience', 0, ' (0 turns it off)')
+  _require(
+      not config.early_stopping_patience or (config.eval_every_steps and metric),
+      f'early_stopping_patience={config.early_stopping_patience} counts validations without '
+      f'an improvement of best_checkpoint_metric, but eval_every_steps='
+      f'{config.eval_every_steps} and best_checkpoint_metric={metric!r}; set '
+      '--config.eval_every_steps and --config.best_checkpoint_metric (e.g. loss), or '
+      '--config.early_stopping_patience=0.',
   )
   profile_range(config)
   step = config.init_from_step

@@ -1,6 +1,6 @@
-"""The train step (accumulation, non-finite handling, dropout keys) and the training loop
-end to end on one device: outputs, checkpoints, loading for inference, stop and resume,
-config mismatch, and train.py's errors."""
+"""The train step (accumulation, non-finite handling, dropout keys, the parameters' moving
+average) and the training loop end to end on one device: outputs, checkpoints, loading for
+inference, stop and resume, early stopping, config mismatch, and train.py's errors."""
 
 import dataclasses
 import gc
@@ -24,6 +24,7 @@ import pytest
 from configs import tiny
 import train_testlib
 from transformer_jax import errors
+from transformer_jax.checkpoints import averaging
 from transformer_jax.checkpoints import checkpointing
 from transformer_jax.checkpoints import loading
 from transformer_jax.config import base_config
@@ -71,24 +72,32 @@ class StepHarness:
         0, self.model_config, self.tx, self.partitioner, self.shardings
     )
 
-  def state(self, tx=None):
-    """A copy of the initial state (the step donates its input), optionally for `tx`."""
+  def state(self, tx=None, ema=False):
+    """A copy of the initial state (the step donates its input), optionally for `tx`, and
+    with the parameters' moving average (`ema`: a copy of them)."""
     state = jax.tree.map(jnp.copy, self._state)
     if tx is not None:
       state = state.replace(opt_state=tx.init(state.params))
+    if ema:
+      state = state.replace(ema_params=jax.tree.map(jnp.copy, state.params))
     return state
 
-  def step(self, grad_accum_steps=1, dropout_rate=0.0, tx=None, dropout_rng_impl='rbg'):
+  def step(
+      self, grad_accum_steps=1, dropout_rate=0.0, tx=None, dropout_rng_impl='rbg', ema_decay=0.0
+  ):
     tx = tx or self.tx
     schedule = self.schedule if tx is self.tx else optax.constant_schedule(1.0)
     model_config = dataclasses.replace(self.model_config, dropout_rate=dropout_rate)
-    _, shardings = train_steps.abstract_state(model_config, tx, self.partitioner)
+    _, shardings = train_steps.abstract_state(
+        model_config, tx, self.partitioner, ema=bool(ema_decay)
+    )
     step = train_steps.jit_train_step(
         train_steps.StepConfig(
             model_config,
             seed=0,
             grad_accum_steps=grad_accum_steps,
             dropout_rng_impl=dropout_rng_impl,
+            ema_decay=ema_decay,
         ),
         tx,
         schedule,
@@ -146,6 +155,49 @@ def test_nonfinite_loss_skips_the_update_and_counts_it(harness):
   # A healthy state takes the update.
   healthy, metrics = step(harness.state(), batch)
   assert float(metrics['finite']) == 1.0 and int(healthy.skipped_steps) == 0
+
+
+def test_the_moving_average_is_the_float32_recurrence_over_applied_updates(harness):
+  """Three updates, each followed by ema = decay * ema + (1 - decay) * params (recomputed in
+  numpy from the parameters after each step), then a skipped one, which leaves it."""
+  decay = 0.75
+  step = harness.step(ema_decay=decay)
+  state = harness.state(ema=True)
+  expected = jax.device_get(state.params)
+  for seed in range(3):
+    state, metrics = step(state, synthetic_batch(seed))
+    assert float(metrics['finite']) == 1.0
+    params = jax.device_get(state.params)
+    expected = jax.tree.map(
+        lambda e, p: np.float32(decay) * e + np.float32(1 - decay) * p, expected, params
+    )
+    ema = jax.device_get(state.ema_params)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), ema, expected)
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(ema))
+  # Not the parameters themselves: they moved away from their average.
+  assert not np.allclose(
+      ema['shared_embedding']['embedding'], params['shared_embedding']['embedding']
+  )
+  # An update skipped for a non-finite loss leaves the average as it was.
+  params = dict(state.params)
+  emb = params['shared_embedding']['embedding']
+  params['shared_embedding'] = {'embedding': emb.at[5, 0].set(jnp.inf)}
+  batch = synthetic_batch(1)
+  batch['targets'][0, 0] = 5  # The poisoned row is read: the loss becomes non-finite.
+  state, metrics = step(state.replace(params=params), batch)
+  assert float(metrics['finite']) == 0.0
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(state.ema_params), ema)
+  # Sharded exactly as the parameters.
+  _, shardings = train_steps.abstract_state(
+      harness.model_config, harness.tx, harness.partitioner, ema=True
+  )
+  assert shardings.ema_params == shardings.params
+  assert (
+      train_steps.abstract_state(harness.model_config, harness.tx, harness.partitioner)[
+          1
+      ].ema_params
+      is None
+  )
 
 
 @pytest.mark.parametrize('impl', ['rbg', 'threefry2x32'])
@@ -772,6 +824,140 @@ def test_a_second_ctrl_c_interrupts_at_once():
     gc.enable()
     stop.close()
   assert signal.getsignal(signal.SIGINT) is before
+
+
+# --- The moving average and early stopping, end to end (in-process, four steps each). ---
+
+
+class StopAt(multihost.StopSignal):
+  """Asks the loop to save and stop after step `at`, as SIGTERM would."""
+
+  def __init__(self, at):
+    super().__init__()
+    self.at = at
+
+  def should_stop(self, step):
+    return step == self.at or super().should_stop(step)
+
+
+def _train(config, workdir, stop_at=None):
+  stop = StopAt(stop_at)
+  try:
+    return train_loop.train_and_evaluate(config, workdir, stop_signal=stop)
+  finally:
+    stop.close()
+
+
+@pytest.fixture(scope='module')
+def ema_runs(data_files, tmp_path_factory):
+  """Four steps with dropout and ema_decay=0.5, checkpoints every 2, run through, and run
+  again stopped after step 3 (as by SIGTERM) and resumed; the resumed part with
+  ema_for_evaluation=True (a field a resume may change), the first part without."""
+  root = tmp_path_factory.mktemp('ema')
+  config = lambda **overrides: train_testlib.small_config(
+      data_files, num_train_steps=4, ema_decay=0.5, dropout_rate=0.2, **overrides
+  )
+  reference = train_loop.train_and_evaluate(
+      config(ema_for_evaluation=True), str(root / 'reference')
+  )
+  first = _train(config(), str(root / 'resumed'), stop_at=3)
+  assert first.stopped_early and int(first.state.step) == 3
+  resumed = train_loop.train_and_evaluate(config(ema_for_evaluation=True), str(root / 'resumed'))
+  return root, reference, first.state, resumed
+
+
+def test_a_resumed_run_with_a_moving_average_is_bitwise_the_uninterrupted_one(ema_runs):
+  root, reference, _, resumed = ema_runs
+  assert int(resumed.state.step) == int(reference.state.step) == 4
+  for name in ('params', 'ema_params', 'opt_state'):
+    jax.tree.map(
+        np.testing.assert_array_equal,
+        jax.device_get(getattr(resumed.state, name)),
+        jax.device_get(getattr(reference.state, name)),
+    )
+  # The average is its own item of every checkpoint, restored with the rest of the state.
+  assert os.path.isdir(RunLayout.of(str(root / 'resumed')).checkpoints + '/3/ema')
+  losses = lambda run: {m['step']: m['loss'] for m in read_metrics(str(root / run))}
+  assert losses('resumed') == losses('reference')
+
+
+def test_ema_for_evaluation_makes_the_average_what_checkpoints_are_read_for(ema_runs):
+  root, reference, first, _ = ema_runs
+  ema, params = (jax.device_get(x) for x in (reference.state.ema_params, reference.state.params))
+  loaded = loading.load(str(root / 'reference'))
+  assert loaded.step == 4
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(loaded.params), ema)
+  assert not np.array_equal(
+      loaded.params['shared_embedding']['embedding'], params['shared_embedding']['embedding']
+  )
+  # Step 3 of the resumed run was saved without ema_for_evaluation: read for its parameters.
+  checkpoints = RunLayout.of(str(root / 'resumed')).checkpoints
+  three, _ = checkpointing.restore_params(checkpoints, 3)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(three), jax.device_get(first.params))
+  # Averaging the last two averages them; its checkpoint is read for its own parameters.
+  averaged = loading.load(str(root / 'resumed'), average_last=2)
+  four, _ = checkpointing.restore_params(checkpoints, 4)
+  mean = jax.tree.map(lambda a, b: (a + b) / 2, jax.device_get(three), jax.device_get(four))
+  jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+      jax.device_get(averaged.params),
+      mean,
+  )
+  directory, _ = averaging.average_checkpoints(str(root / 'resumed'), str(root / 'average'), 2)
+  assert not os.path.exists(os.path.join(directory, 'ema'))
+  jax.tree.map(
+      np.testing.assert_array_equal,
+      jax.device_get(loading.load(str(root / 'average')).params),
+      jax.device_get(averaged.params),
+  )
+
+
+def test_early_stopping_stops_after_patience_and_a_rerun_trains_no_further(
+    data_files, tmp_path, monkeypatch, caplog
+):
+  """Validation losses 3, 2, 2.5, 2 (a tie is no improvement) with patience 2: the run stops
+  at step 4, though a restart after step 3 came between (the count is in the checkpoint)."""
+  losses = [3.0, 2.0, 2.5, 2.0, 1.0]
+  monkeypatch.setattr(
+      train_loop,
+      'evaluate',
+      lambda *args, **kwargs: {'loss': losses.pop(0), 'perplexity': 1.0, 'accuracy': 0.0},
+  )
+  config = train_testlib.small_config(
+      data_files,
+      num_train_steps=8,
+      eval_every_steps=1,
+      eval_bleu_sentences=0,
+      best_checkpoint_metric='loss',
+      early_stopping_patience=2,
+      log_every_steps=4,
+  )
+  workdir = str(tmp_path / 'run')
+  assert int(_train(config, workdir, stop_at=3).state.step) == 3
+  with caplog.at_level(logging.INFO):
+    result = train_loop.train_and_evaluate(config, workdir)
+  assert result.out_of_patience and not result.stopped_early and int(result.state.step) == 4
+  line = (
+      'Stopping early at step 4: validation loss did not improve on its best, 2.0000 (step 2), '
+      'in 2 validations in a row (early_stopping_patience=2).'
+  )
+  assert line in caplog.text, caplog.text[-3000:]
+  train_steps_logged = [m['step'] for m in read_metrics(workdir) if m['split'] == 'train']
+  assert train_steps_logged == [1, 2, 3, 4]
+  assert checkpointing.list_steps(RunLayout.of(workdir).checkpoints)[-1] == 4
+  caplog.clear()
+  with caplog.at_level(logging.INFO):
+    again = train_loop.train_and_evaluate(config, workdir)
+  assert again.out_of_patience and int(again.state.step) == 4 and losses == [1.0]
+  assert 'the run already stopped early at step 4: validation loss did not improve' in caplog.text
+  assert 'training steps' not in caplog.text
+  assert [m['step'] for m in read_metrics(workdir) if m['split'] == 'train'] == [1, 2, 3, 4]
+  # Patience without a metric to be patient about is refused before anything is built.
+  with pytest.raises(ConfigError, match='early_stopping_patience=2 counts validations'):
+    train_loop.train_and_evaluate(
+        train_testlib.small_config(data_files, early_stopping_patience=2), str(tmp_path / 'bad')
+    )
+  assert not os.path.exists(tmp_path / 'bad')
 
 
 # --- train.py's answers to bad setups: exit code 2, one paragraph, before compiling. ---

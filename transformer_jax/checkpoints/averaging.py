@@ -55,7 +55,8 @@ def _add(total: PyTree, params: PyTree) -> PyTree:
 
 
 def average_params(directory: str, steps: Sequence[int], *, shardings: PyTree = None) -> PyTree:
-  """The element-wise mean of the parameters of `steps`, summed in float32.
+  """The element-wise mean of the parameters of `steps` (those `checkpointing.restore_params`
+  reads: the moving average of a run with `ema_for_evaluation`), summed in float32.
 
   Checkpoints are read one at a time, so memory holds two copies of the parameters, not N.
 

@@ -1,16 +1,18 @@
 """Checkpoints: what a step directory holds, saving and resuming, loading for inference.
 
 `WORKDIR/checkpoints/<step>/` is written by an orbax `CheckpointManager` (asynchronously,
-atomically: it appears under its final name only once complete) and holds four items, and a
-fifth, orbax's `metrics`, in the checkpoints saved at an evaluation (the validation metrics
-the best checkpoints are kept by, see `best_step`):
+atomically: it appears under its final name only once complete) and holds four items (five
+with `ema_decay`), and orbax's `metrics` in the checkpoints saved at an evaluation (the
+validation metrics the best checkpoints are kept by, see `best_step`):
 
   * `params`:    the model parameters (an orbax PyTree; restorable onto any mesh);
+  * `ema`:       with `ema_decay`, their exponential moving average (as `params`);
   * `optimizer`: {'opt_state', 'step', 'skipped_steps'};
   * `data`:      the training iterator's state, one JSON file per host (grain's handler);
   * `meta`:      JSON: the run's whole config, the vocabulary size, and the SentencePiece
                  model (its original path, fingerprint and bytes), so that evaluation needs
-                 nothing but the step directory.
+                 nothing but the step directory; which item holds the parameters to infer
+                 with (`INFERENCE_ITEM`); and the training loop's early-stopping count.
 
 Evaluation and checkpoint averaging read checkpoints through `list_steps`, `read_meta` and
 `restore_params` (`loading.load` puts them together), never through the training flags.
@@ -54,6 +56,9 @@ from transformer_jax.storage import storage
 
 META_FORMAT = 1
 BEST = 'best'  # The step argument that asks for the best checkpoint (`best_step`).
+# The meta key naming the item `restore_params` reads: 'ema' with `ema_for_evaluation`;
+# absent: 'params'.
+INFERENCE_ITEM = 'inference_item'
 
 
 class ConfigMismatchError(ConfigError):
@@ -135,6 +140,8 @@ def make_meta(
   }
   if output_ids is not None:
     meta['output_ids'] = [int(i) for i in output_ids]
+  if config.ema_decay and config.ema_for_evaluation:
+    meta[INFERENCE_ITEM] = 'ema'
   return meta
 
 
@@ -196,7 +203,7 @@ def verify_checksums(expected: Mapping[str, str] | None, tree: Any) -> None:
 
 def _saved_state(state: Any) -> dict[str, Any]:
   """The arrays of a `TrainState` as the checkpoint stores them (items and keys)."""
-  return {
+  arrays = {
       'params': state.params,
       'optimizer': {
           'opt_state': state.opt_state,
@@ -204,6 +211,9 @@ def _saved_state(state: Any) -> dict[str, Any]:
           'skipped_steps': state.skipped_steps,
       },
   }
+  if state.ema_params is not None:
+    arrays['ema'] = state.ema_params
+  return arrays
 
 
 def _metric_key(metric: str) -> Any:
@@ -350,8 +360,7 @@ class Checkpointer:
     return self._manager.save(
         step,
         args=ocp.args.Composite(
-            params=ocp.args.StandardSave(arrays['params']),
-            optimizer=ocp.args.StandardSave(arrays['optimizer']),
+            **{name: ocp.args.StandardSave(tree) for name, tree in arrays.items()},
             data=grain.checkpoint.CheckpointSave(data_iterator),
             meta=ocp.args.JsonSave({**meta, 'checksums': checksums(arrays)}),
         ),
@@ -395,20 +404,18 @@ class Checkpointer:
       restored = self._manager.restore(
           step,
           args=ocp.args.Composite(
-              params=ocp.args.StandardRestore(abstract['params']),
-              optimizer=ocp.args.StandardRestore(abstract['optimizer']),
+              **{name: ocp.args.StandardRestore(tree) for name, tree in abstract.items()},
               data=grain.checkpoint.CheckpointRestore(data_iterator),
           ),
       )
-      verify_checksums(
-          expected_checksums, {'params': restored['params'], 'optimizer': restored['optimizer']}
-      )
+      verify_checksums(expected_checksums, {name: restored[name] for name in abstract})
     optimizer = restored['optimizer']
     return abstract_state.replace(
         step=optimizer['step'],
         params=restored['params'],
         opt_state=optimizer['opt_state'],
         skipped_steps=optimizer['skipped_steps'],
+        ema_params=restored['ema'] if 'ema' in abstract else None,
     )
 
   @contextlib.contextmanager
@@ -629,7 +636,9 @@ def _damaged(
 def restore_params(
     directory: str, step: int | str | None = None, *, shardings: Any = None
 ) -> tuple[Any, int]:
-  """The parameters of one checkpoint (nothing else is read).
+  """The parameters to infer with of one checkpoint (nothing else is read): the item its
+  meta names (`INFERENCE_ITEM`: the moving average of a run with `ema_for_evaluation`), else
+  the trained parameters.
 
   Args:
     directory: a training run's checkpoint directory (`RunLayout.checkpoints`).
@@ -642,13 +651,17 @@ def restore_params(
   """
   with _reader(directory) as manager:
     step = _resolve_step(manager, directory, step)
-    with _damaged(manager, manager.directory, step, 'params'):
-      metadata = manager.item_metadata(step)['params']
-      if metadata is None:  # A manager that has not restored 'params' yet has no handler.
+    with _damaged(manager, manager.directory, step, 'meta'):
+      saved = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+      saved = saved if isinstance(saved, dict) else {}
+    item = saved.get(INFERENCE_ITEM, 'params')
+    with _damaged(manager, manager.directory, step, item):
+      metadata = manager.item_metadata(step)[item]
+      if metadata is None:  # A manager that has not restored the item yet has no handler.
         # Not a restore without a target: that places arrays as they were saved, and fails
         # for a checkpoint of several processes (their devices are not this one's).
         metadata = (
-            ocp.StandardCheckpointHandler().metadata(manager.directory / str(step) / 'params').tree
+            ocp.StandardCheckpointHandler().metadata(manager.directory / str(step) / item).tree
         )
       if shardings is None:
         shardings = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -657,21 +670,18 @@ def restore_params(
       abstract = jax.tree.map(
           lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), metadata, shardings
       )
-      restored = manager.restore(
-          step,
-          args=ocp.args.Composite(
-              params=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-          ),
-      )
-      params = restored['params']
-      saved = restored['meta'] if isinstance(restored['meta'], dict) else {}
-      verify_checksums(saved.get('checksums'), {'params': params})
+      params = manager.restore(
+          step, args=ocp.args.Composite(**{item: ocp.args.StandardRestore(abstract)})
+      )[item]
+      verify_checksums(saved.get('checksums'), {item: params})
   return params, step
 
 
 def write_params_checkpoint(directory: str, step: int, params: Any, meta: dict[str, Any]) -> str:
   """Writes `params` and `meta` as `directory/<step>` (readable by
   `loading.load` and `init_from`): no optimizer or data state, so not a run to resume.
+  `params` are what it is read for, whatever item of its source `meta` named
+  (`INFERENCE_ITEM`).
 
   Returns:
     The step directory.
@@ -683,6 +693,7 @@ def write_params_checkpoint(directory: str, step: int, params: Any, meta: dict[s
     raise OutputExistsError(
         f'{directory}/{step} already exists; choose another output directory or remove it.'
     )
+  meta = {k: v for k, v in meta.items() if k != INFERENCE_ITEM}
   options = ocp.CheckpointManagerOptions(create=True, enable_async_checkpointing=False)
   with _Bounded(directory, lambda: ocp.CheckpointManager(directory, options=options)) as manager:
     manager.save(

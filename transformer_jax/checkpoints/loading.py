@@ -3,8 +3,9 @@
 The one way evaluation, translation and the tests get a model out of a work directory: it
 reads the checkpoint's `meta` (the run's config and vocabulary), builds the model config,
 chooses the device layout (`Partitioner.for_inference`: the training mesh if it fits these
-devices, else data parallelism), and restores the parameters straight onto it, averaging the
-last N checkpoints in memory when asked (the paper's evaluation).
+devices, else data parallelism), and restores the parameters straight onto it (a run with
+`ema_for_evaluation`: their moving average), averaging the last N checkpoints in memory when
+asked (the paper's evaluation).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ Validation (every `eval_every_steps`) gives the loss and perplexity of the valid
 and, with `eval_bleu_sentences`, sacreBLEU and chrF of that many of its sentences spread over
 the split, translated with the run's decoding options (a few samples go to TensorBoard).
 With `best_checkpoint_metric`, every evaluation also saves a checkpoint carrying its metrics,
-and the best `keep_best_checkpoints` of those are kept besides the latest ones.
+and the best `keep_best_checkpoints` of those are kept besides the latest ones; with
+`early_stopping_patience`, the run ends when that many evaluations in a row bring no new best
+(`early_stopping`). With `ema_decay`, validation evaluates the parameters' moving average.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from transformer_jax.storage import storage
 from transformer_jax.storage import workdir_lock
 from transformer_jax.storage.layout import RunLayout
 from transformer_jax.training import config_checks
+from transformer_jax.training import early_stopping as early_stopping_lib
 from transformer_jax.training import metrics_writer
 from transformer_jax.training import optimizer
 from transformer_jax.training import train_steps
@@ -72,12 +75,15 @@ class TrainResult:
       `num_train_steps`, after saving that step.
     eval_metrics: the last validation metrics, if any were computed.
     interrupted: True when that signal was Ctrl-C (SIGINT).
+    out_of_patience: True when early stopping (`early_stopping_patience`) ended it, now or
+      in an earlier run of the work directory.
   """
 
   state: train_steps.TrainState
   stopped_early: bool
   eval_metrics: dict[str, float] | None
   interrupted: bool = False
+  out_of_patience: bool = False
 
 
 def evaluate(
@@ -295,8 +301,10 @@ def _train_and_evaluate(
           datasets.train, partitioner.shard_batch, config.prefetch_batches
       )
       tx, schedule = optimizer.create_optimizer(optimizer_config)
-      abstract, shardings = train_steps.abstract_state(model_config, tx, partitioner)
-      state = _restore_or_initialize(
+      abstract, shardings = train_steps.abstract_state(
+          model_config, tx, partitioner, ema=bool(config.ema_decay)
+      )
+      state, restored_meta = _restore_or_initialize(
           config,
           checkpointer,
           datasets,
@@ -313,6 +321,7 @@ def _train_and_evaluate(
           model_config, config.label_smoothing, partitioner, shardings.params
       )
       start = int(state.step)
+      early_stopping = early_stopping_lib.EarlyStopping.from_meta(config, restored_meta)
       writer = metrics_writer.MetricsWriter(
           layout.metrics,
           layout.tensorboard,
@@ -328,6 +337,11 @@ def _train_and_evaluate(
           f'{config.num_train_steps}): nothing to train; raise '
           '--config.num_train_steps to train on'
       )
+      if early_stopping is not None and early_stopping.out_of_patience:
+        to_do = (
+            f'the run already stopped early at step {start}: {early_stopping.describe()}; '
+            'nothing to train; raise --config.early_stopping_patience to train on'
+        )
       writer.log(
           f'{train_steps.count_params(state.params):,} parameters; '
           f'{datasets.steps_per_epoch} steps an epoch; {to_do}.'
@@ -353,6 +367,7 @@ def _train_and_evaluate(
           stop_signal=stop_signal,
           profiler=profiler,
           validation=validation,
+          early_stopping=early_stopping,
       )
       with partitioner.activate():
         return _train_loop(context, state)
@@ -496,16 +511,17 @@ def _restore_or_initialize(
     abstract_and_shardings: tuple[train_steps.TrainState, train_steps.TrainState],
     partitioner: Partitioner,
     init_source: _InitSource | None = None,
-) -> train_steps.TrainState:
-  """The latest checkpoint's state (after checking its config), or a fresh one: random
-  parameters, or those of `init_source` with a fresh optimizer state and step 0.
+) -> tuple[train_steps.TrainState, dict[str, Any] | None]:
+  """The latest checkpoint's state (after checking its config) and meta, or a fresh state
+  and None: random parameters, or those of `init_source` with a fresh optimizer state (and
+  moving average) and step 0.
   `abstract_and_shardings`: `train_steps.abstract_state(model_config, tx, partitioner)`."""
   abstract, shardings = abstract_and_shardings
   steps = checkpointer.steps()
   if not steps:
     state = train_steps.create_train_state(config.seed, model_config, tx, partitioner, shardings)
     if init_source is None:
-      return state
+      return state, None
     params, _ = checkpointing.restore_params(
         init_source.checkpoints, init_source.step, shardings=shardings.params
     )
@@ -518,7 +534,11 @@ def _restore_or_initialize(
         init_source.checkpoints,
         init_source.step,
     )
-    return state.replace(params=params)
+    state = state.replace(params=params)
+    if state.ema_params is not None:  # Under jit: new buffers, not the parameters' own.
+      ema = jax.jit(train_steps.init_ema, out_shardings=shardings.ema_params)(params)
+      state = state.replace(ema_params=ema)
+    return state, None
   damaged = []
   for step in reversed(steps):  # The newest intact checkpoint.
     try:
@@ -555,7 +575,7 @@ def _restore_or_initialize(
           getattr(error, 'problem', error),
       )
     logging.info('Resumed from the checkpoint at step %d.', step)
-    return state
+    return state, saved
   raise CheckpointError(
       f'Every checkpoint in {checkpointer.directory} ({steps}) is damaged; the newest: '
       f'{damaged[0][1]}'
@@ -581,6 +601,7 @@ class _LoopContext:
     stop_signal: asks the loop to save and stop.
     profiler: traces the steps `config.profile_steps` names.
     validation: translates the validation subset at each evaluation (None: no BLEU).
+    early_stopping: counts the evaluations without a new best (None: no best kept).
   """
 
   config: ml_collections.ConfigDict
@@ -596,6 +617,7 @@ class _LoopContext:
   stop_signal: multihost.StopSignal
   profiler: StepProfiler
   validation: ValidationTranslation | None = None
+  early_stopping: early_stopping_lib.EarlyStopping | None = None
 
   def save(self, state: train_steps.TrainState, metrics: Mapping[str, float] | None = None) -> None:
     """Saves `state` with the data iterator's position (and its validation `metrics`, if
@@ -603,13 +625,16 @@ class _LoopContext:
     step = int(state.step)
     if self.checkpointer.latest_step() == step:
       return
-    if not bool(train_steps.all_finite((state.params, state.opt_state))):
+    if not bool(train_steps.all_finite((state.params, state.opt_state, state.ema_params))):
       raise NonFiniteError(
           f'The parameters or optimizer state at step {step} are not finite; no checkpoint '
           f'was written (latest checkpoint: {self.checkpointer.latest_step() or "none"}). Lower '
           '--config.learning_rate_scale or set --config.grad_clip_norm.'
       )
-    self.checkpointer.save(state, self.batches, self.meta, force=True, metrics=metrics)
+    meta = dict(self.meta)
+    if self.early_stopping is not None:  # The count as of this step, for a resume.
+      meta.update(self.early_stopping.to_meta())
+    self.checkpointer.save(state, self.batches, meta, force=True, metrics=metrics)
     self.writer.log(f'Saving checkpoint {step} (asynchronously).')
 
 
@@ -630,6 +655,9 @@ def _train_loop(context: _LoopContext, state: train_steps.TrainState) -> TrainRe
   eval_metrics = None
   stopped = False
   skipped_in_a_row = 0  # Up to the last step fetched.
+  early_stopping = context.early_stopping
+  if early_stopping is not None and early_stopping.out_of_patience:  # In an earlier run.
+    return TrainResult(state=state, stopped_early=False, eval_metrics=None, out_of_patience=True)
   for step in range(start, config.num_train_steps):
     context.profiler.before(step)
     batch, device_batch = next(batches)
@@ -659,8 +687,13 @@ def _train_loop(context: _LoopContext, state: train_steps.TrainState) -> TrainRe
       )
     stopped = context.stop_signal.should_stop(done)
     writer.step_done(done)
+    evaluating = config.eval_every_steps and (
+        done % config.eval_every_steps == 0 or done == config.num_train_steps
+    )
+    # An evaluation may end the run for want of patience: its steps are logged before it.
+    may_end = evaluating and early_stopping is not None and early_stopping.patience
 
-    if done % config.log_every_steps == 0 or done == config.num_train_steps or stopped:
+    if done % config.log_every_steps == 0 or done == config.num_train_steps or stopped or may_end:
       fetched = jax.device_get(pending)
       summary = metrics_writer.summarize_train(
           metrics_writer.sum_metrics(fetched),
@@ -688,25 +721,32 @@ def _train_loop(context: _LoopContext, state: train_steps.TrainState) -> TrainRe
             'resume this one as it is.'
         )
 
-    if config.eval_every_steps and (
-        done % config.eval_every_steps == 0 or done == config.num_train_steps
-    ):
+    if evaluating:
       eval_start = time.time()
+      # With ema_decay, the moving average is what validation (and so the best) measures.
+      eval_params = state.params if state.ema_params is None else state.ema_params
       eval_metrics = evaluate(
           context.eval_step,
-          state.params,
+          eval_params,
           context.datasets.eval_batches(),
           context.partitioner,
           config.eval_batches,
       )
       if context.validation is not None:
-        translation_metrics, samples = context.validation(state.params)
+        translation_metrics, samples = context.validation(eval_params)
         eval_metrics.update(translation_metrics)
         writer.text(done, 'eval/samples', samples)
       writer.write(done, 'eval', eval_metrics)
       interval_start += time.time() - eval_start  # Evaluation is not training throughput.
       if config.best_checkpoint_metric:  # Each evaluation's checkpoint competes for best.
+        if early_stopping is not None:
+          early_stopping.update(done, eval_metrics)
         context.save(state, metrics=eval_metrics)
+        if early_stopping is not None and early_stopping.out_of_patience:
+          writer.log(f'Stopping early at step {done}: {early_stopping.describe()}.')
+          return TrainResult(
+              state=state, stopped_early=False, eval_metrics=eval_metrics, out_of_patience=True
+          )
 
     if stopped or checkpointer.should_save(done):
       context.save(state)

@@ -11,7 +11,10 @@ One loss function serves both steps (`batch_metrics`). The train step:
     would turn one step into several calls with the accumulator in the checkpoint;
   * skips an update whose loss or gradient is not finite (parameters and optimizer state
     unchanged, `skipped_steps` counted). `optax.apply_if_finite` only inspects gradients
-    and keeps its counter inside the optimizer state, hence the few lines here.
+    and keeps its counter inside the optimizer state, hence the few lines here;
+  * with `ema_decay`, moves the exponential moving average of the parameters towards the
+    updated ones (`update_ema`), in the state beside them rather than as an optax
+    transformation, whose state would hide it among the optimizer's.
 
 `jit_train_step` and `jit_eval_step` compile them with explicit input and output shardings
 (parameters and optimizer state by the logical-axis rules, batches over the batch axes,
@@ -52,12 +55,15 @@ class TrainState:
     params: the model parameters (float32).
     opt_state: the optax state.
     skipped_steps: int32 scalar, updates skipped for a non-finite loss or gradient.
+    ema_params: with `ema_decay`, the exponential moving average of `params` (float32,
+      sharded as they are); None without.
   """
 
   step: Array
   params: Any
   opt_state: optax.OptState
   skipped_steps: Array
+  ema_params: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +76,7 @@ class StepConfig:
     dropout_rng_impl: the PRNG implementation of the dropout keys (`jax.random.key`'s impl).
     label_smoothing: eps of the label-smoothed loss.
     grad_accum_steps: microbatches a step.
+    ema_decay: the decay of the parameters' moving average (0: none kept).
   """
 
   model: TransformerConfig
@@ -77,6 +84,7 @@ class StepConfig:
   dropout_rng_impl: str = 'rbg'
   label_smoothing: float = 0.1
   grad_accum_steps: int = 1
+  ema_decay: float = 0.0
 
   @classmethod
   def from_config(cls, config: Any, model: TransformerConfig) -> 'StepConfig':
@@ -87,6 +95,7 @@ class StepConfig:
         dropout_rng_impl=config.dropout_rng_impl,
         label_smoothing=config.label_smoothing,
         grad_accum_steps=config.grad_accum_steps,
+        ema_decay=float(config.ema_decay),
     )
 
 
@@ -136,6 +145,12 @@ def _microbatches(batch: Batch, k: int) -> Batch:
     return x.reshape((rows // k, k) + x.shape[1:]).swapaxes(0, 1)
 
   return jax.tree.map(split, batch)
+
+
+def update_ema(ema: Any, params: Any, decay: float) -> Any:
+  """decay * ema + (1 - decay) * params, leaf by leaf, in float32."""
+  keep, take = jnp.float32(decay), jnp.float32(1.0 - decay)
+  return jax.tree.map(lambda e, p: keep * e + take * p.astype(jnp.float32), ema, params)
 
 
 def train_step(
@@ -197,6 +212,10 @@ def train_step(
       opt_state=keep(new_opt_state, state.opt_state),
       skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
   )
+  if state.ema_params is not None:  # A skipped update leaves the average too.
+    new_state = new_state.replace(
+        ema_params=keep(update_ema(state.ema_params, new_params, cfg.ema_decay), state.ema_params)
+    )
 
   metrics = dict(sums)
   metrics['grad_norm'] = grad_norm
@@ -225,9 +244,10 @@ def _example_batch(rows: int = 1, length: int = 8) -> dict[str, Array]:
 
 
 def _init_state(
-    rng: Array, model_config: TransformerConfig, tx: optax.GradientTransformation
+    rng: Array, model_config: TransformerConfig, tx: optax.GradientTransformation, ema: bool
 ) -> TrainState:
-  """A fresh state whose parameters are still boxed with their logical axis names."""
+  """A fresh state whose parameters (and their average, with `ema`: a float32 copy) are
+  still boxed with their logical axis names."""
   batch = _example_batch()
   params = Transformer(model_config).init({'params': rng}, batch['inputs'], batch['targets'])[
       'params'
@@ -237,18 +257,29 @@ def _init_state(
       params=params,
       opt_state=tx.init(params),
       skipped_steps=jnp.zeros((), jnp.int32),
+      ema_params=init_ema(params) if ema else None,
   )
 
 
+def init_ema(params: Any) -> Any:
+  """The moving average's start: the parameters themselves, in float32."""
+  return jax.tree.map(lambda p: p.astype(jnp.float32), params)
+
+
 def abstract_state(
-    model_config: TransformerConfig, tx: optax.GradientTransformation, partitioner: Partitioner
+    model_config: TransformerConfig,
+    tx: optax.GradientTransformation,
+    partitioner: Partitioner,
+    *,
+    ema: bool = False,
 ) -> tuple[TrainState, TrainState]:
-  """Shapes and shardings of the state, without allocating it.
+  """Shapes and shardings of the state, without allocating it (`ema`: with the parameters'
+  moving average, sharded as they are).
 
   Returns:
     (the state as `jax.ShapeDtypeStruct`s carrying their shardings, the shardings).
   """
-  boxed = jax.eval_shape(lambda: _init_state(jax.random.key(0), model_config, tx))
+  boxed = jax.eval_shape(lambda: _init_state(jax.random.key(0), model_config, tx, ema))
   shardings = partitioner.tree_shardings(boxed)
   shapes = nn.unbox(boxed)
   abstract = jax.tree.map(
@@ -268,10 +299,12 @@ def create_train_state(
     partitioner: Partitioner,
     shardings: TrainState,
 ) -> TrainState:
-  """Initializes the state directly into its shardings (no host holds it whole)."""
+  """Initializes the state directly into its shardings (no host holds it whole); with the
+  parameters' moving average when `shardings` has one (`abstract_state(..., ema=True)`)."""
+  ema = shardings.ema_params is not None
 
   def init(rng):
-    return nn.unbox(_init_state(rng, model_config, tx))
+    return nn.unbox(_init_state(rng, model_config, tx, ema))
 
   key = jax.random.key(seed)
   with partitioner.activate():
