@@ -24,6 +24,7 @@ from transformer_jax.checkpoints import loading
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.decoding import decode
+from transformer_jax.decoding import ensembles
 from transformer_jax.decoding import scoring
 from transformer_jax.decoding import translator as translator_lib
 from transformer_jax.errors import EnsembleError
@@ -103,7 +104,7 @@ def test_ensemble_weights_and_vocabularies_are_checked_with_the_fix_named():
   other, other_params = _random_model(vocab_size=models_testlib.VOCAB + 4)
   with pytest.raises(EnsembleError, match='another vocabulary.*same SentencePiece model'):
     translator_lib.Translator(first, params, None, ensemble=[(other, other_params)])
-  assert translator_lib.ensemble_weights([1, 3], 2) == (0.25, 0.75)
+  assert ensembles.ensemble_weights([1, 3], 2) == (0.25, 0.75)
 
 
 def test_an_ensemble_searches_the_weighted_log_probabilities_of_its_models():

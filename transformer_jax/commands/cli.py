@@ -27,7 +27,7 @@ import re
 import sys
 import threading
 import traceback
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from absl import app
 from absl import flags
@@ -62,6 +62,16 @@ def fail(message: str) -> NoReturn:
 
 def _print_error(message: str) -> None:
   print(f'{program()}: error: {message.strip()}', file=sys.stderr, flush=True)
+
+
+_T = TypeVar('_T')
+
+
+def given(flag: flags.FlagHolder[_T | None]) -> _T:
+  """The value of a flag that must be given here (`fail` names it when it is not)."""
+  if flag.value is None:
+    fail(f'--{flag.name} is required here.')
+  return flag.value
 
 
 def fail_now(message: str) -> NoReturn:
@@ -266,6 +276,7 @@ def _thread_failure_to_debug_log(args: Any) -> None:
 @dataclasses.dataclass(frozen=True)
 class CheckpointFlags:
   workdir: Any
+  weights: Any
   step: Any
   average_last: Any
   beam_size: Any
@@ -313,7 +324,18 @@ def define_checkpoint_flags() -> CheckpointFlags:
   `--help` lists them. Decoding options left unset fall back to the training run's config.
   """
   return CheckpointFlags(
-      workdir=flags.DEFINE_string('workdir', None, "A training run's work directory."),
+      workdir=flags.DEFINE_multi_string(
+          'workdir',
+          None,
+          "A training run's work directory; given several times, the runs decode as one "
+          'ensemble (their log-probabilities averaged at every step; one vocabulary).',
+      ),
+      weights=flags.DEFINE_list(
+          'weights',
+          None,
+          "With several --workdir: each model's weight in the ensemble, in their order, "
+          'comma-separated (default: equal).',
+      ),
       step=flags.DEFINE_string(
           'step',
           None,
@@ -392,7 +414,24 @@ def check_checkpoint_flags(f: CheckpointFlags) -> None:
     logging.set_verbosity(logging.ERROR)
   if not f.workdir.value:
     fail('--workdir is required: the directory of a training run.')
-  paths.check_input_directory(f.workdir.value, '--workdir', "a training run's work " 'directory')
+  for workdir in f.workdir.value:
+    paths.check_input_directory(workdir, '--workdir', "a training run's work directory")
+  if len(set(f.workdir.value)) < len(f.workdir.value):
+    fail(
+        f'--workdir names a directory twice ({", ".join(f.workdir.value)}); to weigh a '
+        'model more, give --weights.'
+    )
+  if f.weights.value is not None:
+    try:
+      weights = [float(w) for w in f.weights.value]
+    except ValueError:
+      fail(f'--weights={",".join(f.weights.value)} must be numbers, comma-separated.')
+    from transformer_jax.decoding.ensembles import ensemble_weights
+
+    try:
+      ensemble_weights(weights, len(f.workdir.value))
+    except errors.UserError as e:
+      fail(f'--weights: {e}')
   if f.step.value is not None and not (f.step.value.isdigit() or f.step.value == 'best'):
     fail(f"--step={f.step.value} must be a step number or 'best'.")
   if f.step.value is not None and f.average_last.value:
@@ -407,6 +446,16 @@ def check_checkpoint_flags(f: CheckpointFlags) -> None:
     ]
     if given:
       fail(f'--{given[0]} is a sampling option; add --sampling (or drop it for beam search).')
+
+
+def workdir_inputs(f: CheckpointFlags) -> dict[str, str]:
+  """The --workdir directories, named for `paths.check_output_file`'s inputs (an output is
+  never one of them)."""
+  workdirs = f.workdir.value or []
+  return {
+      '--workdir' if i == 0 else f'--workdir ({i + 1})': workdir
+      for i, workdir in enumerate(workdirs)
+  }
 
 
 def checkpoint_step(f: CheckpointFlags) -> int | str | None:
@@ -426,10 +475,12 @@ def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
   from transformer_jax.decoding import translator
 
   use_compilation_cache(f.compilation_cache_dir.value)
+  workdirs = f.workdir.value
   loaded = translator.load_translator(
-      f.workdir.value,
+      workdirs[0] if len(workdirs) == 1 else workdirs,
       step=checkpoint_step(f),
       average_last=f.average_last.value,
+      weights=None if f.weights.value is None else [float(w) for w in f.weights.value],
       beam_size=f.beam_size.value,
       length_penalty=f.length_penalty.value,
       length_penalty_form=f.length_penalty_form.value,

@@ -5,6 +5,7 @@ r"""Translates a test set with a trained checkpoint and scores it.
   python evaluate.py --workdir=$HOME/runs/ende_big --average_last=20 \
       --compare_to=other_system.txt                                       # paired bootstrap
   python evaluate.py --workdir=DIR --step=best       # the best validation BLEU of the run
+  python evaluate.py --workdir=RUN1 --workdir=RUN2 --weights=0.6,0.4   # an ensemble
   python evaluate.py --workdir=DIR --step=100000 --source_file=newstest2014.en \
       --reference_file=newstest2014.de --beam_size=4 --length_penalty=0.6
 
@@ -12,8 +13,9 @@ Reports sacreBLEU (with its signature) and chrF on detokenized output, tokenized
 compound splitting (to compare with the paper), sentences/s and tokens/s; writes
 `<split>.hyp.txt` and `<split>.metrics.json` (for --source_file=newstest2014.en:
 `newstest2014.en.hyp.txt` and `newstest2014.en.metrics.json`) to
-WORKDIR/eval/<step_N | avgK_step_A-B>/ (or --output_dir). Decoding options default to the
-run's config.
+WORKDIR/eval/<step_N | avgK_step_A-B>/ (or --output_dir); an ensemble's (several --workdir,
+optionally --weights) to the first's WORKDIR/eval/ensembleM_<that>_<hash of the members and
+weights>/. Decoding options default to the run's config.
 
 Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory, checkpoint or data problem
 (explained in one paragraph; the traceback only with --verbose).
@@ -73,7 +75,8 @@ def main(argv: list[str]) -> None:
     cli.fail('--source_file and --reference_file go together.')
   if _SOURCE_FILE.value and (_SPLIT.value or _TFDS_DATA_DIR.value):
     cli.fail('--source_file replaces the dataset; drop --split and --tfds_data_dir.')
-  workdir = _CHECKPOINT.workdir.value
+  workdirs = _CHECKPOINT.workdir.value
+  workdir = workdirs[0]
   if _TFDS_DATA_DIR.value:
     paths.check_input_directory(_TFDS_DATA_DIR.value, '--tfds_data_dir', 'a TFDS data directory')
   inputs = {
@@ -108,9 +111,10 @@ def main(argv: list[str]) -> None:
       if _SOURCE_FILE.value
       else _SPLIT.value or config.test_split
   )
-  output_dir = _OUTPUT_DIR.value or os.path.join(
-      RunLayout.of(workdir).evaluations, evaluation.result_tag(steps)
-  )
+  tag = evaluation.result_tag(steps)
+  if len(workdirs) > 1:  # Each ensemble (its members, weights, steps) its own directory.
+    tag = evaluation.ensemble_tag([storage.resolve(w) for w in workdirs], translator.weights, tag)
+  output_dir = _OUTPUT_DIR.value or os.path.join(RunLayout.of(workdir).evaluations, tag)
   if jax.process_index() == 0:  # The one writer; before any sentence is translated.
     paths.check_output_directory(
         output_dir, '--output_dir' if _OUTPUT_DIR.value else 'the results directory'
@@ -146,6 +150,14 @@ def main(argv: list[str]) -> None:
 
   info = {
       'workdir': storage.resolve(workdir),
+      'ensemble': (
+          [
+              {'workdir': storage.resolve(w), 'weight': weight}
+              for w, weight in zip(workdirs, translator.weights)
+          ]
+          if len(workdirs) > 1
+          else None
+      ),
       'step': checkpoint.step,
       'checkpoint_steps': steps,
       'split': name,

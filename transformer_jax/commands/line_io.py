@@ -8,7 +8,10 @@ order, whatever is wrong with it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+import contextlib
+import io
+import sys
+from typing import Any, IO
 
 from transformer_jax.storage import paths
 from transformer_jax.storage import storage
@@ -25,6 +28,19 @@ def decode_line(raw: bytes) -> tuple[str, bool]:
     return raw.decode('utf-8'), False
   except UnicodeDecodeError:
     return raw.decode('utf-8', errors='replace'), True
+
+
+def open_output(stack: contextlib.ExitStack, path: str) -> IO[str]:
+  """The text output `path` names, open until `stack` closes: '-' is standard output (UTF-8,
+  '\n' line endings, each write passed through at once, left open afterwards); a file is
+  written beside its final name and renamed into place once complete (`storage.writing`)."""
+  if path != '-':
+    return stack.enter_context(storage.writing(path))
+  output = io.TextIOWrapper(
+      sys.stdout.buffer, encoding='utf-8', errors='replace', newline='\n', write_through=True
+  )
+  stack.callback(output.detach)  # Leave sys.stdout open.
+  return output
 
 
 def read_lines(path: str, flag: str) -> list[str]:
@@ -55,6 +71,7 @@ def translate_lines(
     warn: Callable[[str], None],
     chunk_lines: int = 512,
     n_best_format: bool = False,
+    prefixes: Iterable[str] | None = None,
 ) -> Any:
   """Translates raw input lines, writing exactly one output line for each, in order (with
   `n_best_format`: exactly `n_best` lines each, as `n_best_line` writes them).
@@ -72,6 +89,9 @@ def translate_lines(
     warn: receives one message per problem, starting with 'line N: ' (1-based).
     chunk_lines: lines translated together (sorted by length within the chunk); 1 for
       interactive use.
+    n_best_format: write `n_best` lines a line, as `n_best_line` does.
+    prefixes: the forced start of each line's output, in order ('' for none); a line past
+      their end is warned about and translated without one.
 
   Returns:
     A `translator.DecodeStats` of totals over all lines (`truncated` holds 0-based line
@@ -82,8 +102,10 @@ def translate_lines(
   total = DecodeStats()
   truncated: list[int] = []
 
-  def flush(first: int, texts: list[str]) -> None:
-    outputs, stats = translator.translate_n_best(texts)
+  prefix_lines = None if prefixes is None else iter(prefixes)
+
+  def flush(first: int, texts: list[str], forced: list[str] | None) -> None:
+    outputs, stats = translator.translate_n_best(texts, prefixes=forced)
     for index in stats.truncated:
       warn(
           f'line {first + index + 1}: longer than max_len={translator.max_source_length} '
@@ -115,16 +137,23 @@ def translate_lines(
       setattr(total, name, getattr(total, name) + getattr(stats, name))
 
   chunk: list[str] = []
+  forced: list[str] | None = None if prefix_lines is None else []
   first = 0
   for number, raw in enumerate(lines, 1):
     text, replaced = decode_line(raw)
     if replaced:
       warn(f'line {number}: invalid UTF-8, replaced by U+FFFD.')
     chunk.append(text)
+    if forced is not None:
+      prefix = next(prefix_lines, None)  # type: ignore[arg-type]
+      if prefix is None:
+        warn(f'line {number}: no prefix (the prefixes have ended); translating it without one.')
+      forced.append(prefix or '')
     if len(chunk) >= max(chunk_lines, 1):
-      flush(first, chunk)
+      flush(first, chunk, forced)
       first, chunk = number, []
+      forced = None if forced is None else []
   if chunk:
-    flush(first, chunk)
+    flush(first, chunk, forced)
   total.truncated = tuple(truncated)
   return total

@@ -10,7 +10,12 @@ r"""Translates text with a trained checkpoint: one output line for every input l
 
 An empty line gives an empty line; a line longer than the model's max_len tokens is cut and
 a warning names its line number on stderr; invalid UTF-8 is replaced (U+FFFD) and warned about.
-Lines are split on '\n' only. Reading from a terminal translates each line as it is typed.
+Lines are split on '\n' only. --prefix=TEXT starts every output with TEXT, --prefixes=FILE
+each line's with that file's line (forced decoding, as fairseq's --prefix-size and Marian's
+--force-decode; every search honours it, and the output includes it); a prefix that leaves no
+room within the line's output limit gives that line an empty output and a warning. Several
+--workdir decode as one ensemble (--weights=W1,W2,...: each model's weight). Reading from a
+terminal translates each line as it is typed.
 Each sentence's output is at most its source length (tokens, EOS included) +
 --max_decode_extra_length tokens (the paper: 50); with learned positions also at most max_len,
 and a warning names the lines that cap cuts.
@@ -37,6 +42,7 @@ Exit codes: 0 done; 1 an unexpected error; 2 a flag, work directory or checkpoin
 
 import contextlib
 import io
+import itertools
 import os
 import signal
 import sys
@@ -68,6 +74,18 @@ _ATTENTION_LAYER = flags.DEFINE_integer(
 )
 _ATTENTION_HEADS = flags.DEFINE_string(
     'attention_heads', 'mean', "'mean' over heads, 'all' (one panel each) or an index."
+)
+_PREFIX = flags.DEFINE_string(
+    'prefix',
+    None,
+    'Start every output with this text (forced decoding: e.g. a language tag, or the words '
+    'a translator has typed); the output includes it.',
+)
+_PREFIXES = flags.DEFINE_string(
+    'prefixes',
+    None,
+    'A file of one output prefix a line of --input (an empty line: none); the outputs '
+    'start with them.',
 )
 _QUIET = flags.DEFINE_bool('quiet', False, 'No speed summary on stderr.')
 _N_BEST = flags.DEFINE_integer(
@@ -113,10 +131,27 @@ def _check_flags() -> None:
   # The paths, before the model loads: an output is never an input, and never half written.
   inputs = {
       '--input': None if _INPUT.value == '-' else _INPUT.value,
-      '--workdir': _CHECKPOINT.workdir.value,
+      '--prefixes': _PREFIXES.value,
+      **cli.workdir_inputs(_CHECKPOINT),
   }
   if inputs['--input']:
     paths.check_input_file(_INPUT.value, '--input')
+  if _PREFIX.value is not None and _PREFIXES.value:
+    cli.fail('give --prefix (one for every line) or --prefixes (one a line), not both.')
+  if _PREFIXES.value:
+    paths.check_input_file(_PREFIXES.value, '--prefixes')
+    if _TEXT.value is not None:
+      cli.fail('--prefixes gives one prefix a line of --input; with --text, give --prefix.')
+    if inputs['--input']:
+      counts = [
+          len(line_io.read_lines(p, f))
+          for p, f in ((_INPUT.value, 'input'), (_PREFIXES.value, 'prefixes'))
+      ]
+      if counts[0] != counts[1]:
+        cli.fail(
+            f'--input={_INPUT.value} has {counts[0]} lines but --prefixes={_PREFIXES.value} '
+            f'has {counts[1]}: give one prefix a line (an empty line for none).'
+        )
   if _OUTPUT.value != '-':
     paths.check_output_file(_OUTPUT.value, '--output', inputs)
     inputs['--output'] = _OUTPUT.value
@@ -150,14 +185,8 @@ def main(argv: list[str]) -> None:
   steps = checkpoint.steps
 
   with contextlib.ExitStack() as stack:
-    if _OUTPUT.value == '-':
-      output = io.TextIOWrapper(
-          sys.stdout.buffer, encoding='utf-8', errors='replace', newline='\n', write_through=True
-      )
-      stack.callback(output.detach)  # Leave sys.stdout open.
-    else:
-      # Renamed into place once every line is written; the old file stays until then.
-      output = stack.enter_context(storage.writing(_OUTPUT.value))
+    # A file is renamed into place once every line is written; the old one stays until then.
+    output = line_io.open_output(stack, _OUTPUT.value)
     stats = _translate(translator, output, stack)
   if not _QUIET.value:
     lines = f'{stats.sentences} line{"" if stats.sentences == 1 else "s"}'
@@ -212,6 +241,11 @@ def _translate(translator, output, stack: contextlib.ExitStack):
 
   if sys.stdin is None or source is not sys.stdin.buffer:
     stack.callback(source.close)
+  prefixes = None
+  if _PREFIXES.value:
+    prefixes = line_io.read_lines(_PREFIXES.value, 'prefixes')
+  elif _PREFIX.value is not None:
+    prefixes = itertools.repeat(_PREFIX.value)
   try:
     stats = line_io.translate_lines(
         translator,
@@ -220,6 +254,7 @@ def _translate(translator, output, stack: contextlib.ExitStack):
         cli.warn,
         chunk_lines,
         n_best_format=_N_BEST.value > 1 or _PRINT_SCORES.value,
+        prefixes=prefixes,
     )
     output.flush()
   except BrokenPipeError:

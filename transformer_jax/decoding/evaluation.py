@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -158,6 +159,14 @@ def result_tag(steps: Sequence[int]) -> str:
   if len(steps) == 1:
     return f'step_{steps[0]}'
   return f'avg{len(steps)}_step_{steps[0]}-{steps[-1]}'
+
+
+def ensemble_tag(workdirs: Sequence[str], weights: Sequence[float], first_tag: str) -> str:
+  """'ensemble<M>_<first_tag>_<8 hex digits>' for M models: the digits hash the members'
+  work directories and weights, so that each ensemble has its own results directory."""
+  members = json.dumps([list(workdirs), [round(w, 6) for w in weights]])
+  digest = hashlib.sha256(members.encode()).hexdigest()[:8]
+  return f'ensemble{len(workdirs)}_{first_tag}_{digest}'
 
 
 def result_paths(directory: str, name: str) -> tuple[str, str]:

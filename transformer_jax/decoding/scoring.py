@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 import dataclasses
 import time
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,6 @@ import numpy as np
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.decoding import decode
-from transformer_jax.decoding.translator import ensemble_weights
 from transformer_jax.decoding.translator import Translator
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.model.models import Transformer
@@ -81,10 +80,10 @@ def token_log_probs(
     inputs: int32 [batch, source_length], ids ending with EOS, then PAD.
     targets: int32 [batch, target_length], ids ending with EOS, then PAD.
   """
-  total = None
+  summands = []
   for (config, params), weight in zip(models, weights):
     config = dataclasses.replace(config, decode=False, deterministic=True)
-    logits = Transformer(config).apply({'params': params}, inputs, targets)
+    logits = cast(jax.Array, Transformer(config).apply({'params': params}, inputs, targets))
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))  # [batch, length, output_size]
     if len(models) == 1:
       indices = jnp.asarray(config.output_positions())[targets]
@@ -93,9 +92,8 @@ def token_log_probs(
     if config.output_ids is not None:  # The whole vocabulary, as the search sees it.
       full = jnp.full(log_probs.shape[:-1] + (config.vocab_size,), -jnp.inf, jnp.float32)
       log_probs = full.at[..., np.asarray(config.output_ids)].set(log_probs)
-    log_probs = weight * log_probs
-    total = log_probs if total is None else total + log_probs
-  log_probs = jax.nn.log_softmax(total)
+    summands.append(weight * log_probs)
+  log_probs = jax.nn.log_softmax(sum(summands[1:], summands[0]))
   picked = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
   return jnp.where(targets != PAD_ID, picked, 0.0)
 
@@ -128,10 +126,9 @@ class Scorer:
     key = (rows, source_bucket, target_bucket)
     if key not in self._compiled:
       t = self.translator
-      weights = ensemble_weights(t.weights, len(t.model_configs))
 
       def fn(params, inputs, targets):
-        return token_log_probs(list(zip(t.model_configs, params)), weights, inputs, targets)
+        return token_log_probs(list(zip(t.model_configs, params)), t.weights, inputs, targets)
 
       p = t.partitioner
       batch = None if p is None else p.batch_sharding
