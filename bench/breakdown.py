@@ -63,8 +63,11 @@ def _shared_time(
   return by_kind, busy
 
 
-def jax_trace_breakdown(trace_dir: str, kinds: Mapping[str, str], steps: int) -> dict[str, Any]:
-  """Milliseconds a step by kind, from the newest `jax.profiler` trace under `trace_dir`.
+def jax_trace_breakdown(
+    trace_dir: str, kinds: Mapping[str, str], steps: int, order: Iterable[str] = KINDS
+) -> dict[str, Any]:
+  """Milliseconds a step by kind, from the newest `jax.profiler` trace under `trace_dir`
+  (`order`: the kinds reported, those `kinds` maps to).
 
   Returns {'kinds_ms': {kind: ms}, 'busy_ms': time any XLA operation ran (the kinds' sum),
   'idle_ms': the rest of the traced span (dispatch gaps and waits), 'span_ms', 'operations':
@@ -83,7 +86,7 @@ def jax_trace_breakdown(trace_dir: str, kinds: Mapping[str, str], steps: int) ->
   span = max(e['ts'] + e['dur'] for e in events) - min(e['ts'] for e in events)
   per_step = lambda us: us / steps / 1e3
   return {
-      'kinds_ms': {k: per_step(by_kind.get(k, 0.0)) for k in KINDS},
+      'kinds_ms': {k: per_step(by_kind.get(k, 0.0)) for k in order},
       'busy_ms': per_step(busy),
       'idle_ms': per_step(span - busy),
       'span_ms': per_step(span),

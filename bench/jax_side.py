@@ -290,12 +290,24 @@ class TrainTask:
 
   def breakdown(self, steps: int) -> dict[str, Any]:
     """Where `steps` more steps spend their time, by kind (`bench/breakdown.py`)."""
-    kinds = hlo_view.instruction_kinds(self.compiled.as_text())
-    with tempfile.TemporaryDirectory(prefix='bench_trace_') as directory:
-      with jax.profiler.trace(directory):
-        for _ in range(steps):
-          self.run()
-      return bench_breakdown.jax_trace_breakdown(directory, kinds, steps)
+    return traced_breakdown(self.run, self.compiled.as_text(), steps)
+
+
+def traced_breakdown(
+    run: Any,
+    hlo_text: str,
+    iterations: int,
+    classify: Any = hlo_view.kind,
+    order: tuple[str, ...] = hlo_view.KINDS,
+) -> dict[str, Any]:
+  """Where `iterations` more calls of `run` spend their time, by the kinds `classify` gives
+  the instructions of `hlo_text` (`bench/breakdown.py`)."""
+  kinds = hlo_view.instruction_kinds(hlo_text, classify)
+  with tempfile.TemporaryDirectory(prefix='bench_trace_') as directory:
+    with jax.profiler.trace(directory):
+      for _ in range(iterations):
+        run()
+    return bench_breakdown.jax_trace_breakdown(directory, kinds, iterations, order)
 
 
 def fixed_length_search(
@@ -428,6 +440,16 @@ class DecodeTask:
   def run(self) -> None:
     self.output = self.compiled(self.params, self.inputs)
     jax.block_until_ready(self.output)
+
+  def breakdown(self, searches: int) -> dict[str, Any]:
+    """Where `searches` more searches spend their time, by `hlo_view.DECODE_KINDS`."""
+    return traced_breakdown(
+        self.run,
+        self.compiled.as_text(),
+        searches,
+        hlo_view.decode_kind,
+        hlo_view.DECODE_KINDS,
+    )
 
 
 class MatmulTask:

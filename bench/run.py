@@ -41,6 +41,7 @@ from bench.jax_side import run_config
 from bench.sizes import PAPER_TOKENS_PER_BATCH
 from bench.sizes import PAPER_VOCAB_SIZE
 from transformer_jax import config as config_lib
+from transformer_jax.aot import hlo_view
 from transformer_jax.errors import ConfigError
 from transformer_jax.model import flops
 from transformer_jax.model.config import TransformerConfig
@@ -544,6 +545,8 @@ def run_cpu_decode(args, s, results, log_dir, jenv, tenv, has_torch, has_ct2):
         e['memory_per_sentence_bytes'] = extra / s.decode_batch
       if name != 'jax':
         e['same_tokens_as_ours'] = same_rows(ours, outputs)
+      elif st:  # Where our search goes, by kind (hlo_view.DECODE_KINDS).
+        e['breakdown'] = w.breakdown(search, BREAKDOWN_STEPS)
       entry[name] = e
     for ref in ('hf', 'ct2'):
       entry[f'speedup_vs_{ref}'] = paired_speedup(
@@ -1020,6 +1023,27 @@ def table(results: dict[str, Any]) -> str:
               '',
               '',
               '',
+          )
+      )
+    searches = [k for k in ('greedy', 'beam4') if d[k]['jax'].get('breakdown')]
+    if searches:
+      kinds_row = '{:<34}' + ' {:>16}' * len(searches)
+      add(
+          f'  where our search goes, ms a search (profiled, {BREAKDOWN_STEPS} searches; '
+          'bench/breakdown.py):'
+      )
+      add(kinds_row.format('', *searches))
+      found = [d[k]['jax']['breakdown'] for k in searches]
+      for kind in hlo_view.DECODE_KINDS:
+        cells = [
+            f"{b['kinds_ms'][kind]:.1f} ({100 * b['kinds_ms'][kind] / b['span_ms']:.0f}%)"
+            for b in found
+        ]
+        add(kinds_row.format(f'    {kind}', *cells))
+      add(
+          kinds_row.format(
+              '    idle (no operation running)',
+              *[f"{b['idle_ms']:.1f} ({100 * b['idle_ms'] / b['span_ms']:.0f}%)" for b in found],
           )
       )
     add(

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 import train_testlib
+from transformer_jax.aot import hlo_view
 
 pytestmark = pytest.mark.slow  # the benchmarks, through subprocesses.
 
@@ -64,7 +65,14 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
       same = decode[search][name]['same_tokens_as_ours']
       assert same >= (batch - 1 if search == 'greedy' else batch // 2), (search, name, same)
     assert decode[search]['speedup_vs_hf'] > 0
+    # Where our search goes: every kind reported, summing to the time any operation ran.
+    found = decode[search]['jax']['breakdown']
+    assert set(found['kinds_ms']) == set(hlo_view.DECODE_KINDS)
+    assert sum(found['kinds_ms'].values()) == pytest.approx(found['busy_ms'], rel=1e-6)
+    assert found['kinds_ms']['matmul'] > 0 and found['kinds_ms']['search'] > 0, found
+  assert decode['beam4']['jax']['breakdown']['kinds_ms']['beam gathers'] > 0
   assert 'same as ours' in table and 'MiB/sentence' in table
+  assert 'where our search goes' in table and 'beam gathers' in table
   # --profile_dir: the JAX worker traced its tasks after timing them.
   traced = {
       p.parent.parent.parent.parent.name

@@ -138,3 +138,49 @@ def test_tuple_shapes_and_their_bytes():
       ' /*index=2*/u8[0]{0}',
   ]
   assert hlo_view.shape_bytes(shape) == 4 * 32 + 2 * 16 + 4
+
+
+@pytest.mark.parametrize(
+    'opcode,op_name,expected',
+    [
+        ('fusion', 'jit(f)/Transformer.encode/encoder/layer_0/ffn/wi/dot_general', 'encoder'),
+        (
+            'dot',
+            'jit(f)/while/body/Transformer.decode/decoder/layer_0/ffn/wi/dot_general',
+            'matmul',
+        ),
+        (
+            'dot',
+            'jit(f)/while/body/Transformer.decode/decoder/output_layer/x/dot_general',
+            'output layer',
+        ),
+        (
+            'dynamic-update-slice',
+            'jit(f)/while/body/Transformer.decode/decoder/layer_0/self_attention/c/dynamic_update_slice',
+            'cache write',
+        ),
+        (
+            'fusion',
+            'jit(f)/while/body/Transformer.decode/decoder/layer_0/self_attention/exp',
+            'attention',
+        ),
+        (
+            'fusion',
+            'jit(f)/while/body/Transformer.decode/decoder/layer_0/ffn_block/norm/rsqrt',
+            'normalization',
+        ),
+        (
+            'copy',
+            'jit(f)/while/body/Transformer.decode/decoder/layer_0/ffn_block/transpose',
+            'data movement',
+        ),
+        ('fusion', 'jit(f)/while/body/jit(take_along_axis)/gather', 'beam gathers'),
+        ('custom-call', 'jit(f)/while/body/top_k', 'search'),
+        ('compare', 'jit(f)/while/cond/lt', 'search'),
+        ('fusion', 'jit(f)/while/body/Transformer.decode/decoder/positions/sin', 'other'),
+        ('constant', '', 'other'),
+    ],
+)
+def test_a_searchs_instructions_get_the_decode_kinds(opcode, op_name, expected):
+  assert hlo_view.decode_kind('x', opcode, op_name) == expected
+  assert expected in hlo_view.DECODE_KINDS

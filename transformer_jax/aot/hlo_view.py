@@ -30,6 +30,21 @@ import re
 from typing import Any
 
 KINDS = ('matmul', 'attention', 'normalization', 'loss', 'optimizer', 'data movement', 'other')
+# A search's kinds (`decode_kind`): the encoder and the caches' set-up run once, the rest each
+# step; `beam gathers` reorder the caches and hypotheses to the surviving beams, `search` is
+# the rest of the search's own work (log-softmax, top-k, scores, length penalty, its loop).
+DECODE_KINDS = (
+    'encoder',
+    'matmul',
+    'output layer',
+    'attention',
+    'cache write',
+    'normalization',
+    'beam gathers',
+    'search',
+    'data movement',
+    'other',
+)
 
 DTYPE_BYTES = {
     'pred': 1,
@@ -240,11 +255,41 @@ def kind(name: str, opcode: str, op_name: str) -> str:
   return 'other'
 
 
-def instruction_kinds(hlo_text: str) -> dict[str, str]:
-  """Instruction name -> kind, for every instruction of a compiled program's HLO text."""
+def decode_kind(name: str, opcode: str, op_name: str) -> str:
+  """The kind of work (`DECODE_KINDS`) of one instruction of a compiled search (the encoder,
+  then a `while` loop of decoder steps), from its JAX `op_name`."""
+  primitive = op_name.rsplit('/', 1)[-1]
+  if not op_name:
+    return 'other'
+  if 'while/' not in op_name:
+    return 'encoder'  # Before the loop: the encoder and the cross-attention caches.
+  if 'output_layer' in op_name:
+    return 'output layer'
+  if 'dot_general' in primitive or opcode in ('dot', 'convolution'):
+    return 'matmul'
+  if 'Transformer' in op_name:
+    if opcode == 'dynamic-update-slice' or 'dynamic_update_slice' in primitive:
+      return 'cache write'
+    if any(m in primitive for m in _MOVEMENT) or opcode in ('copy', 'transpose'):
+      return 'data movement'
+    if '/norm/' in op_name or 'final_norm' in op_name:
+      return 'normalization'
+    if 'attention' in op_name:
+      return 'attention'
+    return 'other'
+  if 'take_along_axis' in op_name or 'gather' in primitive:
+    return 'beam gathers'
+  return 'search'
+
+
+def instruction_kinds(hlo_text: str, classify: Any = None) -> dict[str, str]:
+  """Instruction name -> kind, for every instruction of a compiled program's HLO text, by
+  `classify(name, opcode, op_name)` (default `kind`, a train step's; `decode_kind` for a
+  search)."""
+  classify = classify or kind
   found, _ = computations(hlo_text)
   return {
-      i.name: kind(i.name, i.opcode, i.op_name)
+      i.name: classify(i.name, i.opcode, i.op_name)
       for instructions in found.values()
       for i in instructions
   }
