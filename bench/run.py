@@ -514,15 +514,25 @@ def run_cpu_decode(args, s, results, log_dir, jenv, tenv, has_torch, has_ct2):
           log_dir,
       )
   }
-  refs = {'hf': ('hf_generate', has_torch), 'ct2': ('ct2_translate', has_ct2)}
-  for name, (kind, available) in refs.items():
+  # CTranslate2 twice: fp32, and its int8 weights (what it ships for CPU serving).
+  refs = {
+      'hf': ('hf_generate', has_torch, {}),
+      'ct2': ('ct2_translate', has_ct2, {}),
+      'ct2_int8': ('ct2_translate', has_ct2, {'compute_type': 'int8'}),
+  }
+  for name, (kind, available, extra) in refs.items():
     if available and workers['jax'].ok('greedy'):
       workers[name] = Worker(
           f'decode_{name}',
           'bench.marian',
           [
               dict(
-                  name=k, kind=kind, beam_size=b, model_dir=model_dir, output_length=s.decode_output
+                  name=k,
+                  kind=kind,
+                  beam_size=b,
+                  model_dir=model_dir,
+                  output_length=s.decode_output,
+                  **extra,
               )
               for k, b in beams.items()
           ],
@@ -548,7 +558,7 @@ def run_cpu_decode(args, s, results, log_dir, jenv, tenv, has_torch, has_ct2):
       elif st:  # Where our search goes, by kind (hlo_view.DECODE_KINDS).
         e['breakdown'] = w.breakdown(search, BREAKDOWN_STEPS)
       entry[name] = e
-    for ref in ('hf', 'ct2'):
+    for ref in ('hf', 'ct2', 'ct2_int8'):
       entry[f'speedup_vs_{ref}'] = paired_speedup(
           entry['jax']['times'], entry.get(ref, {}).get('times')
       )
@@ -958,10 +968,19 @@ def table(results: dict[str, Any]) -> str:
         f"{d['shape']['source_length']}, exactly {d['shape']['output_length']} generated "
         'tokens; generated tokens/s of the best hypothesis)'
     )
-    row5 = '{:<20} {:>11} {:>11} {:>11} {:>9} {:>9} {:>12}'
+    systems = ('jax', 'hf', 'ct2', 'ct2_int8')
+    row5 = '{:<20} {:>11} {:>11} {:>11} {:>9} {:>9} {:>9} {:>9} {:>12}'
     add(
         row5.format(
-            '', 'JAX (ours)', 'HF generate', 'CTranslate2', 'ours/HF', 'ours/CT2', 'JAX compile s'
+            '',
+            'JAX (ours)',
+            'HF generate',
+            'CTranslate2',
+            'CT2 int8',
+            'ours/HF',
+            'ours/CT2',
+            '/CT2 int8',
+            'JAX compile s',
         )
     )
     for search in ('greedy', 'beam4'):
@@ -969,35 +988,25 @@ def table(results: dict[str, Any]) -> str:
       add(
           row5.format(
               search,
-              _fmt(e['jax'].get('tokens_per_s')),
-              _fmt(e.get('hf', {}).get('tokens_per_s')),
-              _fmt(e.get('ct2', {}).get('tokens_per_s')),
-              _fmt(e['speedup_vs_hf'], '.2f', 1, 'x'),
-              _fmt(e['speedup_vs_ct2'], '.2f', 1, 'x'),
+              *[_fmt(e.get(k, {}).get('tokens_per_s')) for k in systems],
+              *[_fmt(e.get(f'speedup_vs_{k}'), '.2f', 1, 'x') for k in systems[1:]],
               _fmt(e['jax']['setup'].get('compile_s')),
           )
       )
       add(
           row5.format(
               '  best iteration',
-              '',
-              '',
-              '',
-              _fmt(e['best_speedup_vs_hf'], '.2f', 1, 'x'),
-              _fmt(e['best_speedup_vs_ct2'], '.2f', 1, 'x'),
+              *[''] * len(systems),
+              *[_fmt(e.get(f'best_speedup_vs_{k}'), '.2f', 1, 'x') for k in systems[1:]],
               '',
           )
       )
+    blank = [''] * len(systems)
     add(
         row5.format(
             'peak RSS GiB',
-            *[
-                _fmt(d['exit'].get(k, {}).get('peak_rss_bytes'), '.2f', 1 / GIB)
-                for k in ('jax', 'hf', 'ct2')
-            ],
-            '',
-            '',
-            '',
+            *[_fmt(d['exit'].get(k, {}).get('peak_rss_bytes'), '.2f', 1 / GIB) for k in systems],
+            *blank,
         )
     )
     for search in ('greedy', 'beam4'):
@@ -1007,22 +1016,18 @@ def table(results: dict[str, Any]) -> str:
               f'{search} MiB/sentence',
               *[
                   _fmt(e.get(k, {}).get('memory_per_sentence_bytes'), '.1f', 1 / 2**20)
-                  for k in ('jax', 'hf', 'ct2')
+                  for k in systems
               ],
-              '',
-              '',
-              '',
+              *blank,
           )
       )
-      same = [e.get(k, {}).get('same_tokens_as_ours') for k in ('hf', 'ct2')]
+      same = [e.get(k, {}).get('same_tokens_as_ours') for k in systems[1:]]
       add(
           row5.format(
               f'{search} same as ours',
               '',
               *['-' if n is None else f"{n}/{d['shape']['batch']}" for n in same],
-              '',
-              '',
-              '',
+              *blank,
           )
       )
     searches = [k for k in ('greedy', 'beam4') if d[k]['jax'].get('breakdown')]
@@ -1048,8 +1053,8 @@ def table(results: dict[str, Any]) -> str:
       )
     add(
         '  One model in all three: ours exported (marian.write_model); Hugging Face loads '
-        'it, CTranslate2 converts it. MiB/sentence: the memory one more search adds at its '
-        'peak, over the batch.'
+        'it, CTranslate2 converts it (and runs it with int8 weights too). MiB/sentence: the '
+        'memory one more search adds at its peak, over the batch.'
     )
   if env['plan'] == 'gpu':
     datasheet = results.get('datasheet_bf16_flops')

@@ -58,9 +58,10 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
   batch = decode['shape']['batch']
   systems = ['jax', 'hf', 'ct2']  # The test extra installs both references.
   for search in ('greedy', 'beam4'):
-    for name in systems:
+    for name in [*systems, 'ct2_int8']:  # int8 weights: other outputs, so only timed.
       entry = decode[search][name]
       assert entry['tokens_per_s'] > 0 and entry['memory_per_sentence_bytes'] >= 0, name
+    assert decode[search]['ct2_int8']['setup']['compute_type'] == 'int8'
     for name in systems[1:]:
       same = decode[search][name]['same_tokens_as_ours']
       assert same >= (batch - 1 if search == 'greedy' else batch // 2), (search, name, same)
@@ -72,7 +73,7 @@ def test_quick_decoding_bench_runs_our_exported_model_in_every_system(tmp_path):
     assert found['kinds_ms']['matmul'] > 0 and found['kinds_ms']['search'] > 0, found
   assert decode['beam4']['jax']['breakdown']['kinds_ms']['beam gathers'] > 0
   assert 'same as ours' in table and 'MiB/sentence' in table
-  assert 'where our search goes' in table and 'beam gathers' in table
+  assert 'where our search goes' in table and 'beam gathers' in table and 'CT2 int8' in table
   # --profile_dir: the JAX worker traced its tasks after timing them.
   traced = {
       p.parent.parent.parent.parent.name
