@@ -87,6 +87,7 @@ LONGEST_FIRST = (
     'test_docs',
     'test_marian',
     'test_models',
+    'test_ctranslate2',
     'test_model_options',
     'test_translate_cli',
     'test_train',

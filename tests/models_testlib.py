@@ -68,3 +68,26 @@ def apply(cfg, variables, *args, method=None, mutable=False, **kwargs):
 @functools.cache
 def compiled_apply(cfg, method, mutable):
   return jax.jit(functools.partial(Transformer(cfg).apply, method=method, mutable=mutable))
+
+
+def noisy_params(model_config: TransformerConfig, scale: float) -> dict:
+  """Random parameters of `model_config` as host arrays, scaled by `scale` and with noise
+  added: larger, non-trivial weights, whose outputs depend on the input. The noise is drawn on
+  the host: a JAX draw a leaf would add a random-bits program of its own to compile for each
+  leaf. The initializer is one jitted program, not hundreds of eager operations."""
+  import flax.linen as nn
+  import numpy as np
+
+  tokens = jnp.ones((1, 4), jnp.int32)
+
+  @jax.jit
+  def make_params():
+    return nn.unbox(Transformer(model_config).init(jax.random.key(3), tokens, tokens)['params'])
+
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: (
+          np.asarray(x) * scale
+          + 0.1 * np.random.default_rng(len(str(path))).standard_normal(x.shape, np.float32)
+      ),
+      make_params(),
+  )

@@ -243,6 +243,17 @@ def test_user_errors_are_found_through_wrapping_exceptions():
         ('average_checkpoints.py', ('--workdir', '--output_workdir', '--verbose')),
         ('import_marian.py', ('--model_dir', '--workdir', '--verbose')),
         ('export_marian.py', ('--workdir', '--step', '--output_dir', '--verbose')),
+        (
+            'export_ctranslate2.py',
+            (
+                '--workdir',
+                '--step',
+                '--average_last',
+                '--output_dir',
+                '--quantization',
+                '--verbose',
+            ),
+        ),
         ('compile.py', ('--config', '--topology', '--json', '--search_batch', '--[no]verbose')),
         ('prepare_data.py', ('--config', '--workdir', '--splits', '--num_hosts', '--[no]verbose')),
     ],

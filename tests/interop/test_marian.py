@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import models_testlib
 import train_testlib
 from transformer_jax.checkpoints import checkpointing
 from transformer_jax.checkpoints import loading
@@ -535,22 +536,7 @@ def _own_checkpoint(root, output_ids=None, **fields) -> str:
       )
   )
   model_config = TransformerConfig.from_config(config, tokenizer.vocab_size)
-  tokens = jnp.ones((1, 4), jnp.int32)
-
-  @jax.jit  # One program, not hundreds of eager operations to compile.
-  def make_params():
-    return nn.unbox(Transformer(model_config).init(jax.random.key(3), tokens, tokens)['params'])
-
-  # Larger, non-trivial weights: outputs that depend on the input. The noise is drawn on the
-  # host: a JAX draw a leaf would add a random-bits program of its own to compile for each of
-  # the ~40 leaves (most of the time this function took to compile).
-  params = jax.tree_util.tree_map_with_path(
-      lambda path, x: (
-          np.asarray(x) * 3
-          + 0.1 * np.random.default_rng(len(str(path))).standard_normal(x.shape, np.float32)
-      ),
-      make_params(),
-  )
+  params = models_testlib.noisy_params(model_config, 3.0)
   if model_config.decoder_start == 'zero':  # As training keeps it (`models.Embed`).
     params['shared_embedding']['embedding'][PAD_ID] = 0
   workdir = str(root / 'run')

@@ -34,11 +34,7 @@ def main(argv: list[str]) -> None:
   paths.check_output_directory(
       _OUTPUT_DIR.value, '--output_dir', {'--workdir': _WORKDIR.value}, create=False
   )
-  step = _STEP.value
-  if step is not None and step != 'best':
-    if not step.isdigit():
-      cli.fail(f"--step={step} must be a step number or 'best'.")
-    step = int(step)
+  step = cli.parse_step(_STEP.value)
   from transformer_jax.interop import marian
 
   path = marian.export_model(_WORKDIR.value, _OUTPUT_DIR.value, step=step)

@@ -640,6 +640,17 @@ def exported_id(i: int, vocab_size: int) -> int:
   return vocab_size - 1 if i == PAD_ID else i - 1
 
 
+def check_new_model_directory(output_dir: str, marker: str) -> None:
+  """Raises `OutputExistsError` unless `output_dir` is new or empty: an export never mixes
+  its files with others. `marker`: the file that makes a directory a model."""
+  if storage.exists(f'{output_dir}/{marker}'):
+    raise OutputExistsError(
+        f'{output_dir} already holds a model ({marker}); choose a new --output_dir.'
+    )
+  if not storage.is_remote(output_dir) and os.path.isdir(output_dir) and os.listdir(output_dir):
+    raise OutputExistsError(f'{output_dir} is not empty; choose a new or empty --output_dir.')
+
+
 def export_model(workdir: str, output_dir: str, *, step: int | str | None = None) -> str:
   """Writes a checkpoint of `workdir` as a Marian model directory in Hugging Face's layout.
 
@@ -664,12 +675,7 @@ def export_model(workdir: str, output_dir: str, *, step: int | str | None = None
           output_ids=meta.get('output_ids'),
       )
   )
-  if storage.exists(f'{output_dir}/config.json'):
-    raise OutputExistsError(
-        f'{output_dir} already holds a model (config.json); choose a new --output_dir.'
-    )
-  if not storage.is_remote(output_dir) and os.path.isdir(output_dir) and os.listdir(output_dir):
-    raise OutputExistsError(f'{output_dir} is not empty; choose a new or empty --output_dir.')
+  check_new_model_directory(output_dir, 'config.json')
   checkpoint = loading.load(workdir, step=step)
   run = checkpoint.config
   # The files appear together, when all are written (a killed export leaves none); on Cloud
