@@ -82,3 +82,26 @@ def test_bad_arguments_fail_clearly(tmp_path):
     )
   with pytest.raises(ValueError, match='No non-empty sentence'):
     tokenizer_lib.train_tokenizer(['', '  '], str(tmp_path / 'y.model'), vocab_size=50)
+
+
+def test_the_same_sentences_train_the_same_bytes_in_any_directory(tok, tmp_path):
+  """No temporary path of the training stays in the model: two runs trained on the same data
+  share a vocabulary byte for byte (an ensemble needs one), and a model that still carries
+  one cuts text as it does without it."""
+  again = tokenizer_lib.train_tokenizer(_corpus(), str(tmp_path / 'b' / 'x.model'), vocab_size=120)
+  assert again.fingerprint == tok.fingerprint
+  assert again.sentencepiece_models() == tok.sentencepiece_models()
+  from sentencepiece import sentencepiece_model_pb2
+
+  proto = sentencepiece_model_pb2.ModelProto()
+  proto.ParseFromString(tok.sentencepiece_models()['source'])
+  proto.trainer_spec.model_prefix = '/tmp/elsewhere/tmpabc/spm'
+  moved = proto.SerializeToString()
+  assert moved != tok.sentencepiece_models()['source']
+  assert tokenizer_lib.tokenization(moved) == tok.sentencepiece_models()['source']
+  other = tokenizer_lib.train_tokenizer(
+      _corpus(seed=1), str(tmp_path / 'c' / 'x.model'), vocab_size=120
+  )
+  assert tokenizer_lib.tokenization(other.sentencepiece_models()['source']) != (
+      tokenizer_lib.tokenization(moved)
+  )

@@ -23,6 +23,7 @@ from test_translator import TRAIN_STEPS
 from transformer_jax.checkpoints import loading
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
+from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.decoding import decode
 from transformer_jax.decoding import ensembles
 from transformer_jax.decoding import scoring
@@ -105,6 +106,28 @@ def test_ensemble_weights_and_vocabularies_are_checked_with_the_fix_named():
   with pytest.raises(EnsembleError, match='another vocabulary.*same SentencePiece model'):
     translator_lib.Translator(first, params, None, ensemble=[(other, other_params)])
   assert ensembles.ensemble_weights([1, 3], 2) == (0.25, 0.75)
+
+
+def test_models_whose_vocabularies_differ_only_in_where_they_were_trained_ensemble(tmp_path):
+  """Two runs' vocabularies trained apart on the same text (their trainer's temporary
+  paths differ) are one vocabulary; other pieces are another."""
+  from sentencepiece import sentencepiece_model_pb2
+
+  corpus = [f'the {w} river runs by {v} town' for w in 'red old long' for v in 'a the one']
+  first = tokenizer_lib.train_tokenizer(corpus, str(tmp_path / 'a.model'), vocab_size=40)
+  proto = sentencepiece_model_pb2.ModelProto()
+  proto.ParseFromString(first.sentencepiece_models()['source'])
+  proto.trainer_spec.model_prefix = str(tmp_path / 'tmp123' / 'spm')  # As older runs have.
+  (tmp_path / 'b.model').write_bytes(proto.SerializeToString())
+  second = tokenizer_lib.Tokenizer(str(tmp_path / 'b.model'))
+  config = dataclasses.replace(models_testlib.TINY, vocab_size=first.vocab_size)
+  assert ensembles.check_ensemble([config, config], [first, second], None) == (0.5, 0.5)
+  other = tokenizer_lib.train_tokenizer(
+      [*corpus, 'green fields near the sea'], str(tmp_path / 'c.model'), vocab_size=40
+  )
+  config = dataclasses.replace(models_testlib.TINY, vocab_size=other.vocab_size)
+  with pytest.raises(EnsembleError, match='model 2 has another vocabulary than model 1'):
+    ensembles.check_ensemble([config, config], [first, other], None)
 
 
 def test_an_ensemble_searches_the_weighted_log_probabilities_of_its_models():

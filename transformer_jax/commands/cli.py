@@ -17,7 +17,8 @@ is imported only when a command needs it, so flag errors come back at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -404,6 +405,20 @@ def define_checkpoint_flags() -> CheckpointFlags:
   )
 
 
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+  """Errors only while checkpoints load and JAX starts (orbax logs every restore at INFO and
+  WARNING, JAX each platform it does not find), warnings after; unless --verbosity is given."""
+  if flags.FLAGS['verbosity'].present:
+    yield
+    return
+  logging.set_verbosity(logging.ERROR)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(logging.WARNING)
+
+
 def check_checkpoint_flags(f: CheckpointFlags) -> None:
   """Checks the checkpoint flags before anything heavy is imported.
 
@@ -432,8 +447,7 @@ def check_checkpoint_flags(f: CheckpointFlags) -> None:
       ensemble_weights(weights, len(f.workdir.value))
     except errors.UserError as e:
       fail(f'--weights: {e}')
-  if f.step.value is not None and not (f.step.value.isdigit() or f.step.value == 'best'):
-    fail(f"--step={f.step.value} must be a step number or 'best'.")
+  parse_step(f.step.value)
   if f.step.value is not None and f.average_last.value:
     fail('give --step or --average_last, not both.')
   if f.average_last.value < 0:
@@ -458,10 +472,19 @@ def workdir_inputs(f: CheckpointFlags) -> dict[str, str]:
   }
 
 
+def parse_step(value: str | None) -> int | str | None:
+  """A --step value as `loading.load` takes it: an int, 'best', or None (the latest); any
+  other value `fail`s."""
+  if value is None or value == 'best':
+    return value
+  if not value.isdigit():
+    fail(f"--step={value} must be a step number or 'best'.")
+  return int(value)
+
+
 def checkpoint_step(f: CheckpointFlags) -> int | str | None:
-  """--step as `loading.load` takes it: an int, 'best', or None (the latest)."""
-  value = f.step.value
-  return int(value) if value is not None and value.isdigit() else value
+  """--step as `loading.load` takes it (`parse_step`)."""
+  return parse_step(f.step.value)
 
 
 def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
@@ -476,25 +499,23 @@ def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
 
   use_compilation_cache(f.compilation_cache_dir.value)
   workdirs = f.workdir.value
-  loaded = translator.load_translator(
-      workdirs[0] if len(workdirs) == 1 else workdirs,
-      step=checkpoint_step(f),
-      average_last=f.average_last.value,
-      weights=None if f.weights.value is None else [float(w) for w in f.weights.value],
-      beam_size=f.beam_size.value,
-      length_penalty=f.length_penalty.value,
-      length_penalty_form=f.length_penalty_form.value,
-      no_repeat_ngram_size=f.no_repeat_ngram_size.value,
-      no_adjacent_repeat_size=f.no_adjacent_repeat_size.value,
-      max_decode_extra_length=f.max_decode_extra_length.value,
-      batch_size=f.batch_size.value,
-      n_best=n_best,
-      sampling=f.sampling.value,
-      temperature=f.temperature.value,
-      top_k=f.top_k.value,
-      top_p=f.top_p.value,
-      seed=f.seed.value,
-  )
-  if not flags.FLAGS['verbosity'].present:
-    logging.set_verbosity(logging.WARNING)
-  return loaded
+  with quiet_loading():
+    return translator.load_translator(
+        workdirs[0] if len(workdirs) == 1 else workdirs,
+        step=checkpoint_step(f),
+        average_last=f.average_last.value,
+        weights=None if f.weights.value is None else [float(w) for w in f.weights.value],
+        beam_size=f.beam_size.value,
+        length_penalty=f.length_penalty.value,
+        length_penalty_form=f.length_penalty_form.value,
+        no_repeat_ngram_size=f.no_repeat_ngram_size.value,
+        no_adjacent_repeat_size=f.no_adjacent_repeat_size.value,
+        max_decode_extra_length=f.max_decode_extra_length.value,
+        batch_size=f.batch_size.value,
+        n_best=n_best,
+        sampling=f.sampling.value,
+        temperature=f.temperature.value,
+        top_k=f.top_k.value,
+        top_p=f.top_p.value,
+        seed=f.seed.value,
+    )

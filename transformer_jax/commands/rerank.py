@@ -144,9 +144,10 @@ def main(argv: list[str]) -> None:
 
   cli.use_compilation_cache(_COMPILATION_CACHE_DIR.value)
   scorers = []
-  for name, workdir, reverse in models:
-    translator, _ = translator_lib.load_translator(workdir, batch_size=_BATCH_SIZE.value)
-    scorers.append((name, scoring.Scorer(translator), reverse))
+  with cli.quiet_loading():
+    for name, workdir, reverse in models:
+      translator, _ = translator_lib.load_translator(workdir, batch_size=_BATCH_SIZE.value)
+      scorers.append((name, scoring.Scorer(translator), reverse))
   for sources, lists in sets.values():
     _add_model_features(sources, lists, scorers)
 

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import tempfile
+from typing import Any, cast
 
 from absl import logging
 import sentencepiece as spm
@@ -29,6 +30,19 @@ from transformer_jax.config import UNK_ID
 from transformer_jax.errors import ConfigError
 from transformer_jax.errors import DataError
 from transformer_jax.storage import storage
+
+
+def tokenization(model: bytes) -> bytes:
+  """A serialized SentencePiece model without what training left in it that does not change
+  how it cuts text (the trainer's file names: its input files and `model_prefix`, a
+  temporary path): two models cut alike exactly when these bytes are equal."""
+  from sentencepiece import sentencepiece_model_pb2
+
+  proto = cast(Any, sentencepiece_model_pb2).ModelProto()  # Generated; no type stubs.
+  proto.ParseFromString(model)
+  proto.trainer_spec.ClearField('model_prefix')
+  proto.trainer_spec.ClearField('input')
+  return proto.SerializeToString(deterministic=True)
 
 
 class Tokenizer:
@@ -242,6 +256,11 @@ def train_tokenizer(
           f'vocabulary on this data ({e}); set --config.vocab_size_target to a '
           'size the corpus supports (the paper: 37000 for WMT14 En-De).'
       ) from None
+    # Without the temporary path: the same data gives the same bytes (and fingerprint).
+    with open(prefix + '.model', 'rb') as f:
+      model = tokenization(f.read())
+    with open(prefix + '.model', 'wb') as f:
+      f.write(model)
     os.replace(prefix + '.model', model_path)  # Atomic: readers never see half a file.
   tokenizer = Tokenizer(model_path)
   logging.info(

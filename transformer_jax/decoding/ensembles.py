@@ -41,6 +41,13 @@ def ensemble_weights(weights: Sequence[float] | None, count: int) -> tuple[float
   return tuple(w / total for w in weights)
 
 
+def _tokenizations(tokenizer: Tokenizer) -> dict[str, bytes]:
+  """What decides how each side's SentencePiece model cuts text (not where it was trained)."""
+  from transformer_jax.data.tokenizer import tokenization
+
+  return {side: tokenization(m) for side, m in tokenizer.sentencepiece_models().items()}
+
+
 def check_ensemble(
     model_configs: Sequence[TransformerConfig],
     tokenizers: Sequence[Tokenizer | None],
@@ -69,7 +76,7 @@ def check_ensemble(
     if config.vocab_size != first.vocab_size or (
         tokenizer is not None
         and tokenizers[0] is not None
-        and tokenizer.sentencepiece_models() != tokenizers[0].sentencepiece_models()
+        and _tokenizations(tokenizer) != _tokenizations(tokenizers[0])
     ):
       raise EnsembleError(
           f'{name} has another vocabulary than {names[0]} ({config.vocab_size} and '
