@@ -17,19 +17,23 @@ from transformer_jax.storage.layout import RunLayout
 SOURCES = ['the cat sees a dog', 'small child', 'water runs', 'a man eats']
 
 
-def _run(script: str, *flags: str, run_dir: str, stdin: str = '') -> tuple[int, str, str]:
+def _run(
+    script: str, *flags: str, run_dir: str, stdin: str = '', devices: int = 1
+) -> tuple[int, str, str]:
   cache = os.path.join(os.path.dirname(run_dir), 'jax_cache')
   result = train_testlib.run_command(
       [sys.executable, script, f'--compilation_cache_dir={cache}', *flags],
-      env=train_testlib.subprocess_env(),
+      env=train_testlib.subprocess_env(devices),
       input=stdin,
       timeout=300,
   )
   return result.returncode, result.stdout, result.stderr
 
 
-def _ok(script: str, *flags: str, run_dir: str, stdin: str = '') -> tuple[str, str]:
-  code, out, err = _run(script, *flags, run_dir=run_dir, stdin=stdin)
+def _ok(
+    script: str, *flags: str, run_dir: str, stdin: str = '', devices: int = 1
+) -> tuple[str, str]:
+  code, out, err = _run(script, *flags, run_dir=run_dir, stdin=stdin, devices=devices)
   assert code == 0, err[-3000:]
   return out, err
 
@@ -128,6 +132,19 @@ def test_an_ensemble_translates_and_scores_its_outputs_as_score_py_does(runs):
       )[0]
   )
   assert [r[2] for r in rows] != [r[2] for r in alone]  # Another model's log-probabilities.
+  # Sharded over two devices (the batch split between them), the same ensemble's outputs.
+  sharded, _ = _ok(
+      'translate.py',
+      *members,
+      f'--input={source}',
+      '--n_best=2',
+      '--beam_size=3',
+      run_dir=run_dir,
+      devices=2,
+  )
+  assert [r[:2] for r in _n_best(sharded)] == [r[:2] for r in rows]
+  for got, expected in zip(_n_best(sharded), rows):
+    assert got[2] == pytest.approx(expected[2], abs=1e-3)
   # score.py scores each (source, hypothesis) under the same ensemble as the search did.
   pairs = root / 'pairs.tsv'
   pairs.write_text(''.join(f'{SOURCES[i]}\t{text}\n' for i, text, _, _ in rows) + 'no tab here\n')
