@@ -37,7 +37,6 @@ KNOWN_ERRORS = (
     'transformer_jax.checkpoints.checkpointing',
     'transformer_jax.commands.cli',
     'transformer_jax.commands.evaluate',
-    'transformer_jax.commands.export_marian',
     'transformer_jax.commands.prepare_data',
     'transformer_jax.commands.translate',
     'transformer_jax.data.bible_corpus',
