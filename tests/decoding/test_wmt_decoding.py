@@ -128,6 +128,12 @@ def test_models_whose_vocabularies_differ_only_in_where_they_were_trained_ensemb
   config = dataclasses.replace(models_testlib.TINY, vocab_size=other.vocab_size)
   with pytest.raises(EnsembleError, match='model 2 has another vocabulary than model 1'):
     ensembles.check_ensemble([config, config], [first, other], None)
+  # One vocabulary serves both directions of a pair; the models of an ensemble share one.
+  config = dataclasses.replace(models_testlib.TINY, vocab_size=first.vocab_size)
+  with pytest.raises(EnsembleError, match='model 2 translates es->en, model 1 en->es: the mod'):
+    ensembles.check_ensemble(
+        [config, config], [first, first], None, directions=[('en', 'es'), ('es', 'en')]
+    )
 
 
 def test_an_ensemble_searches_the_weighted_log_probabilities_of_its_models():

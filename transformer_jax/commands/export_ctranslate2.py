@@ -51,15 +51,15 @@ def main(argv: list[str]) -> None:
     cli.fail('give --step or --average_last, not both.')
   if _AVERAGE_LAST.value < 0:
     cli.fail(f'--average_last={_AVERAGE_LAST.value} must be >= 0.')
+  from transformer_jax.checkpoints import loading
   from transformer_jax.interop import ctranslate2
+  from transformer_jax.interop import marian
 
-  path = ctranslate2.export_model(
-      _WORKDIR.value,
-      _OUTPUT_DIR.value,
-      step=step,
-      average_last=_AVERAGE_LAST.value,
-      quantization=_QUANTIZATION.value,
-  )
+  marian.check_new_model_directory(_OUTPUT_DIR.value, 'model.bin')  # Before loading.
+  ctranslate2.check_quantization(_QUANTIZATION.value)
+  with cli.quiet_loading():  # Not the export's warnings, which come after.
+    checkpoint = loading.load(_WORKDIR.value, step=step, average_last=_AVERAGE_LAST.value)
+  path = ctranslate2.export_model(checkpoint, _OUTPUT_DIR.value, quantization=_QUANTIZATION.value)
   print(f'Exported {_WORKDIR.value} to {path}')
 
 

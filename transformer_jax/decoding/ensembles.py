@@ -53,18 +53,21 @@ def check_ensemble(
     tokenizers: Sequence[Tokenizer | None],
     weights: Sequence[float] | None,
     names: Sequence[str] | None = None,
+    directions: Sequence[tuple[str, str]] | None = None,
 ) -> tuple[float, ...]:
   """Checks that models can be decoded as one ensemble; their weights, summing to 1.
 
   They need one vocabulary (the same SentencePiece model(s), so the same ids mean the same
-  pieces) and the same decoder start token. Sizes, depths, positions and output shortlists
-  may differ.
+  pieces), the same decoder start token and, where `directions` are given, one direction (a
+  shared vocabulary serves both directions of a pair). Sizes, depths, positions and output
+  shortlists may differ.
 
   Args:
     model_configs: each model's config.
     tokenizers: each model's tokenizer (None: not checked, as in compile-only use).
     weights: one positive weight a model (normalized here), or None for equal weights.
     names: what to call each model in errors (e.g. its work directory).
+    directions: each model's (source, target) language, where known: one for all.
 
   Raises:
     EnsembleError: naming the models that differ and how, or the weights' problem.
@@ -90,5 +93,13 @@ def check_ensemble(
           f'{name} starts decoding with token {config.decoder_start_id}, {names[0]} with '
           f'{first.decoder_start_id} (decoder_start_token): every model of an ensemble '
           'is fed the same first token; decode them separately.'
+      )
+  directions = list(directions or [])
+  for name, direction in zip(names[1:], directions[1:]):
+    if direction != directions[0]:
+      raise EnsembleError(
+          f'{name} translates {"->".join(direction)}, {names[0]} '
+          f'{"->".join(directions[0])}: the models of an ensemble translate one direction. '
+          'Decode them separately; a reverse-direction model reranks with rerank.py --reverse.'
       )
   return normalized

@@ -855,7 +855,11 @@ def load_translator(
   checkpoints = [loading.load(w, step=step, average_last=average_last) for w in workdirs]
   first = checkpoints[0]
   check_ensemble(
-      [c.model_config for c in checkpoints], [c.tokenizer for c in checkpoints], weights, workdirs
+      [c.model_config for c in checkpoints],
+      [c.tokenizer for c in checkpoints],
+      weights,
+      workdirs,
+      directions=[(c.config.source_lang, c.config.target_lang) for c in checkpoints],
   )
   ensemble = []
   for checkpoint in checkpoints[1:]:

@@ -353,7 +353,8 @@ def write_model(
   return output_dir
 
 
-def _check_quantization(quantization: str | None) -> None:
+def check_quantization(quantization: str | None) -> None:
+  """Raises `ConfigError` for a `quantization` CTranslate2 does not have, naming those it has."""
   if quantization is not None and quantization not in quantizations():
     raise ConfigError(
         f'quantization={quantization!r} is not a weight type of CTranslate2; choose one of '
@@ -388,7 +389,7 @@ def export_model(
     UserError: ctranslate2 is not installed.
     OutputExistsError: `output_dir` already holds a model, or other files.
   """
-  _check_quantization(quantization)
+  check_quantization(quantization)
   if isinstance(source, str):
     # Refused before the parameters are read.
     meta, _ = checkpointing.read_meta(
