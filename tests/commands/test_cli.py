@@ -546,3 +546,10 @@ def test_setup_skips_pip_only_when_the_environment_is_what_it_would_install():
     extras = ['nope'] if 'nope' in phrase else ['tensorboard']
     found = installed.problems(extras, project_text, requirements_text)
     assert any(phrase in p for p in found), (phrase, found)
+
+
+@pytest.mark.parametrize('data', [b'', b'a', b'a\n', b'a\nb', b'\n\n', b'a\r\nb\n\xff'])
+def test_count_lines_counts_what_read_lines_reads(tmp_path, data):
+  path = tmp_path / 'lines.txt'
+  path.write_bytes(data)
+  assert line_io.count_lines(str(path), 'input') == len(line_io.read_lines(str(path), 'input'))

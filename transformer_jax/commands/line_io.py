@@ -54,6 +54,16 @@ def read_lines(path: str, flag: str) -> list[str]:
   return [decode_line(line)[0] for line in lines]
 
 
+def count_lines(path: str, flag: str) -> int:
+  """How many lines `read_lines` gives of a file, read a block at a time (nothing kept)."""
+  paths.check_input_file(path, f'--{flag}')
+  count, last = 0, b'\n'
+  with storage.open_file(path) as f:
+    for block in iter(lambda: f.read(1 << 20), b''):
+      count, last = count + block.count(b'\n'), block[-1:]
+  return count + (last != b'\n')
+
+
 def n_best_line(index: int, hypothesis: Any) -> str:
   """One line of the n-best format (Moses' and Marian's):
   `INDEX ||| TRANSLATION ||| LogProb= LOG_P ||| SCORE`, with INDEX the 0-based input line,

@@ -144,7 +144,7 @@ def _check_flags() -> None:
       cli.fail('--prefixes gives one prefix a line of --input; with --text, give --prefix.')
     if inputs['--input']:
       counts = [
-          len(line_io.read_lines(p, f))
+          line_io.count_lines(p, f)
           for p, f in ((_INPUT.value, 'input'), (_PREFIXES.value, 'prefixes'))
       ]
       if counts[0] != counts[1]:
