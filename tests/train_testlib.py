@@ -44,6 +44,27 @@ def write_parallel_text(directory: str, seed: int = 0) -> dict[str, str]:
   return files
 
 
+def write_case_text(directory: str, seed: int = 0) -> dict[str, str]:
+  """Two "languages" of one toy corpus as 'text' dataset files: 'lo', words in lower case,
+  and 'up', the same words in upper case, so that an output's case says its language.
+
+  Returns:
+    {split: 'lo_path,up_path'} for train (600 pairs), validation and test (40 each).
+  """
+  rng = random.Random(seed)
+  words = [''.join(rng.choice('abcdefghij') for _ in range(rng.randint(2, 5))) for _ in range(30)]
+  files = {}
+  for split, count in (('train', 600), ('validation', 40), ('test', 40)):
+    paths = [os.path.join(directory, f'{split}.{side}') for side in ('lo', 'up')]
+    with open(paths[0], 'w') as lo, open(paths[1], 'w') as up:
+      for _ in range(count):
+        sentence = ' '.join(rng.choice(words) for _ in range(rng.randint(1, 6)))
+        lo.write(sentence + '\n')
+        up.write(sentence.upper() + '\n')
+    files[split] = ','.join(paths)
+  return files
+
+
 def small_config(files: dict[str, str], **overrides) -> ml_collections.ConfigDict:
   """configs/tiny.py shrunk to one layer and one bucket (one compiled shape), over `files`."""
   from configs import tiny

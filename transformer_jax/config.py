@@ -205,6 +205,18 @@ def base_config() -> ml_collections.ConfigDict:
   c.dataset = 'wmt14_translate/de-en'  # A TFDS name, 'bible_en_es', or 'text'.
   c.source_lang = 'en'  # The dataset's field (language) translated from.
   c.target_lang = 'de'  # The dataset's field (language) translated into.
+  # Several directions in one model, each 'SRC-TGT' (over `dataset`) or 'DATASET:SRC-TGT',
+  # e.g. ('en-es', 'es-en'); () translates source_lang -> target_lang (docs/data.md).
+  c.directions = ()
+  # How the model is told the target language: 'source' starts every source with '<2xx>', a
+  # reserved piece per target language (Johnson et al. 2017); '' adds none (one target only).
+  c.language_tag = ''
+  # With several directions, each one's share of the training examples drawn (one positive
+  # number a direction, in their order; normalized). (): by size^(1 / sampling_temperature).
+  c.direction_weights = ()
+  # Without direction_weights: p ~ size^(1/T) over the directions (1: by their sizes, as the
+  # concatenated split; larger flattens toward uniform, as multilingual systems upsample).
+  c.sampling_temperature = 1.0
   c.tfds_data_dir = ''  # '' uses TFDS's default (~/tensorflow_datasets or $TFDS_DATA_DIR).
   c.train_split = 'train'  # The split trained on (and the vocabulary's sample).
   c.eval_split = 'validation'  # newstest2013 for wmt14_translate.

@@ -292,6 +292,7 @@ class CheckpointFlags:
   top_k: Any
   top_p: Any
   seed: Any
+  target_lang: Any
   compilation_cache_dir: Any
 
 
@@ -401,6 +402,12 @@ def define_checkpoint_flags() -> CheckpointFlags:
           'With --sampling: the random seed (the same '
           'seed, input and --batch_size give the same samples).',
       ),
+      target_lang=flags.DEFINE_string(
+          'target_lang',
+          None,
+          'The language to translate into, for a model of several target languages (its '
+          "config's directions); its tag starts every source. Default: the model's only one.",
+      ),
       compilation_cache_dir=define_compilation_cache_flag(),
   )
 
@@ -487,9 +494,11 @@ def checkpoint_step(f: CheckpointFlags) -> int | str | None:
   return parse_step(f.step.value)
 
 
-def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
+def load_translator(
+    f: CheckpointFlags, n_best: int = 1, *, untagged: bool = False
+) -> tuple[Any, Any]:
   """The translator of the chosen checkpoint (or average), with the flags' search options,
-  returning `n_best` hypotheses a sentence.
+  returning `n_best` hypotheses a sentence (`untagged`: see `translator.load_translator`).
 
   Returns:
     (translator, checkpoint), as `translator.load_translator`.
@@ -518,4 +527,6 @@ def load_translator(f: CheckpointFlags, n_best: int = 1) -> tuple[Any, Any]:
         top_k=f.top_k.value,
         top_p=f.top_p.value,
         seed=f.seed.value,
+        target_lang=f.target_lang.value,
+        untagged=untagged,
     )

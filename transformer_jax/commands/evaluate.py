@@ -99,18 +99,29 @@ def main(argv: list[str]) -> None:
   import jax
 
   from transformer_jax.data import data_sources
+  from transformer_jax.data import languages
   from transformer_jax.decoding import evaluation
 
-  translator, checkpoint = cli.load_translator(_CHECKPOINT)
+  # A split is read untagged and scored direction by direction, each with its own tag.
+  translator, checkpoint = cli.load_translator(_CHECKPOINT, untagged=not _SOURCE_FILE.value)
   config, steps = checkpoint.config, checkpoint.steps
 
   # A source file's whole name (newstest2014.en), so that its results never take the name
   # of a split's (test.en gives test.en.hyp.txt beside the test split's test.hyp.txt).
-  name = (
-      os.path.basename(_SOURCE_FILE.value)
-      if _SOURCE_FILE.value
-      else _SPLIT.value or config.test_split
-  )
+  split = _SPLIT.value or config.test_split
+  name = os.path.basename(_SOURCE_FILE.value) if _SOURCE_FILE.value else split
+  # A multilingual run's split is scored direction by direction (`--target_lang`: those into
+  # it), each with its own results: <split>.<src>-<tgt>.hyp.txt and .metrics.json.
+  found = [
+      d for d in languages.directions(config) if _CHECKPOINT.target_lang.value in (None, d.target)
+  ]
+  per_direction = not _SOURCE_FILE.value and languages.is_multilingual(config)
+  names = [f'{name}.{d.name}' for d in found] if per_direction else [name]
+  if _COMPARE_TO.value and len(names) > 1:
+    cli.fail(
+        f'--compare_to gives one other output, but this model is scored in {len(names)} '
+        'directions; pick one with --target_lang (or --source_file and --reference_file).'
+    )
   tag = evaluation.result_tag(steps)
   if len(workdirs) > 1:  # Each ensemble (its members, weights, steps) its own directory.
     tag = evaluation.ensemble_tag([storage.resolve(w) for w in workdirs], translator.weights, tag)
@@ -119,8 +130,12 @@ def main(argv: list[str]) -> None:
     paths.check_output_directory(
         output_dir, '--output_dir' if _OUTPUT_DIR.value else 'the results directory'
     )
-    for path in evaluation.result_paths(output_dir, name):
-      paths.check_not_input(path, 'the output', inputs)
+    for result_name in names:
+      for path in evaluation.result_paths(output_dir, result_name):
+        paths.check_not_input(path, 'the output', inputs)
+  if _TFDS_DATA_DIR.value:
+    config.tfds_data_dir = _TFDS_DATA_DIR.value  # An existing field: allowed when locked.
+  jobs = []  # (result name, direction or None, sources, references)
   if _SOURCE_FILE.value:
     sources = line_io.read_lines(_SOURCE_FILE.value, 'source_file')
     references = line_io.read_lines(_REFERENCE_FILE.value, 'reference_file')
@@ -129,14 +144,37 @@ def main(argv: list[str]) -> None:
           f'{_SOURCE_FILE.value} has {len(sources)} lines but {_REFERENCE_FILE.value} has '
           f'{len(references)}.'
       )
+    jobs.append((name, None, sources, references))
   else:
-    if _TFDS_DATA_DIR.value:
-      config.tfds_data_dir = _TFDS_DATA_DIR.value  # An existing field: allowed when locked.
-    try:
-      pairs = data_sources.open_split(config, name)
-      sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
-    except KeyError as e:  # TFDS: no such split.
-      cli.fail(f'cannot read split {name!r} of {config.dataset}: {e}; pass --split.')
+    for result_name, direction in zip(names, found if per_direction else [None]):
+      try:
+        pairs = data_sources.open_split(config, split, direction, tagged=False)
+      except KeyError as e:  # TFDS: no such split.
+        cli.fail(f'cannot read split {split!r} of {config.dataset}: {e}; pass --split.')
+      jobs.append((result_name, direction, [p[0] for p in pairs], [p[1] for p in pairs]))
+  results = []
+  for result_name, direction, sources, references in jobs:
+    if direction is not None:
+      translator.source_prefix = languages.source_prefix(config, direction.target)
+    results.append(
+        _evaluate_one(translator, checkpoint, workdirs, result_name, direction, sources, references)
+    )
+  if jax.process_index() == 0:
+    for (result_name, *_), result in zip(jobs, results):
+      written = evaluation.write_results(output_dir, result_name, result.hypotheses, result.metrics)
+      if len(jobs) > 1:
+        print(f'{result_name}:')
+      print(evaluation.summary(result.metrics))
+      print(f'Wrote {written[0]} and {written[1]}')
+    if len(jobs) > 1:
+      print(evaluation.directions_table([j[0] for j in jobs], [r.metrics for r in results]))
+
+
+def _evaluate_one(translator, checkpoint, workdirs, name, direction, sources, references):
+  """Translates and scores one set of sentences (the --max_sentences first)."""
+  from transformer_jax.decoding import evaluation
+
+  config, steps = checkpoint.config, checkpoint.steps
   if _MAX_SENTENCES.value:
     sources, references = sources[: _MAX_SENTENCES.value], references[: _MAX_SENTENCES.value]
   baseline = None
@@ -147,9 +185,8 @@ def main(argv: list[str]) -> None:
           f'--compare_to={_COMPARE_TO.value} has {len(baseline)} lines for '
           f'{len(references)} sentences.'
       )
-
   info = {
-      'workdir': storage.resolve(workdir),
+      'workdir': storage.resolve(workdirs[0]),
       'ensemble': (
           [
               {'workdir': storage.resolve(w), 'weight': weight}
@@ -161,15 +198,16 @@ def main(argv: list[str]) -> None:
       'step': checkpoint.step,
       'checkpoint_steps': steps,
       'split': name,
-      'dataset': config.dataset,
-      'source_lang': config.source_lang,
-      'target_lang': config.target_lang,
+      'dataset': direction.dataset if direction else config.dataset,
+      'source_lang': direction.source if direction else config.source_lang,
+      'target_lang': direction.target if direction else config.target_lang,
+      'language_tag': translator.source_prefix.strip() or None,
       'compared_to': storage.resolve(_COMPARE_TO.value) if _COMPARE_TO.value else None,
   }
   logging.info(
-      'Evaluating %s (steps %s) on %d sentences of %s.', workdir, steps, len(sources), name
+      'Evaluating %s (steps %s) on %d sentences of %s.', workdirs[0], steps, len(sources), name
   )
-  result = evaluation.evaluate(
+  return evaluation.evaluate(
       translator,
       sources,
       references,
@@ -178,10 +216,6 @@ def main(argv: list[str]) -> None:
       show_progress=_PROGRESS.value,
       info=info,
   )
-  if jax.process_index() == 0:
-    written = evaluation.write_results(output_dir, name, result.hypotheses, result.metrics)
-    print(evaluation.summary(result.metrics))
-    print(f'Wrote {written[0]} and {written[1]}')
 
 
 flags.adopt_module_key_flags(cli)

@@ -7,6 +7,7 @@ r"""Translates text with a trained checkpoint: one output line for every input l
   python translate.py --workdir=DIR --n_best=4 < input.en > nbest.txt       # 4 of the beam
   python translate.py --workdir=DIR --sampling --top_p=0.9 --n_best=5 \
       --input=mono.en --output=samples.txt                  # back-translation: 5 samples a line
+  python translate.py --workdir=BOTH_WAYS --target_lang=en < input.es    # a multilingual model
 
 An empty line gives an empty line; a line longer than the model's max_len tokens is cut and
 a warning names its line number on stderr; invalid UTF-8 is replaced (U+FFFD) and warned about.
@@ -14,8 +15,9 @@ Lines are split on '\n' only. --prefix=TEXT starts every output with TEXT, --pre
 each line's with that file's line (forced decoding, as fairseq's --prefix-size and Marian's
 --force-decode; every search honours it, and the output includes it); a prefix that leaves no
 room within the line's output limit gives that line an empty output and a warning. Several
---workdir decode as one ensemble (--weights=W1,W2,...: each model's weight). Reading from a
-terminal translates each line as it is typed.
+--workdir decode as one ensemble (--weights=W1,W2,...: each model's weight). A model of
+several target languages (its config's `directions`) needs --target_lang: its tag starts
+every source. Reading from a terminal translates each line as it is typed.
 Each sentence's output is at most its source length (tokens, EOS included) +
 --max_decode_extra_length tokens (the paper: 50); with learned positions also at most max_len,
 and a warning names the lines that cap cuts.

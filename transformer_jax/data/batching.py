@@ -35,6 +35,7 @@ import grain
 import ml_collections
 import numpy as np
 
+from transformer_jax.data import languages
 from transformer_jax.data import token_store
 from transformer_jax.errors import DataError
 
@@ -149,7 +150,13 @@ class PackedBatches(grain.IterDataset):
   """
 
   def __init__(
-      self, store: token_store.TokenStore, members: np.ndarray, rows: int, length: int, seed: int
+      self,
+      store: token_store.TokenStore,
+      members: np.ndarray,
+      rows: int,
+      length: int,
+      seed: int,
+      mixture: 'Mixture | None' = None,
   ):
     super().__init__()
     self.store = store
@@ -157,11 +164,16 @@ class PackedBatches(grain.IterDataset):
     self.rows = rows
     self.length = length
     self.seed = seed
+    self.mixture = mixture
 
   @functools.lru_cache(maxsize=2)  # noqa: B019  # Two epochs of one long-lived plan.
   def epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-    """(example indices, their [n, 2] lengths) in epoch `epoch`'s order."""
-    order = np.random.default_rng([self.seed, epoch]).permutation(self.members)
+    """(example indices, their [n, 2] lengths) in epoch `epoch`'s order: a permutation of
+    `members`, or with a `mixture` its next len(members) draws."""
+    if self.mixture is not None:
+      order = self.mixture.draws(epoch * len(self.members), len(self.members))
+    else:
+      order = np.random.default_rng([self.seed, epoch]).permutation(self.members)
     return order, self.store.lengths[order]
 
   def __iter__(self) -> '_PackedIterator':
@@ -169,6 +181,60 @@ class PackedBatches(grain.IterDataset):
 
   def __str__(self) -> str:
     return f'PackedBatches(rows={self.rows}, length={self.length})'
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Mixture:
+  """Training examples drawn from several sources (a multilingual run's directions, the
+  consecutive parts of one token store) by weight, through `grain.MapDataset.mix`: each
+  source's kept examples reshuffled every pass (`shuffle().repeat()`), interleaved in
+  proportion to `weights`. Draw i is a pure function of (seed, i), so a packer's (epoch,
+  position) state resumes it exactly. A host takes every process_count-th draw.
+
+  Attributes:
+    names: each source's name, for the log.
+    weights: each source's share of the draws (summing to 1).
+    dataset: the mixed `grain.MapDataset` of example indices (infinite).
+    process_index: this host.
+    process_count: all hosts.
+  """
+
+  names: tuple[str, ...]
+  weights: tuple[float, ...]
+  dataset: grain.MapDataset
+  process_index: int = 0
+  process_count: int = 1
+
+  @classmethod
+  def of(
+      cls,
+      members: Sequence[np.ndarray],
+      names: Sequence[str],
+      weights: Sequence[float],
+      seed: int,
+      process_index: int = 0,
+      process_count: int = 1,
+  ) -> 'Mixture':
+    empty = [name for name, m in zip(names, members) if not len(m)]
+    if empty:
+      raise DataError(
+          f'{empty[0]} has no training example left (empty, or every pair longer than '
+          'max_source_length/max_target_length), so it cannot be drawn from; fix its data, '
+          'or leave it out of --config.directions.'
+      )
+    sources = [
+        grain.MapDataset.source(np.asarray(m, np.int64)).shuffle(seed=seed + 7919 * k).repeat()
+        for k, m in enumerate(members)
+    ]
+    mixed = grain.MapDataset.mix(sources, weights=list(weights))
+    return cls(tuple(names), tuple(weights), mixed, process_index, process_count)
+
+  def draws(self, start: int, count: int) -> np.ndarray:
+    """This host's draws [start, start + count) (its own numbering)."""
+    first, step = self.process_index, self.process_count
+    return np.fromiter(
+        (self.dataset[first + step * i] for i in range(start, start + count)), np.int64, count
+    )
 
 
 class _PackedIterator(grain.DatasetIterator):
@@ -239,6 +305,7 @@ def train_dataset(
     process_index: int = 0,
     process_count: int = 1,
     row_multiple: int = 1,
+    sources: Sequence[tuple[str, int]] = (),
 ) -> TrainData:
   """The training batches of this host (see the module doc for bucketing and packing).
 
@@ -249,6 +316,9 @@ def train_dataset(
     process_index: this host.
     process_count: all hosts; each gets tokens_per_batch / process_count of the budget.
     row_multiple: rows of every batch are a multiple of this (this host's data shards).
+    sources: (name, pairs) of the consecutive parts of `store` (a multilingual run's
+      directions); with `languages.is_mixture(config)`, packed rows draw from them by
+      `languages.mixture_weights` (a `Mixture`).
   """
   lengths = store.lengths
   nonempty = (lengths > 0).all(axis=1)
@@ -290,7 +360,18 @@ def train_dataset(
   if config.packing:
     rows = rows_for(max_length, config.tokens_per_batch, shards) // process_count
     mine = np.flatnonzero(keep)[process_index::process_count]
-    dataset = PackedBatches(store, mine, rows, max_length, config.data_seed)
+    mixture = None
+    if sources and languages.is_mixture(config):
+      names = [name for name, _ in sources]
+      bounds = np.cumsum([0] + [size for _, size in sources])
+      members = [start + np.flatnonzero(keep[start:end]) for start, end in zip(bounds, bounds[1:])]
+      weights = languages.mixture_weights(config, [len(m) for m in members])
+      mixture = Mixture.of(members, names, weights, config.data_seed, process_index, process_count)
+      logging.info(
+          'Training examples drawn by weight: %s.',
+          ', '.join(f'{n} {w:.1%} ({len(m)} pairs)' for n, w, m in zip(names, weights, members)),
+      )
+    dataset = PackedBatches(store, mine, rows, max_length, config.data_seed, mixture)
     average = lengths[keep].max(axis=1).mean()
     steps = max(1, math.ceil(len(mine) * average / (rows * max_length)))
   else:

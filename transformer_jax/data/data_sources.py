@@ -8,7 +8,8 @@ Sources (`config.dataset`):
     (`transformer_jax.data.bible_corpus`);
   * 'text', plain files: `config.text_files[split] = 'train.src,train.tgt'`, one sentence a
     line, line i of one file translating line i of the other.
-`config.source_lang` and `config.target_lang` pick the direction. TensorFlow is never imported:
+`config.source_lang` and `config.target_lang` pick the direction, or `config.directions` several
+(`languages`), read one after the other. TensorFlow is never imported:
 TFDS data is read through its array_record data sources. Empty or whitespace-only pairs are
 skipped and counted everywhere (`nonblank_pairs`).
 """
@@ -23,9 +24,11 @@ from typing import Any
 
 from absl import logging
 import ml_collections
+import numpy as np
 import tensorflow_datasets as tfds
 
 from transformer_jax.data import bible_corpus
+from transformer_jax.data import languages
 from transformer_jax.errors import ConfigError
 from transformer_jax.errors import DataError
 from transformer_jax.errors import DatasetNotFoundError
@@ -49,11 +52,18 @@ class ParallelText(Sequence):
   """
 
   def __init__(
-      self, records: Sequence[Any], source_key: Any, target_key: Any, name: str, fingerprint: str
+      self,
+      records: Sequence[Any],
+      source_key: Any,
+      target_key: Any,
+      name: str,
+      fingerprint: str,
+      source_prefix: str = '',
   ):
     self._records = records
     self._source_key = source_key
     self._target_key = target_key
+    self._prefix = source_prefix
     self.name = name
     self.fingerprint = fingerprint
 
@@ -64,8 +74,10 @@ class ParallelText(Sequence):
     # Sequence iteration stops at IndexError; array-record sources raise ValueError instead.
     if not -len(self) <= index < len(self):
       raise IndexError(f'{self.name}: index {index} out of range ({len(self)} pairs)')
-    record = self._records[index % len(self)]
-    return _text(record[self._source_key]), _text(record[self._target_key])
+    return self._pair(self._records[index % len(self)])
+
+  def _pair(self, record: Any) -> tuple[str, str]:
+    return self._prefix + _text(record[self._source_key]), _text(record[self._target_key])
 
   def range(self, start: int, end: int) -> list[tuple[str, str]]:
     """Pairs [start, end), read in one batched call where the source has one."""
@@ -80,7 +92,45 @@ class ParallelText(Sequence):
       records = self._records.__getitems__(indices)
     except (AttributeError, TypeError):  # No batched read (or a mocked one that differs).
       records = [self._records[i] for i in indices]
-    return [(_text(r[self._source_key]), _text(r[self._target_key])) for r in records]
+    return [self._pair(r) for r in records]
+
+
+class ConcatenatedText(Sequence):
+  """Several `ParallelText`s one after the other (a multilingual run's split: each
+  direction's pairs, tagged), with their interface."""
+
+  def __init__(self, parts: Sequence[ParallelText]):
+    self.parts = tuple(parts)
+    self._starts = np.cumsum([0] + [len(p) for p in self.parts])
+    self.name = ' + '.join(p.name for p in self.parts)
+    self.fingerprint = hashlib.sha256(
+        '|'.join(p.fingerprint for p in self.parts).encode()
+    ).hexdigest()[:16]
+
+  def __len__(self) -> int:
+    return int(self._starts[-1])
+
+  def __getitem__(self, index: int) -> tuple[str, str]:
+    if not -len(self) <= index < len(self):
+      raise IndexError(f'{self.name}: index {index} out of range ({len(self)} pairs)')
+    index %= len(self)
+    part = int(np.searchsorted(self._starts, index, side='right')) - 1
+    return self.parts[part][index - int(self._starts[part])]
+
+  def range(self, start: int, end: int) -> list[tuple[str, str]]:
+    return self.at(range(start, min(end, len(self))))
+
+  def at(self, indices: Iterable[int]) -> list[tuple[str, str]]:
+    """The pairs at `indices`, read part by part in batched calls, in the order asked."""
+    indices = np.asarray([int(i) for i in indices], np.int64)
+    parts = np.searchsorted(self._starts, indices, side='right') - 1
+    pairs: list[Any] = [None] * len(indices)
+    for part in np.unique(parts):
+      where = np.flatnonzero(parts == part)
+      local = indices[where] - self._starts[part]
+      for i, pair in zip(where, self.parts[part].at(local)):
+        pairs[i] = pair
+    return pairs
 
 
 def _records_fingerprint(name: str, records: Sequence[Any], data_dir: str | None) -> str:
@@ -110,15 +160,17 @@ def check_prepared(config: ml_collections.ConfigDict) -> None:
   """Raises DatasetNotFoundError (saying how to prepare it) unless `config.dataset`'s
   training split is there to read: a TFDS dataset is never downloaded here. The text files
   and the Bible corpus, which are read or built where they are, pass."""
-  if config.dataset not in ('text', 'bible_en_es'):
-    _tfds_records(config, config.train_split)
+  for dataset in sorted({d.dataset for d in languages.directions(config)}):
+    if dataset not in ('text', 'bible_en_es'):
+      _tfds_records(config, config.train_split, dataset)
 
 
 def _tfds_records(
-    config: ml_collections.ConfigDict, split: str
+    config: ml_collections.ConfigDict, split: str, name: str | None = None
 ) -> tuple[Sequence[Any], str | None]:
-  """The split's records and the prepared dataset's directory (None if unknown)."""
-  name = config.dataset
+  """The split's records of TFDS dataset `name` (default `config.dataset`) and the prepared
+  dataset's directory (None if unknown)."""
+  name = name or config.dataset
   family = name.split('/')[0].split(':')[0]
   if family in _TFDS_BUILDER_MODULES:
     importlib.import_module(_TFDS_BUILDER_MODULES[family])
@@ -206,18 +258,46 @@ def _read_text_lines(path: str, split: str, digest: Any = None) -> list[str]:
   return [line.removesuffix('\r') for line in lines]
 
 
-def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
-  """The (source, target) pairs of `split` of `config.dataset`, in `config`'s direction.
+def open_split(
+    config: ml_collections.ConfigDict,
+    split: str,
+    direction: languages.Direction | None = None,
+    *,
+    tagged: bool = True,
+) -> ParallelText | ConcatenatedText:
+  """The (source, target) pairs of `split`, in `config`'s direction, or in `direction`.
+
+  A run of several directions (`config.directions`) reads, without `direction`, every
+  direction's pairs one after the other; with `config.language_tag` (and `tagged`), each
+  source starts with its target language's tag (`languages`).
 
   Raises:
     DatasetNotFoundError: the dataset is not prepared (the message says how to prepare it).
-    ValueError: the dataset has no `source_lang`/`target_lang` field.
+    ConfigError: the dataset has no such language field.
   """
-  name = f'{config.dataset}[{split}] {config.source_lang}->{config.target_lang}'
-  if config.dataset == 'text':
+  if direction is None:
+    found = languages.directions(config)
+    if len(found) > 1:
+      return ConcatenatedText([open_split(config, split, d, tagged=tagged) for d in found])
+    direction = found[0]
+  dataset, source, target = direction.dataset, direction.source, direction.target
+  prefix = languages.source_prefix(config, target) if tagged else ''
+  name = f'{dataset}[{split}] {prefix}{source}->{target}'
+  if dataset == 'text':
     records, fingerprint = _text_file_records(config, split)
-    return ParallelText(records, 'source', 'target', name, fingerprint)
-  if config.dataset == 'bible_en_es':
+    keys = ('source', 'target')  # The config's own direction, whatever its names.
+    if (source, target) != (config.source_lang, config.target_lang):
+      sides = {config.source_lang: 'source', config.target_lang: 'target'}
+      for lang in (source, target):
+        if lang not in sides:
+          raise ConfigError(
+              f"dataset='text' has the languages {config.source_lang!r} (the first file of "
+              f'each text_files pair) and {config.target_lang!r} (the second), not {lang!r}; '
+              'fix --config.directions or --config.source_lang/target_lang.'
+          )
+      keys = (sides[source], sides[target])
+    return ParallelText(records, *keys, name, _tagged(fingerprint, prefix), prefix)
+  if dataset == 'bible_en_es':
     # Built once; on Cloud Storage by process 0, whose upload the others then find.
     builder = multihost.on_process_0_first(
         lambda: bible_corpus.prepare(config.tfds_data_dir or None),
@@ -226,22 +306,24 @@ def open_split(config: ml_collections.ConfigDict, split: str) -> ParallelText:
     )
     records, data_dir = builder.as_data_source(split), builder.data_dir
   else:
-    records, data_dir = _tfds_records(config, split)
+    records, data_dir = _tfds_records(config, split, dataset)
   if len(records):
     fields = set(records[0])
-    for lang in (config.source_lang, config.target_lang):
+    for lang in (source, target):
       if lang not in fields:
         raise ConfigError(
-            f'{config.dataset} has no language {lang!r} (fields: '
-            f'{sorted(fields)}); fix --config.source_lang/target_lang.'
+            f'{dataset} has no language {lang!r} (fields: {sorted(fields)}); fix '
+            f'--config.{"directions" if config.get("directions") else "source_lang/target_lang"}.'
         )
-  return ParallelText(
-      records,
-      config.source_lang,
-      config.target_lang,
-      name,
-      _records_fingerprint(name, records, data_dir),
-  )
+  fingerprint = _records_fingerprint(name, records, data_dir)
+  return ParallelText(records, source, target, name, fingerprint, prefix)
+
+
+def _tagged(fingerprint: str, prefix: str) -> str:
+  """A text's fingerprint, changed by a source prefix (the token ids differ)."""
+  if not prefix:
+    return fingerprint
+  return hashlib.sha256(f'{fingerprint}|{prefix}'.encode()).hexdigest()[:16]
 
 
 def nonblank_pairs(pairs: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:

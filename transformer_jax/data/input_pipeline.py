@@ -125,6 +125,7 @@ def get_datasets(
       process_index=process_index,
       process_count=process_count,
       row_multiple=row_multiple,
+      sources=[(p.name, len(p)) for p in getattr(train_pairs, 'parts', ())],
   )
 
   def make_eval_batches() -> Iterator[Batch]:

@@ -208,7 +208,12 @@ def load_tokenizer(path: str) -> Tokenizer:
 
 
 def train_tokenizer(
-    sentences: Iterable[str], model_path: str, *, vocab_size: int, model_type: str = 'bpe'
+    sentences: Iterable[str],
+    model_path: str,
+    *,
+    vocab_size: int,
+    model_type: str = 'bpe',
+    reserved: Sequence[str] = (),
 ) -> Tokenizer:
   """Trains a SentencePiece model on `sentences` and writes it atomically to `model_path`.
 
@@ -217,6 +222,8 @@ def train_tokenizer(
     model_path: where the `.model` file goes; its directory is created.
     vocab_size: the size asked for; on a small corpus it may come out smaller.
     model_type: 'bpe' or 'unigram'.
+    reserved: pieces that are always one piece wherever they occur (the language tags, ids
+      4, 5, ... in this order).
 
   Returns:
     The trained tokenizer.
@@ -243,10 +250,12 @@ def train_tokenizer(
           bos_id=BOS_ID,
           eos_id=EOS_ID,
           unk_id=UNK_ID,
+          user_defined_symbols=list(reserved),
           character_coverage=1.0,
           # Small corpora cannot fill a large vocabulary; take what they give.
           hard_vocab_limit=False,
-          input_sentence_size=len(sentences),
+          # Every sentence (SentencePiece refuses a size of 1-100; 0 also means all).
+          input_sentence_size=len(sentences) if len(sentences) > 100 else 0,
           num_threads=os.cpu_count() or 1,
           minloglevel=2,
       )
@@ -274,7 +283,12 @@ def train_tokenizer(
 
 
 def load_or_train_tokenizer(
-    model_path: str, sentences_fn, *, vocab_size: int, model_type: str = 'bpe'
+    model_path: str,
+    sentences_fn,
+    *,
+    vocab_size: int,
+    model_type: str = 'bpe',
+    reserved: Sequence[str] = (),
 ) -> Tokenizer:
   """Loads `model_path`, or trains it on `sentences_fn()` first when it does not exist.
 
@@ -283,8 +297,37 @@ def load_or_train_tokenizer(
     sentences_fn: called only when training is needed; returns an iterable of sentences.
     vocab_size: see `train_tokenizer`.
     model_type: see `train_tokenizer`.
+    reserved: see `train_tokenizer`; a loaded vocabulary must have each as one piece.
+
+  Raises:
+    ConfigError: a loaded vocabulary lacks a reserved piece.
   """
   if os.path.exists(model_path):
     logging.info('Loading the vocabulary %s', model_path)
-    return load_tokenizer(model_path)
-  return train_tokenizer(sentences_fn(), model_path, vocab_size=vocab_size, model_type=model_type)
+    tokenizer = load_tokenizer(model_path)
+    check_reserved(tokenizer, reserved, model_path)
+    return tokenizer
+  return train_tokenizer(
+      sentences_fn(), model_path, vocab_size=vocab_size, model_type=model_type, reserved=reserved
+  )
+
+
+def piece_id(tokenizer: Tokenizer, piece: str) -> int | None:
+  """The id of `piece` when the vocabulary cuts it as that one piece (after the word
+  boundary '\u2581' SentencePiece puts before a text), else None."""
+  pieces = tokenizer.pieces()
+  ids = [i for i in tokenizer.encode(piece)[:-1] if pieces[i] != '\u2581']
+  return ids[0] if len(ids) == 1 and pieces[ids[0]] == piece else None
+
+
+def check_reserved(tokenizer: Tokenizer, reserved: Sequence[str], path: str) -> None:
+  """Raises ConfigError naming those of `reserved` that `tokenizer` does not keep as one
+  piece (a vocabulary trained without the run's language tags)."""
+  missing = [piece for piece in reserved if piece_id(tokenizer, piece) is None]
+  if missing:
+    raise ConfigError(
+        f'The vocabulary {path} lacks the language tag{"s" if len(missing) > 1 else ""} '
+        f'{", ".join(missing)} (one piece each) that this run\'s directions need; it was '
+        'trained without them. Clear --config.vocab_path to train one with them, or list '
+        'only the directions it was made for.'
+    )

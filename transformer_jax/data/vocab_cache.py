@@ -17,6 +17,7 @@ import re
 import ml_collections
 import numpy as np
 
+from transformer_jax.data import languages
 from transformer_jax.data import token_store
 from transformer_jax.data.data_sources import ParallelText
 from transformer_jax.data.tokenizer import load_or_train_tokenizer
@@ -45,7 +46,8 @@ def tokenizer_for(
   """Loads the shared vocabulary, training it on a sample of `train_pairs` the first time.
 
   The model goes to `config.vocab_path`, or to the run's `layout.vocab` under a name made of the
-  dataset, the language pair (in either direction), the model type and the size. For a
+  datasets, the languages (in any direction), whether it has the language tags, the model
+  type and the size. For a
   gs:// work directory it is made in its local cache and published to the bucket, and
   a run that finds it published there downloads it instead of training it again.
   """
@@ -53,11 +55,13 @@ def tokenizer_for(
     return _tokenizer_on_cloud_storage(config, train_pairs)
   path = config.vocab_path
   if not path:
-    langs = '-'.join(sorted((config.source_lang, config.target_lang)))
-    dataset = re.sub(r'[^A-Za-z0-9_.-]+', '_', config.dataset)
+    found = languages.directions(config)
+    langs = '-'.join(sorted({lang for d in found for lang in (d.source, d.target)}))
+    dataset = re.sub(r'[^A-Za-z0-9_.-]+', '_', '+'.join(sorted({d.dataset for d in found})))
+    tagged = '.tagged' if languages.tags(config) else ''
     path = os.path.join(
         layout.vocab,
-        f'{dataset}.{langs}.{config.vocab_model_type}{config.vocab_size_target}.model',
+        f'{dataset}.{langs}{tagged}.{config.vocab_model_type}{config.vocab_size_target}.model',
     )
   remote = _remote_of(path, layout)
   if remote and storage.published(remote) is not None and not os.path.exists(path):
@@ -100,7 +104,11 @@ def _load_or_train(
         yield from pair
 
   return load_or_train_tokenizer(
-      path, sentences, vocab_size=config.vocab_size_target, model_type=config.vocab_model_type
+      path,
+      sentences,
+      vocab_size=config.vocab_size_target,
+      model_type=config.vocab_model_type,
+      reserved=languages.tags(config),
   )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 import math
-from typing import TYPE_CHECKING
+from typing import Any, TYPE_CHECKING
 
 from transformer_jax.errors import EnsembleError
 
@@ -54,6 +54,7 @@ def check_ensemble(
     weights: Sequence[float] | None,
     names: Sequence[str] | None = None,
     directions: Sequence[tuple[str, str]] | None = None,
+    source_prefixes: Sequence[str] | None = None,
 ) -> tuple[float, ...]:
   """Checks that models can be decoded as one ensemble; their weights, summing to 1.
 
@@ -68,6 +69,8 @@ def check_ensemble(
     weights: one positive weight a model (normalized here), or None for equal weights.
     names: what to call each model in errors (e.g. its work directory).
     directions: each model's (source, target) language, where known: one for all.
+    source_prefixes: what each model reads before a source (a multilingual model's tag for
+      the chosen target language), where known: one for all.
 
   Raises:
     EnsembleError: naming the models that differ and how, or the weights' problem.
@@ -94,12 +97,33 @@ def check_ensemble(
           f'{first.decoder_start_id} (decoder_start_token): every model of an ensemble '
           'is fed the same first token; decode them separately.'
       )
-  directions = list(directions or [])
-  for name, direction in zip(names[1:], directions[1:]):
-    if direction != directions[0]:
-      raise EnsembleError(
-          f'{name} translates {"->".join(direction)}, {names[0]} '
-          f'{"->".join(directions[0])}: the models of an ensemble translate one direction. '
-          'Decode them separately; a reverse-direction model reranks with rerank.py --reverse.'
-      )
+  _same_for_all(
+      names,
+      list(directions or []),
+      lambda name, value, first: (
+          f'{name} translates {"->".join(value)}, {names[0]} {"->".join(first)}: the models '
+          'of an ensemble translate one direction. Decode them separately; a '
+          'reverse-direction model reranks with rerank.py --reverse.'
+      ),
+  )
+  _same_for_all(
+      names,
+      list(source_prefixes or []),
+      lambda name, value, first: (
+          f'{names[0]} reads sources {_prefixed(first)}, {name} {_prefixed(value)}: the '
+          'models of an ensemble read one input. Decode them separately.'
+      ),
+  )
   return normalized
+
+
+def _same_for_all(names: Sequence[str], values: Sequence[Any], message: Any) -> None:
+  """Raises EnsembleError(message(name, value, first value)) for the first model whose
+  value differs from the first model's."""
+  for name, value in zip(names[1:], values[1:]):
+    if value != values[0]:
+      raise EnsembleError(message(name, value, values[0]))
+
+
+def _prefixed(prefix: str) -> str:
+  return f'starting with {prefix.strip()}' if prefix else 'without a language tag'

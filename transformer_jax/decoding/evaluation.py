@@ -319,3 +319,19 @@ def summary(metrics: dict[str, Any]) -> str:
         f"{result['system_ci95']:.2f}), p = {result['p_value']:.4f}"
     )
   return '\n'.join(lines)
+
+
+def directions_table(names: Sequence[str], metrics: Sequence[dict[str, Any]]) -> str:
+  """A multilingual evaluation's table: sacreBLEU and chrF of each direction (`names`: its
+  results' names, '<split>.<src>-<tgt>'), then their unweighted average."""
+  width = max(len('average'), *(len(n) for n in names))
+  lines = [f'{"direction":<{width}}  sacreBLEU   chrF  sentences']
+  for name, m in zip(names, metrics):
+    lines.append(
+        f"{name:<{width}}  {m['bleu']:9.2f}  {m['chrf']:5.2f}  {m['decoding']['sentences']:9d}"
+    )
+  bleu = sum(m['bleu'] for m in metrics) / len(metrics)
+  chrf = sum(m['chrf'] for m in metrics) / len(metrics)
+  total = sum(m['decoding']['sentences'] for m in metrics)
+  lines.append(f'{"average":<{width}}  {bleu:9.2f}  {chrf:5.2f}  {total:9d}')
+  return '\n'.join(lines)

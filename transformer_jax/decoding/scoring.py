@@ -200,9 +200,10 @@ class Scorer:
   ) -> tuple[list[PairScore], ScoreStats]:
     """Scores text pairs; each gets a `PairScore`, in input order, whatever is wrong with it.
 
-    A blank side is EOS alone (an empty translation is scored as one). A pair with a side
-    the tokenizer fails on, or one longer than `max_length` tokens (EOS included), is not
-    scored: its `error` says why.
+    A blank side is EOS alone (an empty translation is scored as one). Sources start with
+    the translator's `source_prefix` (a multilingual model's target-language tag). A pair
+    with a side the tokenizer fails on, or one longer than `max_length` tokens (EOS
+    included), is not scored: its `error` says why.
     """
     if len(sources) != len(targets):
       raise ValueError(f'{len(sources)} sources for {len(targets)} targets.')
@@ -211,7 +212,8 @@ class Scorer:
     results = [failed('')] * len(sources)
     for i, (source, target) in enumerate(zip(sources, targets)):
       try:
-        x, y = tokenizer.encode(source), tokenizer.encode(target, side='target')
+        x = tokenizer.encode(self.translator.source_prefix + source)
+        y = tokenizer.encode(target, side='target')
       except Exception as e:  # One pair must not stop all.
         results[i] = failed(f'could not be tokenized ({type(e).__name__}: {e})')
         continue

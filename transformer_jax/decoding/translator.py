@@ -48,6 +48,7 @@ from transformer_jax.config import ConfigError
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import LENGTH_PENALTY_FORMS
 from transformer_jax.config import PAD_ID
+from transformer_jax.data import languages
 from transformer_jax.data.tokenizer import Tokenizer
 from transformer_jax.decoding import decode
 from transformer_jax.decoding.ensembles import check_ensemble
@@ -448,6 +449,7 @@ class Translator:
       *,
       ensemble: Sequence[tuple[TransformerConfig, PyTree]] = (),
       weights: Sequence[float] | None = None,
+      source_prefix: str = '',
   ):
     """Prepares the translator; nothing compiles until the first batch of a shape.
 
@@ -461,6 +463,8 @@ class Translator:
         with the first as one ensemble (`ensemble_step`); the models must pass
         `check_ensemble` (their vocabularies are the caller's to compare).
       weights: each model's weight, the first's first (None: equal); normalized to sum 1.
+      source_prefix: text put before every source `encode_source` reads (the target
+        language's tag of a multilingual model, `languages.source_prefix`).
 
     Raises:
       EnsembleError: the models cannot be decoded together or the weights do not fit.
@@ -470,6 +474,7 @@ class Translator:
     self.tokenizer = tokenizer
     self.options = options or DecodeOptions()
     self.partitioner = partitioner
+    self.source_prefix = source_prefix
     self.ensemble = tuple(ensemble)
     configs = [model_config] + [config for config, _ in self.ensemble]
     self.weights = check_ensemble(configs, [None] * len(configs), weights)
@@ -532,8 +537,9 @@ class Translator:
     return -(-rows // self._row_multiple) * self._row_multiple
 
   def encode_source(self, text: str) -> tuple[list[int], bool]:
-    """Source ids ending with EOS, cut to `max_len` tokens; and whether it was cut."""
-    ids = self.tokenizer.encode(text)
+    """Source ids (after `source_prefix`) ending with EOS, cut to `max_len` tokens; and
+    whether it was cut."""
+    ids = self.tokenizer.encode(self.source_prefix + text)
     if len(ids) <= self.max_source_length:
       return ids, False
     return ids[: self.max_source_length - 1] + [EOS_ID], True
@@ -823,6 +829,8 @@ def load_translator(
     step: int | str | None = None,
     average_last: int = 0,
     weights: Sequence[float] | None = None,
+    target_lang: str | None = None,
+    untagged: bool = False,
     **overrides: Any,
 ) -> tuple['Translator', loading.InferenceCheckpoint]:
   """A `Translator` for a checkpoint (or the average of the last ones) of `workdir`, or an
@@ -838,6 +846,10 @@ def load_translator(
     step: the checkpoint; None for the latest, 'best' for the best (see `loading.load`).
     average_last: average the last this many checkpoints instead (0: none).
     weights: with several work directories, each one's weight (None: equal).
+    target_lang: the language to translate into (`languages.chosen_target`; None: the
+      model's only one); a multilingual model's tag for it starts every source.
+    untagged: no tag (the caller sets `source_prefix` per direction, or reads tagged text),
+      so no `target_lang` is needed.
     **overrides: `DecodeOptions` fields; None values are ignored.
 
   Returns:
@@ -854,12 +866,17 @@ def load_translator(
   ensemble_weights(weights, len(workdirs))  # Check early.
   checkpoints = [loading.load(w, step=step, average_last=average_last) for w in workdirs]
   first = checkpoints[0]
+  if untagged and target_lang is None:
+    target_lang = languages.target_languages(first.config)[0]
+  targets = [languages.chosen_target(c.config, target_lang) for c in checkpoints]
+  prefixes = [languages.source_prefix(c.config, t) for c, t in zip(checkpoints, targets)]
   check_ensemble(
       [c.model_config for c in checkpoints],
       [c.tokenizer for c in checkpoints],
       weights,
       workdirs,
-      directions=[(c.config.source_lang, c.config.target_lang) for c in checkpoints],
+      directions=[languages.direction_into(c.config, t) for c, t in zip(checkpoints, targets)],
+      source_prefixes=prefixes,
   )
   ensemble = []
   for checkpoint in checkpoints[1:]:
@@ -878,5 +895,6 @@ def load_translator(
       first.partitioner,
       ensemble=ensemble,
       weights=weights,
+      source_prefix='' if untagged else prefixes[0],
   )
   return translator, first

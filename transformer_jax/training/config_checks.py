@@ -2,9 +2,9 @@
 
 `config.validate` checks the fields `config.py` owns; the model's, the optimizer's and
 decoding's fields are checked by the dataclasses that own them (`TransformerConfig`,
-`optimizer.OptimizerConfig`, `translator.DecodeOptions`), which sit above `config.py`.
-`validate_run` runs all four, so that a command refuses any bad field in one place, before its
-first slow step.
+`optimizer.OptimizerConfig`, `translator.DecodeOptions`), the directions by
+`languages.directions`; all sit above `config.py`. `validate_run` runs all five, so that a
+command refuses any bad field in one place, before its first slow step.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import ml_collections
 
 from transformer_jax import config as config_lib
+from transformer_jax.data import languages
 from transformer_jax.decoding import translator
 from transformer_jax.model.config import TransformerConfig
 from transformer_jax.training import optimizer
@@ -29,3 +30,4 @@ def validate_run(
   TransformerConfig.from_config(config, vocab_size=vocab_size or config.vocab_size_target)
   optimizer.OptimizerConfig.from_config(config, config.d_model)
   translator.DecodeOptions.from_config(config)
+  languages.directions(config)
