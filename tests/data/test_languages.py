@@ -206,6 +206,8 @@ def test_weighted_directions_are_drawn_in_proportion_and_resume_exactly(tmp_path
   share = counts['<2up>'] / sum(counts.values())
   assert abs(share - 0.75) < 0.05, counts  # The lo-up direction, weight 3 of 4.
   state = data.train.get_state()
+  assert data.source_names == ('lo-up', 'up-lo')
+  assert state['drawn'] == [counts['<2up>'], counts['<2lo>']]  # What the metrics report.
   _, expected = _tags_drawn(data, ids, 5)
   resumed = ip.get_datasets(config, layout, process_index=0, process_count=1)
   resumed.train.set_state(state)

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 import dataclasses
 import functools
 import math
+from typing import Any
 
 from absl import logging
 import grain
@@ -195,6 +196,8 @@ class Mixture:
     names: each source's name, for the log.
     weights: each source's share of the draws (summing to 1).
     dataset: the mixed `grain.MapDataset` of example indices (infinite).
+    starts: the first example index of each source but the first (the sources are
+      consecutive parts of the store), to tell which source an example is from.
     process_index: this host.
     process_count: all hosts.
   """
@@ -202,6 +205,7 @@ class Mixture:
   names: tuple[str, ...]
   weights: tuple[float, ...]
   dataset: grain.MapDataset
+  starts: tuple[int, ...] = ()
   process_index: int = 0
   process_count: int = 1
 
@@ -214,6 +218,7 @@ class Mixture:
       seed: int,
       process_index: int = 0,
       process_count: int = 1,
+      starts: Sequence[int] = (),
   ) -> 'Mixture':
     empty = [name for name, m in zip(names, members) if not len(m)]
     if empty:
@@ -227,7 +232,12 @@ class Mixture:
         for k, m in enumerate(members)
     ]
     mixed = grain.MapDataset.mix(sources, weights=list(weights))
-    return cls(tuple(names), tuple(weights), mixed, process_index, process_count)
+    return cls(tuple(names), tuple(weights), mixed, tuple(starts), process_index, process_count)
+
+  def source_counts(self, examples: np.ndarray) -> np.ndarray:
+    """How many of `examples` (store indices) each source holds."""
+    sources = np.searchsorted(np.asarray(self.starts, np.int64), examples, side='right')
+    return np.bincount(sources, minlength=len(self.names))
 
   def draws(self, start: int, count: int) -> np.ndarray:
     """This host's draws [start, start + count) (its own numbering)."""
@@ -244,6 +254,9 @@ class _PackedIterator(grain.DatasetIterator):
     self._packed = packed
     self._epoch = 0
     self._position = 0
+    # With a mixture: the examples this host has drawn from each source (in the state, so a
+    # resumed run's metrics go on counting).
+    self._drawn = [0] * (len(packed.mixture.names) if packed.mixture else 0)
 
   def __next__(self) -> Batch:
     packed = self._packed
@@ -262,17 +275,25 @@ class _PackedIterator(grain.DatasetIterator):
       position += 1
     chosen = slice(self._position, position)
     batch = packed.store.packed_batch(order[chosen], rows[chosen], packed.rows, packed.length)
+    if packed.mixture is not None:
+      counts = packed.mixture.source_counts(order[chosen])
+      self._drawn = [int(a + b) for a, b in zip(self._drawn, counts)]
     if position >= len(order):
       self._epoch, self._position = self._epoch + 1, 0
     else:
       self._position = position
     return batch
 
-  def get_state(self) -> dict[str, int]:
-    return {'epoch': self._epoch, 'position': self._position}
+  def get_state(self) -> dict[str, Any]:
+    state: dict[str, Any] = {'epoch': self._epoch, 'position': self._position}
+    if self._packed.mixture is not None:
+      state['drawn'] = list(self._drawn)
+    return state
 
-  def set_state(self, state: dict[str, int]) -> None:
+  def set_state(self, state: dict[str, Any]) -> None:
     self._epoch, self._position = int(state['epoch']), int(state['position'])
+    if self._packed.mixture is not None:
+      self._drawn = [int(n) for n in state.get('drawn', self._drawn)]
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -366,7 +387,15 @@ def train_dataset(
       bounds = np.cumsum([0] + [size for _, size in sources])
       members = [start + np.flatnonzero(keep[start:end]) for start, end in zip(bounds, bounds[1:])]
       weights = languages.mixture_weights(config, [len(m) for m in members])
-      mixture = Mixture.of(members, names, weights, config.data_seed, process_index, process_count)
+      mixture = Mixture.of(
+          members,
+          names,
+          weights,
+          config.data_seed,
+          process_index,
+          process_count,
+          starts=bounds[1:-1].tolist(),
+      )
       logging.info(
           'Training examples drawn by weight: %s.',
           ', '.join(f'{n} {w:.1%} ({len(m)} pairs)' for n, w, m in zip(names, weights, members)),

@@ -21,10 +21,12 @@ from transformer_jax.config import BOS_ID
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.config import UNK_ID
+from transformer_jax.data import languages
 from transformer_jax.data.batching import Batch
 from transformer_jax.data.batching import eval_batches
 from transformer_jax.data.batching import train_dataset
 from transformer_jax.data.batching import TrainData
+from transformer_jax.data.data_sources import ConcatenatedText
 from transformer_jax.data.data_sources import open_split
 from transformer_jax.data.data_sources import ParallelText
 from transformer_jax.data.token_store import TokenStore
@@ -52,6 +54,8 @@ class Datasets:
     eval_text: the validation split's (source, target) texts.
     output_ids: with `output_vocabulary='target'`, the ids the output layer scores
       (`target_side_ids`); otherwise None.
+    source_names: the directions training draws from by weight (`languages.is_mixture`),
+      whose counts the batches' state keeps ('drawn'); otherwise ().
   """
 
   train: Any
@@ -59,8 +63,9 @@ class Datasets:
   eval_batches: Callable[[], Iterator[Batch]]
   tokenizer: Tokenizer
   train_info: TrainData
-  eval_text: ParallelText
+  eval_text: ParallelText | ConcatenatedText
   output_ids: tuple[int, ...] | None = None
+  source_names: tuple[str, ...] = ()
 
 
 def target_side_ids(store: TokenStore, vocab_size: int) -> tuple[int, ...]:
@@ -148,5 +153,10 @@ def get_datasets(
           target_side_ids(stores[0], tokenizer.vocab_size)
           if config.output_vocabulary == 'target'
           else None
+      ),
+      source_names=(
+          tuple(d.name for d in languages.directions(config))
+          if config.packing and languages.is_mixture(config) and hasattr(train_pairs, 'parts')
+          else ()
       ),
   )

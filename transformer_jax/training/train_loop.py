@@ -706,6 +706,9 @@ def _train_loop(context: _LoopContext, state: train_steps.TrainState) -> TrainRe
           peak_flops=peak,
           data_wait_seconds=batches.take_wait_seconds(),
       )
+      # A mixture of directions: the examples drawn from each so far (this host's).
+      drawn = batches.get_state().get('drawn') or ()
+      summary.update(zip((f'examples_drawn/{n}' for n in context.datasets.source_names), drawn))
       writer.write(done, 'train', summary)
       pending, untimed, flops, interval_start = [], 0, 0.0, time.time()
       for m in fetched:
