@@ -233,8 +233,12 @@ def test_loaded_ensemble_of_two_checkpoints_scores_its_outputs_as_the_scorer(run
     )
     texts = _short_sources(run_dir, checkpoint.tokenizer, 4)
     lists, _ = ensemble.translate_n_best(texts)
+    # The output ids themselves (with the EOS when one came): its text may tokenize into
+    # other pieces, whose score is another sequence's.
     pairs = [(text, h) for text, hypotheses in zip(texts, lists) for h in hypotheses]
-    scores, _ = scoring.Scorer(ensemble).score([t for t, _ in pairs], [h.text for _, h in pairs])
+    sources = [checkpoint.tokenizer.encode(text) for text, _ in pairs]
+    outputs = [list(h.tokens) + ([EOS_ID] if h.length > len(h.tokens) else []) for _, h in pairs]
+    scores, _ = scoring.Scorer(ensemble).score_ids(sources, outputs)
     np.testing.assert_allclose(
         [s.log_prob for s in scores], [h.log_prob for _, h in pairs], atol=2e-3, err_msg=str(extra)
     )

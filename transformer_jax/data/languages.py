@@ -79,6 +79,7 @@ def directions(config: ml_collections.ConfigDict) -> tuple[Direction, ...]:
     ConfigError: a malformed or repeated entry, or a language tag the run cannot use.
   """
   entries = tuple(config.get('directions', ()) or ())
+  found: tuple[Direction, ...]
   if not entries:
     found = (Direction(config.dataset, config.source_lang, config.target_lang),)
   else:
