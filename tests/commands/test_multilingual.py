@@ -15,7 +15,7 @@ import train_testlib
 
 pytestmark = pytest.mark.slow  # Trains through a subprocess.
 
-STEPS = 1200
+STEPS = 1500
 
 
 @pytest.fixture(scope='module')
