@@ -211,11 +211,22 @@ def base_config() -> ml_collections.ConfigDict:
   # How the model is told the target language: 'source' starts every source with '<2xx>', a
   # reserved piece per target language (Johnson et al. 2017); '' adds none (one target only).
   c.language_tag = ''
-  # With several directions, each one's share of the training examples drawn (one positive
-  # number a direction, in their order; normalized). (): by size^(1 / sampling_temperature).
-  c.direction_weights = ()
-  # Without direction_weights: p ~ size^(1/T) over the directions (1: by their sizes, as the
-  # concatenated split; larger flattens toward uniform, as multilingual systems upsample).
+  # More training corpora (docs/data.md): directories written by translate_corpus.py
+  # (back-translation, distillation) or 'SRC-TGT:SOURCE_FILE,TARGET_FILE' plain text files;
+  # each translates one of the run's directions.
+  c.extra_corpora = ()
+  # False: train on extra_corpora alone (the directions' validation and test splits still
+  # score the run), e.g. a student on its teacher's translations.
+  c.train_on_directions = True
+  # '<BT>' starts the source of every back-translated example (tagged back-translation,
+  # Caswell et al. 2019), and the vocabulary keeps it as one piece.
+  c.back_translation_tag = False
+  # Each training source's share of the examples drawn: one positive number a source, the
+  # directions' training splits, then extra_corpora, in order; normalized. (): by
+  # size^(1 / sampling_temperature).
+  c.corpus_weights = ()
+  # Without corpus_weights: p ~ size^(1/T) over the sources (1: by their sizes, as their
+  # concatenation; larger flattens toward uniform, as multilingual systems upsample).
   c.sampling_temperature = 1.0
   c.tfds_data_dir = ''  # '' uses TFDS's default (~/tensorflow_datasets or $TFDS_DATA_DIR).
   c.train_split = 'train'  # The split trained on (and the vocabulary's sample).

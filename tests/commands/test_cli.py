@@ -239,6 +239,18 @@ def test_user_errors_are_found_through_wrapping_exceptions():
         ),
         ('score.py', ('--workdir', '--weights', '--source', '--target', '--input', '--per_token')),
         ('rerank.py', ('--n_best', '--forward', '--reverse', '--weights', '--tune_reference')),
+        (
+            'translate_corpus.py',
+            (
+                '--workdir',
+                '--kind',
+                '--input',
+                '--split',
+                '--output_dir',
+                '--chunk_lines',
+                '--distributed',
+            ),
+        ),
         ('train.py', ('--config', '--workdir', '--compilation_cache_dir', '--verbose')),
         ('average_checkpoints.py', ('--workdir', '--output_workdir', '--verbose')),
         ('import_marian.py', ('--model_dir', '--workdir', '--verbose')),

@@ -13,6 +13,7 @@ from configs import bible_en_es_both
 from configs import wmt14_multilingual
 from transformer_jax import config as config_lib
 from transformer_jax.data import batching
+from transformer_jax.data import corpora
 from transformer_jax.data import data_sources
 from transformer_jax.data import input_pipeline as ip
 from transformer_jax.data import languages
@@ -141,7 +142,7 @@ def test_a_given_vocabulary_without_the_tags_is_refused(tmp_path):
       ['ab cd efg', 'AB CD EFG'] * 20, str(tmp_path / 'plain.model'), vocab_size=40
   )
   config = _text_config(tmp_path, vocab_path=untagged.model_path)
-  with pytest.raises(ConfigError, match='lacks the language tags <2lo>, <2up>'):
+  with pytest.raises(ConfigError, match='lacks the reserved pieces <2lo>, <2up>'):
     ip.get_datasets(config, RunLayout.of(str(tmp_path / 'run')), process_index=0, process_count=1)
 
 
@@ -198,7 +199,7 @@ def _tags_drawn(data, ids, batches):
 
 
 def test_weighted_directions_are_drawn_in_proportion_and_resume_exactly(tmp_path):
-  config = _text_config(tmp_path, direction_weights=(3.0, 1.0), packing=True)
+  config = _text_config(tmp_path, corpus_weights=(3.0, 1.0), packing=True)
   layout = RunLayout.of(str(tmp_path / 'run'))
   data = ip.get_datasets(config, layout, process_index=0, process_count=1)
   ids = {tag: tokenizer_lib.piece_id(data.tokenizer, tag) for tag in ('<2up>', '<2lo>')}
@@ -218,22 +219,22 @@ def test_weighted_directions_are_drawn_in_proportion_and_resume_exactly(tmp_path
 
 def test_temperature_flattens_the_directions_shares():
   config = bible_en_es_both.get_config()
-  assert languages.mixture_weights(config, [300, 100]) == pytest.approx((0.75, 0.25))
+  assert corpora.mixture_weights(config, [300, 100]) == pytest.approx((0.75, 0.25))
   config.sampling_temperature = 2.0
-  assert languages.is_mixture(config)
-  assert languages.mixture_weights(config, [400, 100]) == pytest.approx((2 / 3, 1 / 3))
-  config.direction_weights = (1, 4)
-  assert languages.mixture_weights(config, [400, 100]) == pytest.approx((0.2, 0.8))
+  assert corpora.is_mixture(config)
+  assert corpora.mixture_weights(config, [400, 100]) == pytest.approx((2 / 3, 1 / 3))
+  config.corpus_weights = (1, 4)
+  assert corpora.mixture_weights(config, [400, 100]) == pytest.approx((0.2, 0.8))
 
 
 @pytest.mark.parametrize(
     'overrides,message',
     [
-        (dict(direction_weights=(1.0,)), 'must be 2 positive numbers'),
-        (dict(direction_weights=(1.0, 0.0)), 'must be 2 positive numbers'),
-        (dict(direction_weights=(1.0, -2)), 'must be 2 positive numbers'),
+        (dict(corpus_weights=(1.0,)), 'must be 2 positive numbers'),
+        (dict(corpus_weights=(1.0, 0.0)), 'must be 2 positive numbers'),
+        (dict(corpus_weights=(1.0, -2)), 'must be 2 positive numbers'),
         (dict(sampling_temperature=0.0), 'must be a number > 0'),
-        (dict(direction_weights=(1, 2), packing=False), 'set --config.packing=True'),
+        (dict(corpus_weights=(1, 2), packing=False), 'set --config.packing=True'),
     ],
 )
 def test_bad_weights_fail_before_anything_is_built(overrides, message):

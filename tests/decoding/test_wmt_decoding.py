@@ -185,6 +185,25 @@ def test_scores_of_one_model_are_its_teacher_forced_log_probabilities():
   assert stats.pairs == 3 and stats.batches >= 2  # Two target buckets: 8 and max_len.
 
 
+def test_calls_that_go_on_from_one_another_sample_with_their_own_keys():
+  """translate.py and translate_corpus.py sample chunk after chunk: a chunk's batches number
+  on from the batches before it, so no two share a key, and a resumed chunk draws again
+  what it drew the first time."""
+  config, params = _random_model()
+  options = translator_lib.DecodeOptions(
+      batch_size=4, buckets=(8,), sampling=True, max_decode_extra_length=6
+  )
+  translator = translator_lib.Translator(config, params, None, options)
+  sources = [[5, 6, 7, EOS_ID]] * 4
+
+  def drawn(first_batch):
+    lists, _ = translator.translate_ids(sources, first_batch=first_batch)
+    return [hypotheses[0].tokens for hypotheses in lists]
+
+  assert drawn(0) == drawn(0) and drawn(3) == drawn(3)
+  assert drawn(0) != drawn(1) != drawn(3)
+
+
 @pytest.mark.slow
 def test_an_ensemble_of_a_model_with_itself_translates_as_the_model(loaded, run_dir):
   translator, checkpoint = loaded

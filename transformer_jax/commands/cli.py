@@ -296,6 +296,51 @@ class CheckpointFlags:
   compilation_cache_dir: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class JobFlags:
+  distributed: Any
+  coordinator_address: Any
+  num_processes: Any
+  process_id: Any
+  heartbeat_timeout_seconds: Any
+
+
+def define_job_flags() -> JobFlags:
+  """The flags that join a multi-process job (once per command; `join_job`)."""
+  return JobFlags(
+      distributed=flags.DEFINE_bool(
+          'distributed', False, 'Join a multi-process job through jax.distributed.initialize.'
+      ),
+      coordinator_address=flags.DEFINE_string(
+          'coordinator_address', None, 'HOST:PORT of process 0 (autodetected on TPU/SLURM/MPI).'
+      ),
+      num_processes=flags.DEFINE_integer('num_processes', None, 'Processes in the job.'),
+      process_id=flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1.'),
+      heartbeat_timeout_seconds=flags.DEFINE_integer(
+          'heartbeat_timeout_seconds',
+          100,
+          'A process silent this long counts as dead; the others then exit instead of hanging.',
+      ),
+  )
+
+
+def join_job(job: JobFlags, agree: dict[str, str]) -> None:
+  """With --distributed, joins the job (`multihost.initialize`) and checks that every
+  process was given the same `agree` values (flags, config fields); else nothing."""
+  if not job.distributed.value:
+    return
+  from transformer_jax.runtime import multihost
+
+  multihost.initialize(
+      job.coordinator_address.value,
+      job.num_processes.value,
+      job.process_id.value,
+      heartbeat_timeout_seconds=job.heartbeat_timeout_seconds.value,
+      exit_now=fail_now,
+  )
+  multihost.check_processes_agree(agree, timeout_s=job.heartbeat_timeout_seconds.value)
+
+
 def define_compilation_cache_flag() -> flags.FlagHolder:
   """--compilation_cache_dir, for every command that compiles (once per command)."""
   return flags.DEFINE_string(

@@ -115,7 +115,8 @@ def translate_lines(
   prefix_lines = None if prefixes is None else iter(prefixes)
 
   def flush(first: int, texts: list[str], forced: list[str] | None) -> None:
-    outputs, stats = translator.translate_n_best(texts, prefixes=forced)
+    # Each chunk's batches go on numbering from the last's (each samples with its own key).
+    outputs, stats = translator.translate_n_best(texts, prefixes=forced, first_batch=total.batches)
     for index in stats.truncated:
       warn(
           f'line {first + index + 1}: longer than max_len={translator.max_source_length} '

@@ -28,6 +28,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from transformer_jax.commands import cli
+from transformer_jax.data import corpora
 from transformer_jax.data import data_sources
 from transformer_jax.data import token_store
 from transformer_jax.data import vocab_cache
@@ -83,7 +84,8 @@ def main(argv: list[str]) -> None:
   splits = _SPLITS.value or list(
       dict.fromkeys((config.train_split, config.eval_split, config.test_split))
   )
-  train = data_sources.open_split(config, config.train_split)
+  corpora.check(config)
+  train = data_sources.open_training(config)
   layout = RunLayout.of(_WORKDIR.value)
   tokenizer = vocab_cache.tokenizer_for(config, layout, train)
   print(f'vocabulary: {tokenizer.model_path} ({tokenizer.vocab_size} pieces)')

@@ -24,7 +24,6 @@ from ml_collections import config_flags
 
 from transformer_jax.checkpoints import checkpointing
 from transformer_jax.commands import cli
-from transformer_jax.runtime import multihost
 from transformer_jax.training import train_loop
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -34,20 +33,8 @@ _CONFIG = config_flags.DEFINE_config_file(
     lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, vocabulary and metrics go here.')
-_DISTRIBUTED = flags.DEFINE_bool(
-    'distributed', False, 'Join a multi-process job through jax.distributed.initialize.'
-)
-_COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', None, 'HOST:PORT of process 0 (autodetected on TPU/SLURM/MPI).'
-)
-_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Processes in the job.')
-_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, 0..num_processes-1.')
+_JOB = cli.define_job_flags()
 _COMPILATION_CACHE = cli.define_compilation_cache_flag()
-_HEARTBEAT = flags.DEFINE_integer(
-    'heartbeat_timeout_seconds',
-    100,
-    'A process silent this long counts as dead; the others then exit instead of hanging.',
-)
 
 
 def main(argv: list[str]) -> None:
@@ -57,21 +44,13 @@ def main(argv: list[str]) -> None:
   if not _WORKDIR.value:
     cli.fail('--workdir is required: the directory for checkpoints and metrics.')
   cli.use_compilation_cache(_COMPILATION_CACHE.value)
-  if _DISTRIBUTED.value:
-    multihost.initialize(
-        _COORDINATOR.value,
-        _NUM_PROCESSES.value,
-        _PROCESS_ID.value,
-        heartbeat_timeout_seconds=_HEARTBEAT.value,
-        exit_now=cli.fail_now,
-    )
-    multihost.check_processes_agree(
-        {
-            **{f'--config.{k}': v for k, v in checkpointing.flat_config(_CONFIG.value).items()},
-            '--workdir': _WORKDIR.value,
-        },
-        timeout_s=_HEARTBEAT.value,
-    )
+  cli.join_job(
+      _JOB,
+      {
+          **{f'--config.{k}': v for k, v in checkpointing.flat_config(_CONFIG.value).items()},
+          '--workdir': _WORKDIR.value,
+      },
+  )
   try:
     result = train_loop.train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except train_loop.NonFiniteError as e:

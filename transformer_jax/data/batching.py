@@ -36,7 +36,7 @@ import grain
 import ml_collections
 import numpy as np
 
-from transformer_jax.data import languages
+from transformer_jax.data import corpora
 from transformer_jax.data import token_store
 from transformer_jax.errors import DataError
 
@@ -186,7 +186,7 @@ class PackedBatches(grain.IterDataset):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Mixture:
-  """Training examples drawn from several sources (a multilingual run's directions, the
+  """Training examples drawn from several sources (a run's directions and extra corpora, the
   consecutive parts of one token store) by weight, through `grain.MapDataset.mix`: each
   source's kept examples reshuffled every pass (`shuffle().repeat()`), interleaved in
   proportion to `weights`. Draw i is a pure function of (seed, i), so a packer's (epoch,
@@ -225,7 +225,7 @@ class Mixture:
       raise DataError(
           f'{empty[0]} has no training example left (empty, or every pair longer than '
           'max_source_length/max_target_length), so it cannot be drawn from; fix its data, '
-          'or leave it out of --config.directions.'
+          'or leave it out of --config.directions / extra_corpora.'
       )
     sources = [
         grain.MapDataset.source(np.asarray(m, np.int64)).shuffle(seed=seed + 7919 * k).repeat()
@@ -337,9 +337,9 @@ def train_dataset(
     process_index: this host.
     process_count: all hosts; each gets tokens_per_batch / process_count of the budget.
     row_multiple: rows of every batch are a multiple of this (this host's data shards).
-    sources: (name, pairs) of the consecutive parts of `store` (a multilingual run's
-      directions); with `languages.is_mixture(config)`, packed rows draw from them by
-      `languages.mixture_weights` (a `Mixture`).
+    sources: (name, pairs) of the consecutive parts of `store` (a run's directions
+      and extra corpora, `corpora.sources`); with `corpora.is_mixture(config)`, packed
+      rows draw from them by `corpora.mixture_weights` (a `Mixture`).
   """
   lengths = store.lengths
   nonempty = (lengths > 0).all(axis=1)
@@ -382,11 +382,11 @@ def train_dataset(
     rows = rows_for(max_length, config.tokens_per_batch, shards) // process_count
     mine = np.flatnonzero(keep)[process_index::process_count]
     mixture = None
-    if sources and languages.is_mixture(config):
+    if sources and corpora.is_mixture(config):
       names = [name for name, _ in sources]
       bounds = np.cumsum([0] + [size for _, size in sources])
       members = [start + np.flatnonzero(keep[start:end]) for start, end in zip(bounds, bounds[1:])]
-      weights = languages.mixture_weights(config, [len(m) for m in members])
+      weights = corpora.mixture_weights(config, [len(m) for m in members])
       mixture = Mixture.of(
           members,
           names,

@@ -1,4 +1,5 @@
-"""Where training and evaluation read parallel text: `open_split(config, split)`.
+"""Where training and evaluation read parallel text: `open_split(config, split)`, and what
+a run trains on, its directions' training splits and extra corpora (`open_training`).
 
 Sources (`config.dataset`):
   * a TFDS name such as 'wmt14_translate/de-en', 'wmt14_translate/fr-en' or
@@ -28,6 +29,7 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 from transformer_jax.data import bible_corpus
+from transformer_jax.data import corpora
 from transformer_jax.data import languages
 from transformer_jax.errors import ConfigError
 from transformer_jax.errors import DataError
@@ -159,10 +161,13 @@ def _default_data_dir(config: ml_collections.ConfigDict) -> str:
 def check_prepared(config: ml_collections.ConfigDict) -> None:
   """Raises DatasetNotFoundError (saying how to prepare it) unless `config.dataset`'s
   training split is there to read: a TFDS dataset is never downloaded here. The text files
-  and the Bible corpus, which are read or built where they are, pass."""
+  and the Bible corpus, which are read or built where they are, pass. The extra corpora
+  are read (DataError: one that is missing or is not text)."""
   for dataset in sorted({d.dataset for d in languages.directions(config)}):
     if dataset not in ('text', 'bible_en_es'):
       _tfds_records(config, config.train_split, dataset)
+  for corpus in corpora.extra_corpora(config):
+    open_corpus(config, corpus)  # Read whole: empty, binary or non-UTF-8 text is refused now.
 
 
 def _tfds_records(
@@ -226,8 +231,12 @@ def _text_file_records(
 
 
 def _read_text_lines(path: str, split: str, digest: Any = None) -> list[str]:
-  """The lines of a UTF-8 text file of `split`, split on '\\n' only (`digest` is updated
-  with its bytes).
+  return read_text_lines(path, f'split {split!r}', f'fix --config.text_files.{split}', digest)
+
+
+def read_text_lines(path: str, what: str, fix: str, digest: Any = None) -> list[str]:
+  """The lines of a UTF-8 text file, split on '\\n' only (`digest` is updated with its
+  bytes); `what` (e.g. "split 'train'") and `fix` (what to do) go into the errors.
 
   Raises:
     DataError: the file is empty, binary (has NUL bytes) or not UTF-8.
@@ -236,12 +245,11 @@ def _read_text_lines(path: str, split: str, digest: Any = None) -> list[str]:
     data = f.read()
   if digest is not None:
     digest.update(data)
-  fix = f'fix --config.text_files.{split}'
   if not data.strip():
-    raise DataError(f'Text file {path} (split {split!r}) is empty; {fix}.')
+    raise DataError(f'Text file {path} ({what}) is empty; {fix}.')
   if b'\0' in data:
     raise DataError(
-        f'Text file {path} (split {split!r}) holds NUL bytes, so it is binary, not '
+        f'Text file {path} ({what}) holds NUL bytes, so it is binary, not '
         f'text; {fix} to name plain text files, one sentence a line.'
     )
   try:
@@ -249,7 +257,7 @@ def _read_text_lines(path: str, split: str, digest: Any = None) -> list[str]:
   except UnicodeDecodeError as e:
     line = data[: e.start].count(b'\n') + 1
     raise DataError(
-        f'Text file {path} (split {split!r}) is not UTF-8 (line {line}: {e.reason}); '
+        f'Text file {path} ({what}) is not UTF-8 (line {line}: {e.reason}); '
         f'convert it, e.g. `iconv -f LATIN1 -t UTF-8`, or {fix}.'
     ) from None
   lines = text.split('\n')
@@ -317,6 +325,49 @@ def open_split(
         )
   fingerprint = _records_fingerprint(name, records, data_dir)
   return ParallelText(records, source, target, name, fingerprint, prefix)
+
+
+def open_training(config: ml_collections.ConfigDict) -> ParallelText | ConcatenatedText:
+  """What the run trains on: each of `corpora.sources(config)` (the directions' training
+  splits, then the extra corpora), one after the other; a single source as itself.
+
+  Raises:
+    DatasetNotFoundError, ConfigError: as `open_split`.
+    DataError: an extra corpus that is missing, not a finished corpus, or unreadable text.
+  """
+  parts = [
+      open_split(config, config.train_split, s.direction)
+      if s.direction is not None
+      else open_corpus(config, s.corpus)
+      for s in corpora.sources(config)
+  ]
+  if len(parts) == 1 and len(languages.directions(config)) == 1:
+    return parts[0]
+  return ConcatenatedText(parts)
+
+
+def open_corpus(config: ml_collections.ConfigDict, corpus: corpora.Corpus) -> ParallelText:
+  """The (source, target) pairs of an extra corpus, each source with
+  `corpora.source_prefix` (the language tag, '<BT>')."""
+  digest = hashlib.sha256()
+  fix = 'fix or drop this entry of --config.extra_corpora'
+  what = f'extra_corpora entry {corpus.entry!r}'
+  sides = []
+  for path in (corpus.source_file, corpus.target_file):
+    if not storage.exists(path):
+      raise DataError(f'Text file {path} ({what}) does not exist; {fix}.')
+    sides.append(read_text_lines(path, what, fix, digest))
+  if len(sides[0]) != len(sides[1]):
+    raise DataError(
+        f'{corpus.source_file} has {len(sides[0])} lines but {corpus.target_file} has '
+        f'{len(sides[1])} ({what}); parallel files need one sentence per line each.'
+    )
+  prefix = corpora.source_prefix(config, corpus, corpus.target)
+  name = f'{corpus.name}[{corpus.kind}] {prefix}{corpus.source}->{corpus.target}'
+  records = [{'source': s, 'target': t} for s, t in zip(*sides)]
+  return ParallelText(
+      records, 'source', 'target', name, _tagged(digest.hexdigest()[:16], prefix), prefix
+  )
 
 
 def _tagged(fingerprint: str, prefix: str) -> str:

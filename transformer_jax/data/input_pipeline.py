@@ -21,13 +21,14 @@ from transformer_jax.config import BOS_ID
 from transformer_jax.config import EOS_ID
 from transformer_jax.config import PAD_ID
 from transformer_jax.config import UNK_ID
-from transformer_jax.data import languages
+from transformer_jax.data import corpora
 from transformer_jax.data.batching import Batch
 from transformer_jax.data.batching import eval_batches
 from transformer_jax.data.batching import train_dataset
 from transformer_jax.data.batching import TrainData
 from transformer_jax.data.data_sources import ConcatenatedText
 from transformer_jax.data.data_sources import open_split
+from transformer_jax.data.data_sources import open_training
 from transformer_jax.data.data_sources import ParallelText
 from transformer_jax.data.token_store import TokenStore
 from transformer_jax.data.tokenizer import Tokenizer
@@ -54,7 +55,7 @@ class Datasets:
     eval_text: the validation split's (source, target) texts.
     output_ids: with `output_vocabulary='target'`, the ids the output layer scores
       (`target_side_ids`); otherwise None.
-    source_names: the directions training draws from by weight (`languages.is_mixture`),
+    source_names: the sources training draws from by weight (`corpora.is_mixture`),
       whose counts the batches' state keeps ('drawn'); otherwise ().
   """
 
@@ -116,7 +117,7 @@ def get_datasets(
         process_count,
         config.tokens_per_batch // process_count,
     )
-  train_pairs = open_split(config, config.train_split)
+  train_pairs = open_training(config)
   eval_pairs = open_split(config, config.eval_split)
   tokenizer = multihost.on_process_0_first(
       lambda: tokenizer_for(config, layout, train_pairs),
@@ -155,8 +156,8 @@ def get_datasets(
           else None
       ),
       source_names=(
-          tuple(d.name for d in languages.directions(config))
-          if config.packing and languages.is_mixture(config) and hasattr(train_pairs, 'parts')
+          corpora.source_names(config)
+          if config.packing and corpora.is_mixture(config) and hasattr(train_pairs, 'parts')
           else ()
       ),
   )

@@ -25,7 +25,6 @@ sentence; it is not offered.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
 import re
 
@@ -92,7 +91,6 @@ def directions(config: ml_collections.ConfigDict) -> tuple[Direction, ...]:
         f"language_tag={mode!r} must be one of {LANGUAGE_TAGS}: 'source' starts every "
         "source with the target language's tag, '' adds none."
     )
-  _check_mixture(config, found)
   targets = {d.target for d in found}
   if len(targets) > 1 and not mode:
     raise ConfigError(
@@ -157,47 +155,3 @@ def direction_into(config: ml_collections.ConfigDict, target: str) -> tuple[str,
 
 def _listed(config: ml_collections.ConfigDict) -> str:
   return 'directions ' + ', '.join(d.name for d in directions(config))
-
-
-def _check_mixture(config: ml_collections.ConfigDict, found: Sequence[Direction]) -> None:
-  count = len(found)
-  weights = tuple(config.get('direction_weights', ()) or ())
-  temperature = config.get('sampling_temperature', 1.0)
-  if weights and (
-      len(weights) != count
-      or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
-      or not all(w > 0 for w in weights)
-  ):
-    raise ConfigError(
-        f'direction_weights={weights!r} must be {count} positive numbers, one a direction of '
-        f'directions {", ".join(d.name for d in found)} in that order; () samples them by '
-        'size.'
-    )
-  if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature <= 0:
-    raise ConfigError(
-        f'sampling_temperature={temperature!r} must be a number > 0 (1: by size; e.g. 5 '
-        'flattens toward uniform).'
-    )
-  if is_mixture(config) and not config.get('packing', False):
-    raise ConfigError(
-        f'direction_weights={weights!r} / sampling_temperature={temperature!r} draw the '
-        'training examples one at a time from each direction, which packed rows take and '
-        'length buckets (a fixed plan per epoch) do not; set --config.packing=True, or drop '
-        'the weights.'
-    )
-
-
-def is_mixture(config: ml_collections.ConfigDict) -> bool:
-  """Whether the training examples are drawn from the directions by weights (a Grain
-  mixture) rather than read as their concatenation."""
-  return bool(config.get('direction_weights', ())) or config.get('sampling_temperature', 1.0) != 1
-
-
-def mixture_weights(config: ml_collections.ConfigDict, sizes: Sequence[int]) -> tuple[float, ...]:
-  """Each direction's share of the examples drawn: `direction_weights`, or size^(1/T),
-  normalized to sum 1."""
-  weights = tuple(config.get('direction_weights', ()) or ()) or tuple(
-      float(n) ** (1.0 / config.get('sampling_temperature', 1.0)) for n in sizes
-  )
-  total = float(sum(weights))
-  return tuple(float(w) / total for w in weights)

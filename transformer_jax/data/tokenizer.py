@@ -325,9 +325,11 @@ def check_reserved(tokenizer: Tokenizer, reserved: Sequence[str], path: str) -> 
   piece (a vocabulary trained without the run's language tags)."""
   missing = [piece for piece in reserved if piece_id(tokenizer, piece) is None]
   if missing:
+    plural = 's' if len(missing) > 1 else ''
     raise ConfigError(
-        f'The vocabulary {path} lacks the language tag{"s" if len(missing) > 1 else ""} '
-        f'{", ".join(missing)} (one piece each) that this run\'s directions need; it was '
-        'trained without them. Clear --config.vocab_path to train one with them, or list '
-        'only the directions it was made for.'
+        f'The vocabulary {path} lacks the reserved piece{plural} {", ".join(missing)} (one '
+        "piece each: a language tag this run's directions need, or '<BT>' for "
+        'back_translation_tag); it was trained without them. Clear --config.vocab_path to '
+        'train one with them, train the run that makes the vocabulary with the same '
+        'directions, language_tag and back_translation_tag, or drop them here.'
     )

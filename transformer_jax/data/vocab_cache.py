@@ -10,6 +10,7 @@ published to the bucket (`storage.publish`), where other hosts and resumed runs 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import hashlib
 import os
 import posixpath
 import re
@@ -17,11 +18,13 @@ import re
 import ml_collections
 import numpy as np
 
+from transformer_jax.data import corpora
 from transformer_jax.data import languages
 from transformer_jax.data import token_store
 from transformer_jax.data.data_sources import ParallelText
 from transformer_jax.data.tokenizer import load_or_train_tokenizer
 from transformer_jax.data.tokenizer import Tokenizer
+from transformer_jax.errors import ConfigError
 from transformer_jax.storage import storage
 from transformer_jax.storage.layout import RunLayout
 
@@ -45,20 +48,29 @@ def tokenizer_for(
 ) -> Tokenizer:
   """Loads the shared vocabulary, training it on a sample of `train_pairs` the first time.
 
-  The model goes to `config.vocab_path`, or to the run's `layout.vocab` under a name made of the
-  datasets, the languages (in any direction), whether it has the language tags, the model
-  type and the size. For a
+  The model is the one a corpus of `config.extra_corpora` was written in (`corpora.vocabulary`),
+  or goes to `config.vocab_path`, or to the run's `layout.vocab` under a name made of the
+  datasets, the languages (in any direction), whether it has the language tags or '<BT>',
+  the extra text corpora, the model type and the size. For a
   gs:// work directory it is made in its local cache and published to the bucket, and
   a run that finds it published there downloads it instead of training it again.
   """
-  if storage.is_remote(config.vocab_path):
-    return _tokenizer_on_cloud_storage(config, train_pairs)
-  path = config.vocab_path
+  extra = corpora.extra_corpora(config)
+  given = corpora.vocabulary(config, extra)  # A corpus's model's, which the run must read.
+  if storage.is_remote(given or config.vocab_path):
+    tokenizer = _tokenizer_on_cloud_storage(config, given or config.vocab_path, train_pairs)
+    _check_corpora_vocabulary(tokenizer, extra)
+    return tokenizer
+  path = given or config.vocab_path
   if not path:
     found = languages.directions(config)
     langs = '-'.join(sorted({lang for d in found for lang in (d.source, d.target)}))
     dataset = re.sub(r'[^A-Za-z0-9_.-]+', '_', '+'.join(sorted({d.dataset for d in found})))
     tagged = '.tagged' if languages.tags(config) else ''
+    tagged += '.bt' if config.get('back_translation_tag', False) else ''
+    if extra:  # Plain text corpora (the others name their vocabulary): a name of their own.
+      entries = '|'.join(c.entry for c in extra)
+      tagged += '.x' + hashlib.sha256(entries.encode()).hexdigest()[:8]
     path = os.path.join(
         layout.vocab,
         f'{dataset}.{langs}{tagged}.{config.vocab_model_type}{config.vocab_size_target}.model',
@@ -69,15 +81,29 @@ def tokenizer_for(
   tokenizer = _load_or_train(config, path, train_pairs)
   if remote and storage.published(remote) is None:
     storage.publish(path, remote, {'sha256': tokenizer.fingerprint})
+  _check_corpora_vocabulary(tokenizer, extra)
   return tokenizer
 
 
+def _check_corpora_vocabulary(tokenizer: Tokenizer, extra: Sequence[corpora.Corpus]) -> None:
+  """Raises ConfigError when a corpus of `translate_corpus.py` was written in another
+  vocabulary than the one the run read."""
+  for corpus in extra:
+    if corpus.vocab_sha256 and corpus.vocab_sha256 != tokenizer.fingerprint:
+      raise ConfigError(
+          f'extra_corpora {corpus.entry!r} was written in the vocabulary {corpus.vocab_path} '
+          f'(sha256 {corpus.vocab_sha256}), but this run reads {tokenizer.model_path} (sha256 '
+          f"{tokenizer.fingerprint}); leave --config.vocab_path empty to read the corpus's, "
+          'or write the corpus again with a model of this vocabulary.'
+      )
+
+
 def _tokenizer_on_cloud_storage(
-    config: ml_collections.ConfigDict, train_pairs: Sequence[tuple[str, str]]
+    config: ml_collections.ConfigDict, vocab_path: str, train_pairs: Sequence[tuple[str, str]]
 ) -> Tokenizer:
-  """`tokenizer_for` with a gs:// `config.vocab_path`: read from a fresh local copy, or
-  trained locally and uploaded (one object, so it appears whole) when it is not there."""
-  remote = storage.resolve(config.vocab_path)
+  """`tokenizer_for` with a gs:// `vocab_path`: read from a fresh local copy, or trained
+  locally and uploaded (one object, so it appears whole) when it is not there."""
+  remote = storage.resolve(vocab_path)
   local = os.path.join(storage.local_cache(remote), posixpath.basename(remote))
   there = storage.exists(remote)
   if there:
@@ -108,7 +134,7 @@ def _load_or_train(
       sentences,
       vocab_size=config.vocab_size_target,
       model_type=config.vocab_model_type,
-      reserved=languages.tags(config),
+      reserved=corpora.reserved_pieces(config),
   )
 
 

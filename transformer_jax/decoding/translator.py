@@ -647,6 +647,7 @@ class Translator:
       sources: Sequence[Sequence[int]],
       progress: ProgressFn | None = None,
       prefixes: Sequence[Sequence[int]] | None = None,
+      first_batch: int = 0,
   ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
     """Translates source ids (each ending with EOS, at most `max_len` long).
 
@@ -657,6 +658,9 @@ class Translator:
       prefixes: one id list per sentence (empty: none), the first output tokens, forced
         in every search (see `decode.greedy_search`); each must pass `check_prefix`.
         The hypotheses' tokens, scores and log-probabilities include them.
+      first_batch: the number of this call's first batch (each batch's is folded into the
+        sampling key): calls that go on from one another (chunks of one input) pass the
+        batches done so far, so that no two batches sample with the same key.
 
     Returns:
       The `n_best` hypotheses of each source (best first), in input order, and what the
@@ -712,7 +716,11 @@ class Translator:
       for row, i in enumerate(indices):
         inputs[row, :] = PAD_ID
         inputs[row, : len(sources[i])] = sources[i]
-      arguments = [self.all_params, self.place_batch(inputs), self._place_index(number)]
+      arguments = [
+          self.all_params,
+          self.place_batch(inputs),
+          self._place_index(first_batch + number),
+      ]
       if width:
         forced = np.full((rows, width), PAD_ID, np.int32)
         for row, i in enumerate(indices):
@@ -771,9 +779,11 @@ class Translator:
       texts: Sequence[str],
       progress: ProgressFn | None = None,
       prefixes: Sequence[str] | None = None,
+      first_batch: int = 0,
   ) -> tuple[list[tuple[Hypothesis, ...]], DecodeStats]:
     """`translate`, with the `n_best` hypotheses of each sentence, best first, their `text`
-    filled (a blank or failed sentence: `n_best` empty hypotheses of score 0).
+    filled (a blank or failed sentence: `n_best` empty hypotheses of score 0); `first_batch`
+    as `translate_ids` takes it.
 
     `prefixes` (one a sentence, '' for none) are the outputs' forced starts: every
     hypothesis begins with the prefix's pieces and its text with the prefix (as the
@@ -801,7 +811,9 @@ class Translator:
       kept.append(i)
       if cut:
         truncated.append(i)
-    n_best, stats = self.translate_ids(sources, progress, forced if any(forced) else None)
+    n_best, stats = self.translate_ids(
+        sources, progress, forced if any(forced) else None, first_batch=first_batch
+    )
     if progress is not None and len(kept) < len(texts):
       progress(len(texts) - len(kept), 0)
     empty = Hypothesis(tokens=(), score=0.0, length=0)

@@ -3,8 +3,9 @@
 `config.validate` checks the fields `config.py` owns; the model's, the optimizer's and
 decoding's fields are checked by the dataclasses that own them (`TransformerConfig`,
 `optimizer.OptimizerConfig`, `translator.DecodeOptions`), the directions by
-`languages.directions`; all sit above `config.py`. `validate_run` runs all five, so that a
-command refuses any bad field in one place, before its first slow step.
+`languages.directions` and the training sources' weights by `corpora.sources` (their files
+are read where training opens them); all sit above `config.py`. `validate_run` runs all six,
+so that a command refuses any bad field in one place, before its first slow step.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import ml_collections
 
 from transformer_jax import config as config_lib
+from transformer_jax.data import corpora
 from transformer_jax.data import languages
 from transformer_jax.decoding import translator
 from transformer_jax.model.config import TransformerConfig
@@ -31,3 +33,4 @@ def validate_run(
   optimizer.OptimizerConfig.from_config(config, config.d_model)
   translator.DecodeOptions.from_config(config)
   languages.directions(config)
+  corpora.sources(config, read=False)

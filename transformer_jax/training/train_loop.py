@@ -34,6 +34,7 @@ from transformer_jax import config as config_lib
 from transformer_jax.checkpoints import checkpointing
 from transformer_jax.checkpoints import loading
 from transformer_jax.config import ConfigError
+from transformer_jax.data import corpora
 from transformer_jax.data import data_sources
 from transformer_jax.data import input_pipeline
 from transformer_jax.data import prefetch
@@ -179,7 +180,8 @@ def train_and_evaluate(
   """
   paths.check_scheme(workdir, '--workdir')
   _check_data_paths(config)
-  data_sources.check_prepared(config)  # Before the work directory is made.
+  corpora.check(config)  # Before the work directory is made.
+  data_sources.check_prepared(config)
   workdir = storage.resolve(workdir)
   # Every field, checked now with a stand-in vocabulary size: building the real vocabulary
   # can take minutes.
