@@ -117,3 +117,26 @@ def test_evaluate_with_a_target_language_scores_only_the_directions_into_it(run,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert sorted(os.listdir(tmp_path)) == ['test.up-lo.hyp.txt', 'test.up-lo.metrics.json']
+
+
+def test_rerank_scores_with_a_multilingual_model_in_the_languages_given(run, tmp_path):
+  _, files, workdir = run
+  source = files['test'].split(',')[0]
+  n_best = _command(
+      'translate.py',
+      f'--workdir={workdir}',
+      '--target_lang=up',
+      '--n_best=2',
+      '--beam_size=2',
+      f'--input={source}',
+      '--quiet',
+  )
+  assert n_best.returncode == 0, n_best.stderr[-3000:]
+  (tmp_path / 'nbest').write_text(n_best.stdout)
+  flags = [f'--source={source}', f'--n_best={tmp_path / "nbest"}', f'--reverse={workdir}']
+  refused = _command('rerank.py', *flags)
+  assert refused.returncode == 2 and '--source_lang' in refused.stderr, refused.stderr[-3000:]
+  result = _command('rerank.py', *flags, '--source_lang=lo')
+  assert result.returncode == 0, result.stderr[-3000:]
+  outputs = result.stdout.splitlines()
+  assert len(outputs) == 40 and _in_case(outputs, 'upper') >= 0.9, outputs

@@ -10,7 +10,9 @@ Features of each hypothesis: `score` and `log_prob` (the n-best list's own: the 
 penalized score and log P(Y | X) of the model that wrote it), `words` (its word count), and
 one a further model, its score.py SCORE: `forward` for --forward=DIR (source -> hypothesis),
 `reverse` for --reverse=DIR (hypothesis -> source: the channel model of noisy-channel
-reranking); several of one kind are `forward1`, `forward2`, ... The best weighted sum wins
+reranking); several of one kind are `forward1`, `forward2`, ... A model of several target
+languages (a multilingual run) scores into --target_lang (forward) or --source_lang (reverse),
+whose tag starts its sources. The best weighted sum wins
 (ties: the earlier hypothesis). --weights=NAME=W,... sets weights (default: score=1 and each
 model 1); the --tune_* files instead search them (--tune_trials random trials, --seed) for the
 best corpus sacreBLEU on a validation set, print them, and use them. A source line with no
@@ -26,6 +28,7 @@ import sys
 
 from absl import flags
 
+from transformer_jax import errors
 from transformer_jax.commands import cli
 from transformer_jax.commands import line_io
 from transformer_jax.decoding import reranking
@@ -52,6 +55,17 @@ _TUNE_REFERENCE = flags.DEFINE_string('tune_reference', None, 'Their references.
 _TUNE_TRIALS = flags.DEFINE_integer('tune_trials', 200, 'Random weight trials when tuning.')
 _SEED = flags.DEFINE_integer('seed', 0, "The tuning search's random seed.")
 _BATCH_SIZE = flags.DEFINE_integer('batch_size', None, 'Pairs scored together.')
+_SOURCE_LANG = flags.DEFINE_string(
+    'source_lang',
+    None,
+    "The sources' language, for --reverse models of several target languages (they "
+    'translate into it).',
+)
+_TARGET_LANG = flags.DEFINE_string(
+    'target_lang',
+    None,
+    "The hypotheses' language, for --forward models of several target languages.",
+)
 _COMPILATION_CACHE_DIR = cli.define_compilation_cache_flag()
 
 
@@ -146,7 +160,16 @@ def main(argv: list[str]) -> None:
   scorers = []
   with cli.quiet_loading():
     for name, workdir, reverse in models:
-      translator, _ = translator_lib.load_translator(workdir, batch_size=_BATCH_SIZE.value)
+      language, flag = (_SOURCE_LANG, 'source') if reverse else (_TARGET_LANG, 'target')
+      try:
+        translator, _ = translator_lib.load_translator(
+            workdir, batch_size=_BATCH_SIZE.value, target_lang=language.value
+        )
+      except errors.ConfigError as e:  # A multilingual model: which language it scores into.
+        cli.fail(
+            f'--{"reverse" if reverse else "forward"}={workdir}: {e} Here that is '
+            f'--{flag}_lang, the {"sources" if reverse else "hypotheses"}\' language.'
+        )
       scorers.append((name, scoring.Scorer(translator), reverse))
   for sources, lists in sets.values():
     _add_model_features(sources, lists, scorers)
