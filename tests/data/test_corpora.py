@@ -9,16 +9,19 @@ import subprocess
 import sys
 
 import pytest
+import tensorflow_datasets as tfds
 
 from test_languages import _tags_drawn
 from test_languages import _text_config
 import train_testlib
+from transformer_jax import config as config_lib
 from transformer_jax.data import corpora
 from transformer_jax.data import data_sources
 from transformer_jax.data import input_pipeline as ip
 from transformer_jax.data import tokenizer as tokenizer_lib
 from transformer_jax.errors import ConfigError
 from transformer_jax.errors import DataError
+from transformer_jax.errors import DatasetNotFoundError
 from transformer_jax.storage.layout import RunLayout
 from transformer_jax.training import config_checks
 
@@ -219,3 +222,27 @@ def test_train_py_refuses_a_corpus_that_is_not_text_before_making_the_work_direc
   assert result.returncode == 2 and 'Traceback' not in result.stderr, result.stderr[-2000:]
   assert 'corpus.up' in result.stderr and 'is not UTF-8 (line 2' in result.stderr
   assert not workdir.exists()
+
+
+def test_a_datasets_training_split_trains_beside_the_directions(tmp_path):
+  config = config_lib.base_config()  # wmt14_translate/de-en, en->de.
+  config.update(
+      dict(
+          extra_corpora=('wmt17_translate/de-en:en-de',),
+          vocab_size_target=120,
+          tfds_data_dir=str(tmp_path / 'tfds'),
+      )
+  )
+  assert corpora.source_names(config) == ('en-de', 'wmt17_translate_de-en')
+  with pytest.raises(DatasetNotFoundError, match="'wmt14_translate/de-en'"):
+    data_sources.check_prepared(config)  # Nothing is prepared here: the first one named.
+  with tfds.testing.mock_data(num_examples=16, policy=tfds.testing.MockPolicy.USE_CODE):
+    data_sources.check_prepared(config)
+    pairs = data_sources.open_training(config)
+    wmt17 = tfds.data_source('wmt17_translate/de-en', split='train')
+    assert len(pairs) == 32 and pairs[16][1] == _text(wmt17[0]['de'])
+    assert len(data_sources.open_split(config, 'validation')) == 16  # The direction's only.
+
+
+def _text(value):
+  return value.decode() if isinstance(value, bytes) else value

@@ -7,7 +7,9 @@ A run trains on each direction's `config.train_split` (`languages`) and on each 
     translations of monolingual target-language text, as sources) or distillation (a
     teacher's translations of a split, as targets). Its `corpus.json` names the direction,
     the kind, the two text files and the vocabulary the model that wrote it read;
-  * 'SRC-TGT:SOURCE_FILE,TARGET_FILE', two plain text files of parallel sentences, one a line.
+  * 'SRC-TGT:SOURCE_FILE,TARGET_FILE', two plain text files of parallel sentences, one a line;
+  * 'DATASET:SRC-TGT', the training split of a TFDS dataset (or 'bible_en_es'), its fields SRC
+    and TGT: more bitext for training only (validation and test stay the directions').
 
 Each extra corpus translates one of the run's directions. With `config.train_on_directions`
 False the run trains on the extra corpora alone (a student on its teacher's translations);
@@ -46,6 +48,7 @@ MANIFEST = 'corpus.json'
 FORMAT = 'transformer_jax corpus 1'
 KINDS = ('back_translation', 'distillation')
 _TEXT_ENTRY = re.compile(r'([A-Za-z][A-Za-z0-9_]*)-([A-Za-z][A-Za-z0-9_]*):(.+)')
+_DATASET_ENTRY = re.compile(r'([A-Za-z0-9_.]+(?:/[A-Za-z0-9_.-]+)*):([A-Za-z]\w*)-([A-Za-z]\w*)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +58,12 @@ class Corpus:
   Attributes:
     name: short and unique among the run's training sources (the metrics' examples_drawn/).
     entry: the config entry, as given.
-    kind: 'bitext' (plain text files), or one of `KINDS`.
+    kind: 'bitext' (plain text files), 'dataset' (a dataset's training split), or one of
+      `KINDS`.
     source: the source language.
     target: the target language.
-    source_file: the source side's text file.
-    target_file: the target side's text file.
+    source_file: the source side's text file ('' for 'dataset').
+    target_file: the target side's text file ('' for 'dataset').
     vocab_path: the vocabulary the corpus's model read ('' for 'bitext').
     vocab_sha256: its fingerprint (`Tokenizer.fingerprint`; '' for 'bitext').
   """
@@ -73,6 +77,7 @@ class Corpus:
   target_file: str
   vocab_path: str = ''
   vocab_sha256: str = ''
+  dataset: str = ''
 
   @property
   def direction(self) -> str:
@@ -101,6 +106,16 @@ def entries(config: ml_collections.ConfigDict) -> tuple[str, ...]:
     if not isinstance(entry, str) or not entry.strip():
       raise ConfigError(f'extra_corpora holds {entry!r}, not a path{_fix()}')
   return found
+
+
+def _dataset_entry(entry: str) -> Corpus | None:
+  """'DATASET:SRC-TGT' -> a 'dataset' Corpus; None for anything else (or a directory)."""
+  match = _DATASET_ENTRY.fullmatch(entry)
+  if not match or storage.exists(entry):
+    return None
+  dataset, source, target = match.groups()
+  name = re.sub(r'[^A-Za-z0-9_.-]+', '_', dataset)
+  return Corpus(name, entry, 'dataset', source, target, '', '', dataset=dataset)
 
 
 def _text_entry(entry: str) -> Corpus | None:
@@ -231,7 +246,7 @@ def extra_corpora(config: ml_collections.ConfigDict) -> tuple[Corpus, ...]:
   found = []
   pairs = {(d.source, d.target) for d in languages.directions(config)}
   for entry in entries(config):
-    corpus = _text_entry(entry) or _directory_entry(entry)
+    corpus = _dataset_entry(entry) or _text_entry(entry) or _directory_entry(entry)
     if (corpus.source, corpus.target) not in pairs:
       raise ConfigError(
           f'extra_corpora entry {entry!r} translates {corpus.direction}, which is not a '
@@ -285,7 +300,7 @@ def check(config: ml_collections.ConfigDict) -> None:
   extra = extra_corpora(config)
   sources(config)
   for corpus in extra:
-    for path in (corpus.source_file, corpus.target_file):
+    for path in (corpus.source_file, corpus.target_file) if corpus.kind != 'dataset' else ():
       if not storage.exists(path):
         raise DataError(
             f'{path} (extra_corpora entry {corpus.entry!r}) does not exist; fix or drop '

@@ -163,11 +163,13 @@ def check_prepared(config: ml_collections.ConfigDict) -> None:
   training split is there to read: a TFDS dataset is never downloaded here. The text files
   and the Bible corpus, which are read or built where they are, pass. The extra corpora
   are read (DataError: one that is missing or is not text)."""
-  for dataset in sorted({d.dataset for d in languages.directions(config)}):
+  datasets = {d.dataset for d in languages.directions(config)}
+  for dataset in sorted(datasets | {c.dataset for c in corpora.extra_corpora(config) if c.dataset}):
     if dataset not in ('text', 'bible_en_es'):
       _tfds_records(config, config.train_split, dataset)
   for corpus in corpora.extra_corpora(config):
-    open_corpus(config, corpus)  # Read whole: empty, binary or non-UTF-8 text is refused now.
+    if corpus.kind != 'dataset':
+      open_corpus(config, corpus)  # Read whole: empty, binary or non-UTF-8 text is refused now.
 
 
 def _tfds_records(
@@ -348,7 +350,10 @@ def open_training(config: ml_collections.ConfigDict) -> ParallelText | Concatena
 
 def open_corpus(config: ml_collections.ConfigDict, corpus: corpora.Corpus) -> ParallelText:
   """The (source, target) pairs of an extra corpus, each source with
-  `corpora.source_prefix` (the language tag, '<BT>')."""
+  `corpora.source_prefix` (the language tag, '<BT>'); a dataset's is its training split."""
+  if corpus.kind == 'dataset':
+    direction = languages.Direction(corpus.dataset, corpus.source, corpus.target)
+    return open_split(config, config.train_split, direction)
   digest = hashlib.sha256()
   fix = 'fix or drop this entry of --config.extra_corpora'
   what = f'extra_corpora entry {corpus.entry!r}'
