@@ -183,9 +183,9 @@ def _read_json(path: str) -> dict[str, Any]:
     return json.loads(f.read())
 
 
-def _begin(output_dir: str, settings: dict[str, Any]) -> bool:
-  """Records the settings, or checks them against a started or finished corpus; whether the
-  corpus is finished already."""
+def _begin(output_dir: str, settings: dict[str, Any]) -> tuple[bool, str]:
+  """Records the settings, or checks them against a started or finished corpus: whether the
+  corpus is finished already, and why the directory cannot be used ('' if it can)."""
   from transformer_jax.data import corpora
 
   for name in (corpora.MANIFEST, _PROGRESS):
@@ -195,19 +195,19 @@ def _begin(output_dir: str, settings: dict[str, Any]) -> bool:
     try:
       recorded = _read_json(path)['settings']
     except (ValueError, KeyError, TypeError):
-      cli.fail(f'{path} is damaged; delete {output_dir} (or give another --output_dir).')
+      return False, f'{path} is damaged; delete {output_dir} (or give another --output_dir).'
     differences = _differences(recorded, settings)
     if differences:
-      cli.fail(
+      return False, (
           f'--output_dir={output_dir} holds a corpus '
           f'{"written" if name == corpora.MANIFEST else "being written"} with other settings '
           f'({"; ".join(differences[:4])}); give another --output_dir, delete it, or rerun '
           'with the same flags (--step for the same checkpoint).'
       )
-    return name == corpora.MANIFEST
+    return name == corpora.MANIFEST, ''
   storage.write_file(posixpath.join(output_dir, _PROGRESS), json.dumps({'settings': settings}))
   storage.as_epath(posixpath.join(output_dir, _CHUNKS)).mkdir(parents=True, exist_ok=True)
-  return False
+  return False, ''
 
 
 def _chunk_path(output_dir: str, chunk: int) -> str:
@@ -308,9 +308,11 @@ def main(argv: list[str]) -> None:
     texts = _split_sources(checkpoint.config, source, target)
   writer = jax.process_index() == 0
   settings = _settings(translator, checkpoint, texts, source, target)
-  finished = _begin(output_dir, settings) if writer else False
-  if jax.process_count() > 1:
-    finished = _agreed([finished])[0]
+  finished, problem = _begin(output_dir, settings) if writer else (False, '')
+  # Every process learns process 0's answer (a refusal ends them all, not process 0 alone).
+  finished, refused = _agreed([finished, bool(problem)])
+  if refused:
+    cli.fail(problem or 'process 0 refused --output_dir (its message says why).')
   if finished:
     print(f'{cli.program()}: {output_dir} is complete already (the same settings).')
     return
