@@ -86,7 +86,14 @@ def test_a_killed_run_resumes_to_the_corpus_of_an_uninterrupted_one(run_dir, mon
 
 
 def test_two_processes_write_what_one_does_and_train_py_trains_on_it(run_dir, mono, tmp_path):
-  flags = [f'--workdir={run_dir}', f'--input={mono}', '--kind=distillation', '--chunk_lines=1000']
+  with open(mono) as f:
+    (tmp_path / 'short.en').write_text(''.join(f.readlines()[:200]))
+  flags = [
+      f'--workdir={run_dir}',
+      f'--input={tmp_path / "short.en"}',
+      '--kind=distillation',
+      '--chunk_lines=64',
+  ]
   one = _run(*flags, f'--output_dir={tmp_path / "one"}')
   assert one.returncode == 0, one.stderr[-3000:]
   port = free_port()
