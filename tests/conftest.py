@@ -92,6 +92,7 @@ LONGEST_FIRST = (
     'test_translate_cli',
     'test_train',
     'test_translator',
+    'test_translate_corpus',
     'test_resume',
     'test_multihost',
     'test_decode',
