@@ -19,6 +19,7 @@ from transformer_jax.data import corpora
 from transformer_jax.data import data_sources
 from transformer_jax.data import input_pipeline as ip
 from transformer_jax.data import tokenizer as tokenizer_lib
+from transformer_jax.data import vocab_cache
 from transformer_jax.errors import ConfigError
 from transformer_jax.errors import DataError
 from transformer_jax.errors import DatasetNotFoundError
@@ -246,3 +247,24 @@ def test_a_datasets_training_split_trains_beside_the_directions(tmp_path):
 
 def _text(value):
   return value.decode() if isinstance(value, bytes) else value
+
+
+def test_many_sources_keep_the_token_stores_name_within_a_file_names_limit(tmp_path):
+  config = _one_way(tmp_path)
+  source, target = config.text_files.test.split(',')
+  entries = []
+  for i in range(8):
+    copies = [
+        str(tmp_path / f'a_corpus_with_a_rather_long_name_{i}.{side}') for side in ('lo', 'up')
+    ]
+    for original, copy in zip((source, target), copies):
+      with open(original) as f, open(copy, 'w') as g:
+        g.write(f.read())
+    entries.append(f'lo-up:{",".join(copies)}')
+  config.extra_corpora = tuple(entries)
+  pairs = data_sources.open_training(config)
+  assert len(pairs.name) > 255
+  (tmp_path / 'v.model').write_bytes(_vocabulary(tmp_path, config))
+  tokenizer = tokenizer_lib.load_tokenizer(str(tmp_path / 'v.model'))
+  directory = vocab_cache.store_directory(config, RunLayout.of(str(tmp_path)), tokenizer, pairs)
+  assert len(os.path.basename(directory)) <= 120

@@ -145,6 +145,8 @@ def store_directory(
   (in the work directory's 'tokens/' when the vocabulary's directory is read-only or is
   another run's work directory, such as an imported model's, which is only read)."""
   name = re.sub(r'[^A-Za-z0-9_.-]+', '_', pairs.name.replace('->', '-to-')).strip('_')
+  if len(name) > 120:  # Many sources: a file name stays within the filesystem's limit.
+    name = f'{name[:100]}_{hashlib.sha256(name.encode()).hexdigest()[:12]}'
   beside = os.path.dirname(os.path.abspath(tokenizer.model_path))
   others_run = RunLayout.is_run(beside) and beside != os.path.abspath(layout.local)
   if os.access(beside, os.W_OK) and not others_run:
