@@ -20,6 +20,7 @@ from transformer_jax import errors
 from transformer_jax.checkpoints import checkpointing
 from transformer_jax.commands import cli
 from transformer_jax.commands import line_io
+from transformer_jax.commands import starting
 from transformer_jax.storage.layout import RunLayout
 
 REPO = train_testlib.REPO
@@ -565,3 +566,27 @@ def test_count_lines_counts_what_read_lines_reads(tmp_path, data):
   path = tmp_path / 'lines.txt'
   path.write_bytes(data)
   assert line_io.count_lines(str(path), 'input') == len(line_io.read_lines(str(path), 'input'))
+
+
+def test_a_sigterm_while_a_command_starts_is_one_line_and_exit_0():
+  """A scheduler's stop in train.py's first second (before training's own handler, which
+  saves) used to end it silently with -15, as the fault campaign found."""
+  result = subprocess.run(
+      [
+          sys.executable,
+          '-c',
+          'import os, signal, sys; sys.argv = ["train.py"]\n'
+          f'import {starting.__name__} as starting\n'
+          'starting.stop_on_sigterm()\n'
+          'os.kill(os.getpid(), signal.SIGTERM)\n'
+          'import time; time.sleep(30)\n',
+      ],
+      cwd=train_testlib.REPO,
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
+  assert result.returncode == 0, result.stderr
+  assert result.stderr.count('\n') == 1 and 'train.py: stopped by signal 15 while starting' in (
+      result.stderr
+  )

@@ -329,7 +329,13 @@ def join_job(job: JobFlags, agree: dict[str, str]) -> None:
   process was given the same `agree` values (flags, config fields); else nothing."""
   if not job.distributed.value:
     return
+  import signal
+
   from transformer_jax.runtime import multihost
+
+  # JAX's preemption notifier takes SIGTERM from here on (`multihost`); the start-up handler
+  # of `starting` must not run beside it.
+  signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
   multihost.initialize(
       job.coordinator_address.value,

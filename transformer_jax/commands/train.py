@@ -24,6 +24,7 @@ from ml_collections import config_flags
 
 from transformer_jax.checkpoints import checkpointing
 from transformer_jax.commands import cli
+from transformer_jax.commands import starting
 from transformer_jax.training import train_loop
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -89,6 +90,7 @@ flags.adopt_module_key_flags(cli)
 
 def run() -> None:
   """The console script's entry point."""
+  starting.stop_on_sigterm()  # (train.py did it before importing this module.)
   cli.run(main)
 
 

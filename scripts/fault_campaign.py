@@ -1,0 +1,293 @@
+r"""A fault campaign: a small training job run to its last step again and again, each time with
+faults drawn at random from a seed, every run checked against the run without faults.
+
+  python scripts/fault_campaign.py --out=/tmp/campaign --runs=20 --seed=0
+  python scripts/fault_campaign.py --out=/tmp/campaign --replay=7   # run 7 again, exactly
+
+Each run draws 1 to --max_faults faults. A fault is a signal to train.py at a moment drawn
+uniformly over the first --window seconds of one of its starts (so it can land in start-up,
+the vocabulary and token-store preparation, compilation, a step, a checkpoint save, the
+validation, or the restart itself): SIGKILL, SIGTERM, or SIGSTOP for 0.5 to 3 s (then
+SIGCONT). After a fault that ends the process the job is started again as the docs say (the
+same command), until one start finishes with no fault left to inject.
+
+What every run must show, or it is kept as failed (its seed, schedule and logs under
+--out/runs/N, replayed exactly by --replay=N):
+  * the last checkpoint's parameters and optimizer state equal the reference's, bitwise;
+  * every checkpoint left behind reads back (restore_params);
+  * metrics.jsonl has each training step once, with the reference's loss;
+  * no lock left in the work directory and no train.py process left running;
+  * every start ended with exit code 0, or -9 (SIGKILL), or 0 after SIGTERM (the docs: it
+    saves and exits 0; -15 only when nothing was printed yet: Python's own start-up, before
+    train.py's first line); none printed a traceback.
+
+The summary (runs, faults survived by kind, the seconds each kind cost against the reference's
+wall time) goes to --out/summary.json and stdout. One host and local disk: what this version
+injects. Not yet: SLURM nodes, the link, the Cloud Storage server, a full disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = ('SIGKILL', 'SIGTERM', 'SIGSTOP')
+
+
+@dataclasses.dataclass
+class Fault:
+  kind: str
+  at: float  # Seconds after the start it hits.
+  stop_seconds: float = 0.0
+
+
+def write_data(directory: str) -> dict[str, str]:
+  """A toy task (each word reversed and upper-cased) as plain text files."""
+  rng = random.Random(0)
+  words = [
+      ''.join(rng.choice('abcdefghijklmnop') for _ in range(rng.randint(2, 6))) for _ in range(60)
+  ]
+  files = {}
+  for split, count in (('train', 400), ('validation', 40), ('test', 20)):
+    paths = [os.path.join(directory, f'{split}.{side}') for side in ('src', 'tgt')]
+    with open(paths[0], 'w') as src, open(paths[1], 'w') as tgt:
+      for _ in range(count):
+        sentence = [rng.choice(words) for _ in range(rng.randint(1, 8))]
+        src.write(' '.join(sentence) + '\n')
+        tgt.write(' '.join(w[::-1].upper() for w in sentence) + '\n')
+    files[split] = ','.join(paths)
+  return files
+
+
+def train_command(files: dict[str, str], workdir: str, steps: int, cache: str) -> list[str]:
+  return [
+      sys.executable,
+      os.path.join(REPO, 'train.py'),
+      '--config=configs/tiny.py',
+      '--config.dataset=text',
+      *(f'--config.text_files.{split}={spec}' for split, spec in files.items()),
+      '--config.num_encoder_layers=1',
+      '--config.num_decoder_layers=1',
+      '--config.max_len=32',
+      '--config.max_source_length=32',
+      '--config.max_target_length=32',
+      '--config.bucket_boundaries=()',
+      '--config.tokens_per_batch=256',
+      '--config.vocab_size_target=128',
+      f'--config.num_train_steps={steps}',
+      f'--config.eval_every_steps={steps // 2}',
+      '--config.log_every_steps=1',
+      '--config.checkpoint_every_steps=2',
+      f'--workdir={workdir}',
+      f'--compilation_cache_dir={cache}',
+  ]
+
+
+def _start(command: list[str], log: str) -> tuple[subprocess.Popen, object]:
+  out = open(log, 'w')
+  process = subprocess.Popen(command, cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+  return process, out
+
+
+def run_job(command: list[str], faults: list[Fault], logs: str) -> list[dict]:
+  """Starts the job, injects `faults` one a start, restarts until a start finishes; what
+  each start did."""
+  os.makedirs(logs, exist_ok=True)
+  starts = []
+  pending = list(faults)
+  for number in range(len(faults) + 5):
+    log = os.path.join(logs, f'start{number}.log')
+    begun = time.perf_counter()
+    process, out = _start(command, log)
+    fault = pending.pop(0) if pending else None
+    injected = None
+    if fault is not None:
+      try:
+        process.wait(timeout=fault.at)
+      except subprocess.TimeoutExpired:
+        signum = getattr(signal, fault.kind)
+        process.send_signal(signum)
+        injected = fault.kind
+        if fault.kind == 'SIGSTOP':
+          time.sleep(fault.stop_seconds)
+          process.send_signal(signal.SIGCONT)
+    code = process.wait(timeout=600)
+    out.close()
+    with open(log) as f:
+      text = f.read()
+    starts.append(
+        {
+            'fault': dataclasses.asdict(fault) if fault else None,
+            'injected': injected,
+            'exit': code,
+            'seconds': time.perf_counter() - begun,
+            'traceback': 'Traceback' in text,
+            'silent': not text.strip(),
+        }
+    )
+    if code == 0 and not pending and injected in (None, 'SIGSTOP', 'SIGTERM'):
+      if _finished(command):
+        return starts
+  return starts
+
+
+def _workdir(command: list[str]) -> str:
+  return next(a.split('=', 1)[1] for a in command if a.startswith('--workdir='))
+
+
+def _finished(command: list[str]) -> bool:
+  steps = int(next(a.split('=')[1] for a in command if 'num_train_steps' in a))
+  directory = os.path.join(_workdir(command), 'checkpoints')
+  return os.path.isdir(os.path.join(directory, str(steps)))
+
+
+def _state(workdir: str, step: int) -> dict:
+  import orbax.checkpoint as ocp
+
+  checkpointer = ocp.PyTreeCheckpointer()
+  root = os.path.join(workdir, 'checkpoints', str(step))
+  return {item: checkpointer.restore(os.path.join(root, item)) for item in ('params', 'optimizer')}
+
+
+def _losses(workdir: str) -> list[tuple[int, float]]:
+  with open(os.path.join(workdir, 'metrics.jsonl')) as f:
+    rows = [json.loads(line) for line in f]
+  return [(r['step'], r['loss']) for r in rows if r['split'] == 'train']
+
+
+def check(workdir: str, reference: str, steps: int, starts: list[dict]) -> list[str]:
+  """What the run got wrong ([] if nothing)."""
+  import jax
+  import numpy as np
+
+  from transformer_jax.checkpoints import checkpointing
+
+  problems = []
+  if not _finished(['x', f'--workdir={workdir}', f'--config.num_train_steps={steps}']):
+    return [f'no checkpoint of step {steps} after {len(starts)} starts']
+  ours, theirs = _state(workdir, steps), _state(reference, steps)
+  for item in ours:
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(a, b)), ours[item], theirs[item])
+    if not all(jax.tree.leaves(same)):
+      problems.append(f'the final {item} differ from the reference')
+  directory = os.path.join(workdir, 'checkpoints')
+  for step in checkpointing.list_steps(directory):
+    try:
+      checkpointing.restore_params(directory, step)
+    except Exception as e:  # Any failure to read back is the finding.
+      problems.append(f'checkpoint {step} does not read back: {type(e).__name__}: {e}')
+  losses = _losses(workdir)
+  steps_seen = [s for s, _ in losses]
+  if sorted(steps_seen) != list(range(1, steps + 1)):
+    problems.append(f'metrics.jsonl has training steps {steps_seen}, not 1..{steps} once each')
+  elif dict(losses) != dict(_losses(reference)):
+    problems.append('metrics.jsonl losses differ from the reference')
+  if os.path.exists(os.path.join(workdir, 'train.lock')):
+    problems.append('the lock is left in the work directory')
+  alive = subprocess.run(['pgrep', '-f', f'--workdir={workdir}'], capture_output=True, text=True)
+  if alive.stdout.strip():
+    problems.append(f'train.py processes left running: {alive.stdout.split()}')
+  for number, start in enumerate(starts):
+    if start['traceback']:
+      problems.append(f'start {number} printed a traceback ({start["injected"]})')
+    allowed = {None: (0,), 'SIGSTOP': (0,), 'SIGTERM': (0,), 'SIGKILL': (-9,)}
+    # Python's own start, before train.py's first line (nothing printed yet), ends -15.
+    early = start['injected'] == 'SIGTERM' and start['exit'] == -15 and start['silent']
+    if start['exit'] not in allowed[start['injected']] and not early:
+      problems.append(f'start {number} exited {start["exit"]} after {start["injected"]}')
+  return problems
+
+
+def schedule(seed: int, run: int, max_faults: int, window: float) -> list[Fault]:
+  rng = random.Random(seed * 1_000_003 + run)
+  faults = []
+  for _ in range(rng.randint(1, max_faults)):
+    kind = rng.choice(KINDS)
+    faults.append(Fault(kind, round(rng.uniform(0.0, window), 3), round(rng.uniform(0.5, 3.0), 3)))
+  return faults
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--out', required=True)
+  parser.add_argument('--runs', type=int, default=10)
+  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--steps', type=int, default=8)
+  parser.add_argument('--max_faults', type=int, default=3)
+  parser.add_argument('--window', type=float, default=0.0, help='0: the reference wall time.')
+  parser.add_argument('--replay', type=int, default=None, help='Run this one run again.')
+  args = parser.parse_args()
+  out = os.path.abspath(args.out)
+  os.makedirs(out, exist_ok=True)
+  files = write_data(out)
+  cache = os.path.join(out, 'jax_cache')
+  reference = os.path.join(out, 'reference')
+  if not _finished(train_command(files, reference, args.steps, cache)):
+    shutil.rmtree(reference, ignore_errors=True)
+    run_job(train_command(files, reference, args.steps, cache), [], os.path.join(out, 'ref_logs'))
+  began = time.perf_counter()
+  run_job(
+      train_command(files, os.path.join(out, 'timing'), args.steps, cache),
+      [],
+      os.path.join(out, 'timing_logs'),
+  )
+  reference_seconds = time.perf_counter() - began
+  shutil.rmtree(os.path.join(out, 'timing'), ignore_errors=True)
+  window = args.window or reference_seconds
+  numbers = [args.replay] if args.replay is not None else range(args.runs)
+  results = []
+  for number in numbers:
+    faults = schedule(args.seed, number, args.max_faults, window)
+    run_dir = os.path.join(out, 'runs', str(number))
+    shutil.rmtree(run_dir, ignore_errors=True)
+    workdir = os.path.join(run_dir, 'workdir')
+    began = time.perf_counter()
+    starts = run_job(train_command(files, workdir, args.steps, cache), faults, run_dir)
+    seconds = time.perf_counter() - began
+    problems = check(workdir, reference, args.steps, starts)
+    result = {
+        'run': number,
+        'seed': args.seed,
+        'faults': [dataclasses.asdict(f) for f in faults],
+        'starts': starts,
+        'seconds': seconds,
+        'lost_seconds': seconds - reference_seconds,
+        'problems': problems,
+    }
+    with open(os.path.join(run_dir, 'result.json'), 'w') as f:
+      json.dump(result, f, indent=2)
+    if not problems:
+      shutil.rmtree(workdir)  # Kept only when the run failed.
+    results.append(result)
+    print(
+        f'run {number}: {len(starts)} starts, faults '
+        f'{[s["injected"] for s in starts if s["injected"]]}, {seconds:.0f} s: '
+        f'{"OK" if not problems else "; ".join(problems)}',
+        flush=True,
+    )
+  injected = [s['injected'] for r in results for s in r['starts'] if s['injected']]
+  summary = {
+      'seed': args.seed,
+      'reference_seconds': reference_seconds,
+      'runs': len(results),
+      'failed_runs': [r['run'] for r in results if r['problems']],
+      'faults_injected': {k: injected.count(k) for k in KINDS},
+      'mean_lost_seconds_per_run': sum(r['lost_seconds'] for r in results) / max(1, len(results)),
+  }
+  with open(os.path.join(out, 'summary.json'), 'w') as f:
+    json.dump(summary, f, indent=2)
+  print(json.dumps(summary, indent=2))
+  sys.exit(1 if summary['failed_runs'] else 0)
+
+
+if __name__ == '__main__':
+  main()
