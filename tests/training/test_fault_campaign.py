@@ -1,0 +1,46 @@
+"""A short seeded slice of the fault campaign (scripts/fault_campaign.py): a change that breaks
+recovery from a kill, a stop or a pause at a random moment fails here. The full campaign is
+the command; its figures are in bench/RESULTS.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import train_testlib
+
+pytestmark = pytest.mark.slow  # trains through subprocesses, killed and restarted.
+
+
+def test_a_seeded_slice_of_the_campaign_recovers_from_every_fault(tmp_path):
+  result = subprocess.run(
+      [
+          sys.executable,
+          os.path.join(train_testlib.REPO, 'scripts', 'fault_campaign.py'),
+          f'--out={tmp_path}',
+          '--runs=3',
+          '--seed=2026',
+          '--steps=6',
+          '--max_faults=2',
+      ],
+      cwd=train_testlib.REPO,
+      env=train_testlib.subprocess_env(),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+  with open(tmp_path / 'summary.json') as f:
+    summary = json.load(f)
+  assert summary['runs'] == 3 and summary['failed_runs'] == []
+  assert sum(summary['faults_injected'].values()) >= 2, summary
+  # A run that passes keeps its schedule and starts, not its work directory.
+  with open(tmp_path / 'runs' / '0' / 'result.json') as f:
+    run = json.load(f)
+  assert (
+      run['faults'] and run['problems'] == [] and not (tmp_path / 'runs' / '0' / 'workdir').exists()
+  )
