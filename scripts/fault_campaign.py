@@ -45,6 +45,13 @@ sys.path.insert(0, os.path.join(REPO, 'tests'))  # The tests' toy task and small
 import train_testlib  # noqa: E402
 
 KINDS = ('SIGKILL', 'SIGTERM', 'SIGSTOP')
+# What train.py says when a SIGTERM stops it (or arrives as it ends).
+_STOP_LINES = (
+    'Stop requested: saved step',
+    'stopped by signal 15 while starting',
+    'after training ended',
+    'Finished at step',
+)
 
 
 @dataclasses.dataclass
@@ -110,6 +117,7 @@ def run_job(command: list[str], faults: list[Fault], logs: str) -> list[dict]:
             'seconds': time.perf_counter() - begun,
             'traceback': 'Traceback' in text,
             'silent': not text.strip(),
+            'said_why': any(line in text for line in _STOP_LINES),
         }
     )
     if code == 0 and not pending and injected in (None, 'SIGSTOP', 'SIGTERM'):
@@ -144,10 +152,13 @@ def _losses(workdir: str) -> list[tuple[int, float]]:
 
 def check(workdir: str, reference: str, steps: int, starts: list[dict]) -> list[str]:
   """What the run got wrong ([] if nothing)."""
+  from absl import logging
   import jax
   import numpy as np
 
   from transformer_jax.checkpoints import checkpointing
+
+  logging.set_verbosity(logging.ERROR)  # Orbax's notes on every item it reads back.
 
   problems = []
   if not _finished(['x', f'--workdir={workdir}', f'--config.num_train_steps={steps}']):
@@ -182,6 +193,8 @@ def check(workdir: str, reference: str, steps: int, starts: list[dict]) -> list[
     early = start['injected'] == 'SIGTERM' and start['exit'] == -15 and start['silent']
     if start['exit'] not in allowed[start['injected']] and not early:
       problems.append(f'start {number} exited {start["exit"]} after {start["injected"]}')
+    if start['injected'] == 'SIGTERM' and start['exit'] == 0 and not start['said_why']:
+      problems.append(f'start {number} stopped after SIGTERM without saying why')
   return problems
 
 
@@ -192,6 +205,28 @@ def schedule(seed: int, run: int, max_faults: int, window: float) -> list[Fault]
     kind = rng.choice(KINDS)
     faults.append(Fault(kind, round(rng.uniform(0.0, window), 3), round(rng.uniform(0.5, 3.0), 3)))
   return faults
+
+
+def summarize(results: list[dict], seed: int, reference_seconds: float) -> dict:
+  """Runs, failures, faults injected by kind, and the seconds lost to each kind (over the runs
+  whose injected faults were all of that kind: their time beyond the reference's)."""
+  injected = [s['injected'] for r in results for s in r['starts'] if s['injected']]
+  lost: dict[str, list[float]] = {k: [] for k in KINDS}
+  for r in results:
+    kinds = {s['injected'] for s in r['starts'] if s['injected']}
+    if len(kinds) == 1:
+      lost[kinds.pop()].append(r['lost_seconds'])
+  return {
+      'seed': seed,
+      'reference_seconds': reference_seconds,
+      'runs': len(results),
+      'failed_runs': [r['run'] for r in results if r['problems']],
+      'faults_injected': {k: injected.count(k) for k in KINDS},
+      'mean_lost_seconds_per_run': sum(r['lost_seconds'] for r in results) / max(1, len(results)),
+      'mean_lost_seconds_one_kind': {
+          k: (sum(v) / len(v) if v else None, len(v)) for k, v in lost.items()
+      },
+  }
 
 
 def main() -> None:
@@ -253,15 +288,7 @@ def main() -> None:
         f'{"OK" if not problems else "; ".join(problems)}',
         flush=True,
     )
-  injected = [s['injected'] for r in results for s in r['starts'] if s['injected']]
-  summary = {
-      'seed': args.seed,
-      'reference_seconds': reference_seconds,
-      'runs': len(results),
-      'failed_runs': [r['run'] for r in results if r['problems']],
-      'faults_injected': {k: injected.count(k) for k in KINDS},
-      'mean_lost_seconds_per_run': sum(r['lost_seconds'] for r in results) / max(1, len(results)),
-  }
+  summary = summarize(results, args.seed, reference_seconds)
   with open(os.path.join(out, 'summary.json'), 'w') as f:
     json.dump(summary, f, indent=2)
   print(json.dumps(summary, indent=2))

@@ -94,6 +94,7 @@ LONGEST_FIRST = (
     'test_translator',
     'test_translate_corpus',
     'test_resume',
+    'test_fault_campaign',
     'test_multihost',
     'test_decode',
     'test_sharding',
