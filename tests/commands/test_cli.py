@@ -590,3 +590,27 @@ def test_a_sigterm_while_a_command_starts_is_one_line_and_exit_0():
   assert result.stderr.count('\n') == 1 and 'train.py: stopped by signal 15 while starting' in (
       result.stderr
   )
+
+
+def test_a_sigterm_after_training_closed_its_handler_lets_the_process_end_as_planned():
+  """Training's handler puts the start-up one back when it closes; a SIGTERM then (as the
+  lock is released) must not end the process on the spot, which left the lock behind."""
+  result = subprocess.run(
+      [
+          sys.executable,
+          '-c',
+          'import os, signal, sys; sys.argv = ["train.py"]\n'
+          f'import {starting.__name__} as starting\n'
+          'starting.stop_on_sigterm()\n'
+          'from transformer_jax.runtime import multihost\n'
+          'multihost.StopSignal.listened = True\n'
+          'os.kill(os.getpid(), signal.SIGTERM)\n'
+          'print("released the lock")\n',
+      ],
+      cwd=train_testlib.REPO,
+      capture_output=True,
+      text=True,
+      timeout=60,
+  )
+  assert result.returncode == 0 and result.stdout == 'released the lock\n', result
+  assert 'after training ended: exiting as planned' in result.stderr

@@ -11,7 +11,11 @@ The process ends at once (`os._exit`), as a kill would, not through `sys.exit`: 
 that arrived while a garbage-collection callback of jaxlib ran raised SystemExit inside it,
 where Python ignores exceptions, and the process went on to train (the fault campaign found
 it). A lock taken meanwhile is left to its dead owner, which the next run takes over
-(`workdir_lock`), as after a kill.
+(`workdir_lock`), as after a kill. Once training has listened for SIGTERM itself
+(`multihost.StopSignal`), a SIGTERM that finds this handler again (training closed its own
+and put this one back) comes as the process ends: it is noted and the process ends as
+planned, its lock released (the fault campaign found the lock left behind when it ended the
+process there).
 """
 
 from __future__ import annotations
@@ -26,6 +30,17 @@ def stop_on_sigterm() -> None:
 
   def stopped(signum: int, frame: object) -> None:
     del frame
+    multihost = sys.modules.get('transformer_jax.runtime.multihost')
+    if multihost is not None and multihost.StopSignal.listened:
+      # Training has run and closed its own handler, which put this one back: the stop
+      # comes as the process ends (its lock being released); let it end as planned.
+      print(
+          f'{os.path.basename(sys.argv[0]) or "transformer_jax"}: received signal {signum} '
+          'after training ended: exiting as planned.',
+          file=sys.stderr,
+          flush=True,
+      )
+      return
     print(
         f'{os.path.basename(sys.argv[0]) or "transformer_jax"}: stopped by signal {signum} '
         'while starting, before training began: nothing to save; rerun the same command to '

@@ -228,7 +228,12 @@ class StopSignal:
   same step numbers on every process.
   """
 
+  # Set once training has listened for SIGTERM in this process: from then on a stop asked for
+  # after `close` comes too late to save anything (`commands.starting`).
+  listened = False
+
   def __init__(self):
+    StopSignal.listened = True
     self._requested = threading.Event()
     self._signum = None
     self._multiprocess = jax.process_count() > 1
