@@ -22,10 +22,11 @@ def test_a_seeded_slice_of_the_campaign_recovers_from_every_fault(tmp_path):
           sys.executable,
           os.path.join(train_testlib.REPO, 'scripts', 'fault_campaign.py'),
           f'--out={tmp_path}',
-          '--runs=3',
+          '--runs=2',
           '--seed=2026',
-          '--steps=6',
+          '--steps=4',
           '--max_faults=2',
+          '--window=5',  # The reference is run once (its cold compile is no measure).
       ],
       cwd=train_testlib.REPO,
       env=train_testlib.subprocess_env(),
@@ -36,8 +37,8 @@ def test_a_seeded_slice_of_the_campaign_recovers_from_every_fault(tmp_path):
   assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
   with open(tmp_path / 'summary.json') as f:
     summary = json.load(f)
-  assert summary['runs'] == 3 and summary['failed_runs'] == []
-  assert sum(summary['faults_injected'].values()) >= 2, summary
+  assert summary['runs'] == 2 and summary['failed_runs'] == []
+  assert sum(summary['faults_injected'].values()) >= 1, summary
   # A run that passes keeps its schedule and starts, not its work directory.
   with open(tmp_path / 'runs' / '0' / 'result.json') as f:
     run = json.load(f)
