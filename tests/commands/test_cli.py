@@ -568,23 +568,28 @@ def test_count_lines_counts_what_read_lines_reads(tmp_path, data):
   assert line_io.count_lines(str(path), 'input') == len(line_io.read_lines(str(path), 'input'))
 
 
-def test_a_sigterm_while_a_command_starts_is_one_line_and_exit_0():
-  """A scheduler's stop in train.py's first second (before training's own handler, which
-  saves) used to end it silently with -15, as the fault campaign found."""
-  result = subprocess.run(
-      [
-          sys.executable,
-          '-c',
-          'import os, signal, sys; sys.argv = ["train.py"]\n'
-          f'import {starting.__name__} as starting\n'
-          'starting.stop_on_sigterm()\n'
-          'os.kill(os.getpid(), signal.SIGTERM)\n'
-          'import time; time.sleep(30)\n',
-      ],
+def _sigterm_under_the_start_up_handler(*lines: str) -> subprocess.CompletedProcess:
+  """A Python process as train.py starts one (`starting.stop_on_sigterm`), then `lines`."""
+  code = [
+      'import os, signal, sys; sys.argv = ["train.py"]',
+      f'import {starting.__name__} as starting',
+      'starting.stop_on_sigterm()',
+      *lines,
+  ]
+  return subprocess.run(
+      [sys.executable, '-c', '\n'.join(code) + '\n'],
       cwd=train_testlib.REPO,
       capture_output=True,
       text=True,
       timeout=60,
+  )
+
+
+def test_a_sigterm_while_a_command_starts_is_one_line_and_exit_0():
+  """A scheduler's stop in train.py's first second (before training's own handler, which
+  saves) used to end it silently with -15, as the fault campaign found."""
+  result = _sigterm_under_the_start_up_handler(
+      'os.kill(os.getpid(), signal.SIGTERM)', 'import time; time.sleep(30)'
   )
   assert result.returncode == 0, result.stderr
   assert result.stderr.count('\n') == 1 and 'train.py: stopped by signal 15 while starting' in (
@@ -595,22 +600,11 @@ def test_a_sigterm_while_a_command_starts_is_one_line_and_exit_0():
 def test_a_sigterm_after_training_closed_its_handler_lets_the_process_end_as_planned():
   """Training's handler puts the start-up one back when it closes; a SIGTERM then (as the
   lock is released) must not end the process on the spot, which left the lock behind."""
-  result = subprocess.run(
-      [
-          sys.executable,
-          '-c',
-          'import os, signal, sys; sys.argv = ["train.py"]\n'
-          f'import {starting.__name__} as starting\n'
-          'starting.stop_on_sigterm()\n'
-          'from transformer_jax.runtime import multihost\n'
-          'multihost.StopSignal.listened = True\n'
-          'os.kill(os.getpid(), signal.SIGTERM)\n'
-          'print("released the lock")\n',
-      ],
-      cwd=train_testlib.REPO,
-      capture_output=True,
-      text=True,
-      timeout=60,
+  result = _sigterm_under_the_start_up_handler(
+      'from transformer_jax.runtime import multihost',
+      'multihost.StopSignal.listened = True',
+      'os.kill(os.getpid(), signal.SIGTERM)',
+      'print("released the lock")',
   )
   assert result.returncode == 0 and result.stdout == 'released the lock\n', result
   assert 'after training ended: exiting as planned' in result.stderr
