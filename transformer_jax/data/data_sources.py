@@ -163,11 +163,12 @@ def check_prepared(config: ml_collections.ConfigDict) -> None:
   training split is there to read: a TFDS dataset is never downloaded here. The text files
   and the Bible corpus, which are read or built where they are, pass. The extra corpora
   are read (DataError: one that is missing or is not text)."""
-  datasets = {d.dataset for d in languages.directions(config)}
-  for dataset in sorted(datasets | {c.dataset for c in corpora.extra_corpora(config) if c.dataset}):
+  extra = corpora.extra_corpora(config)
+  datasets = {d.dataset for d in languages.directions(config)} | {c.dataset for c in extra}
+  for dataset in sorted(datasets - {''}):
     if dataset not in ('text', 'bible_en_es'):
       _tfds_records(config, config.train_split, dataset)
-  for corpus in corpora.extra_corpora(config):
+  for corpus in extra:
     if corpus.kind != 'dataset':
       open_corpus(config, corpus)  # Read whole: empty, binary or non-UTF-8 text is refused now.
 
