@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 import errno
+import itertools
 import json
 import os
 import signal
@@ -221,6 +222,21 @@ def check_processes_agree(values: dict[str, str], timeout_s: int) -> None:
     )
 
 
+def from_process_0(name: str, value: str, timeout_s: int = 3600) -> str:
+  """Process 0's `value`, on every process, through the coordinator's key-value store (no
+  device work: a first collective pays gloo's set-up, whose 30 s limit on the processes'
+  arrival a loaded machine can pass; a process that dies ends the others by heartbeat).
+  With one process, `value`."""
+  if jax.process_count() == 1:
+    return value
+  client = _distributed.global_state.client
+  key = f'transformer_jax/from_process_0/{name}'
+  if jax.process_index() == 0:
+    client.key_value_set(key, value)
+    return value
+  return client.blocking_key_value_get(key, timeout_s * 1000)
+
+
 class StopSignal:
   """Tells the training loop, identically on every process, when to save and stop.
 
@@ -286,8 +302,22 @@ def on_process_0_first(make: Callable[[], Any], what: str, wait: bool = True) ->
   result on a shared filesystem or the bucket (`wait`; else every process at once)."""
   wait = wait and jax.process_count() > 1
   if wait and jax.process_index() != 0:
-    multihost_utils.sync_global_devices(f'{what}: process 0 prepared')
+    _barrier(f'{what}: process 0 prepared')
   made = make()
   if wait and jax.process_index() == 0:
-    multihost_utils.sync_global_devices(f'{what}: process 0 prepared')
+    _barrier(f'{what}: process 0 prepared')
   return made
+
+
+def _barrier(name: str, timeout_s: int = 24 * 3600) -> None:
+  """Every process waits here for the others, at the coordinator (no device work: process 0
+  may prepare for minutes, beyond the 30 s in which gloo's first collective wants every
+  process; a process that dies ends the others by heartbeat)."""
+  # Numbered: every process passes the same barriers in the same order, and an id is used once.
+  number = next(_BARRIERS)
+  _distributed.global_state.client.wait_at_barrier(
+      f'transformer_jax/{number}/{name.replace(" ", "_")}', timeout_s * 1000
+  )
+
+
+_BARRIERS = itertools.count()

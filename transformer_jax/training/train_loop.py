@@ -24,7 +24,6 @@ from typing import Any
 
 from absl import logging
 import jax
-from jax.experimental import multihost_utils
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
@@ -237,7 +236,7 @@ def _lock_workdir(layout: RunLayout) -> workdir_lock.WorkdirLock | None:
     except workdir_lock.WorkdirBusyError as e:
       lock, error = None, e
   if jax.process_count() > 1:
-    busy = multihost_utils.broadcast_one_to_all(np.int32(error is not None))
+    busy = multihost.from_process_0('workdir_lock', str(int(error is not None))) == '1'
     if busy and error is None:
       raise workdir_lock.WorkdirBusyError(
           f'{layout.root} is in use by another training job (process 0 says more).'
